@@ -1,0 +1,1 @@
+from kvdepot.cli import main; import sys; sys.exit(main())

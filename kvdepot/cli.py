@@ -1,0 +1,194 @@
+"""``kvdepot serve | describe | flush | ping | demo`` (subcommands import lazily).
+
+Settings: flag > environment > default. Environment variables (each declared once here):
+
+* ``KVDEPOT_ENDPOINT``  daemon address for every subcommand (default ``ipc://<tmp>/kvdepot-<uid>.sock``)
+* ``KVDEPOT_L1_BYTES``  `serve --l1-bytes`
+* ``KVDEPOT_METRICS_PORT``  `serve --metrics-port`
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ENV_L1_BYTES = "KVDEPOT_L1_BYTES"
+ENV_METRICS_PORT = "KVDEPOT_METRICS_PORT"
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"512m"``, ``"4GiB"``, ``"1073741824"`` -> bytes (binary units)."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1] if t and t[-1] in _UNITS else ""
+    try:
+        return int(float(t[: len(t) - len(unit)]) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512m, 4g)") from None
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _endpoint(args) -> str:
+    from kvdepot.protocol.transport import default_endpoint
+
+    return args.endpoint or default_endpoint()
+
+
+def cmd_serve(args) -> int:
+    import logging
+
+    from kvdepot.server.daemon import DaemonConfig, run_daemon
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    endpoints = args.endpoint_list or [_endpoint(args)]
+    cfg = DaemonConfig(
+        endpoints=endpoints, l1_capacity_bytes=args.l1_bytes, metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr, pin_ttl_s=args.pin_ttl_s, transfer_threads=args.transfer_threads)
+    run_daemon(cfg)
+    return 0
+
+
+def _client(args):
+    from kvdepot.client import KVDepotClient
+
+    return KVDepotClient(_endpoint(args), timeout_s=args.timeout_s, name="kvdepot-cli")
+
+
+def describe_text(info) -> str:
+    """Human-readable table of a `DaemonInfo`."""
+    lines = [
+        f"kvdepot {info.version} (protocol {info.protocol_version})  boot {info.boot_id}  up {info.uptime_s:.0f} s",
+        f"endpoints: {', '.join(info.endpoints)}   metrics port: {info.metrics_port or 'off'}   "
+        f"transfer engine: {info.transfer_engine}",
+    ]
+    req, hit = info.lookup_requested_tokens, info.lookup_hit_tokens
+    rate = f"{100 * hit / req:.1f}%" if req else "n/a"
+    lines.append(f"lookups: {hit}/{req} tokens hit ({rate})   stored {info.stored_chunks} chunks   "
+                 f"retrieved {info.retrieved_chunks}   evicted {info.evicted_chunks}   pinned requests "
+                 f"{info.pinned_requests}")
+    lines.append("")
+    lines.append(f"{'TIER':<6}{'USED':>14}{'CAPACITY':>14}{'OBJECTS':>10}")
+    for t in info.tiers:
+        lines.append(f"{t.name:<6}{_fmt_bytes(t.used_bytes):>14}{_fmt_bytes(t.capacity_bytes):>14}{t.num_objects:>10}")
+    lines.append("")
+    if not info.engines:
+        lines.append("no engines registered")
+    for e in info.engines:
+        lines.append(f"engine {e.registration}  model {e.model}  shard {e.shard}  pid {e.pid}  device {e.device}  "
+                     f"chunk {e.chunk_size} tokens = {_fmt_bytes(e.object_bytes)}  stored {e.stored_chunks}  "
+                     f"retrieved {e.retrieved_chunks}")
+        lines.append(f"  {'GID':>4} {'LAYOUT':<11}{'DTYPE':<10}{'KV DTYPE':<14}{'LAYERS':>7}{'BLOCKS':>8}"
+                     f"{'TOK/BLK':>8}{'HEADS':>6}{'KV':>3}{'ROW B':>7}{'B/TOKEN':>9}")
+        for g in e.groups:
+            lines.append(f"  {g.gid:>4} {g.layout:<11}{g.dtype:<10}{g.kv_dtype:<14}{g.num_layers:>7}{g.num_blocks:>8}"
+                         f"{g.tokens_per_block:>8}{g.num_heads:>6}{g.num_kv:>3}{g.row_bytes:>7}{g.bytes_per_token:>9}")
+    return "\n".join(lines)
+
+
+def cmd_describe(args) -> int:
+    import msgspec
+
+    with _client(args) as c:
+        info = c.describe()
+    if args.json:
+        print(msgspec.json.encode(info).decode())
+    else:
+        print(describe_text(info))
+    return 0
+
+
+def cmd_flush(args) -> int:
+    with _client(args) as c:
+        r = c.flush(model=args.model or "", cache_salt=args.cache_salt, tier=args.tier or "")
+    print(f"flushed {r.objects} objects ({_fmt_bytes(r.bytes)})")
+    return 0
+
+
+def cmd_ping(args) -> int:
+    with _client(args) as c:
+        print(f"kvdepot daemon at {c.endpoint} boot {c.ping()}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from kvdepot.demo.run import main as demo_main
+
+    return demo_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvdepot", description="KV-cache server daemon for LLM serving engines.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp):
+        sp.add_argument("--endpoint", default=None,
+                        help="daemon address, ipc://PATH or tcp://127.0.0.1:PORT (env KVDEPOT_ENDPOINT)")
+        sp.add_argument("--timeout-s", type=float, default=10.0, help="reply timeout in seconds")
+
+    s = sub.add_parser("serve", help="run the daemon")
+    s.add_argument("--endpoint", dest="endpoint_list", action="append", default=None,
+                   help="address to bind; repeat for several (ipc:// and tcp://127.0.0.1:PORT)")
+    s.set_defaults(endpoint=None)
+    s.add_argument("--l1-bytes", type=parse_bytes, default=parse_bytes(os.environ.get(ENV_L1_BYTES, "4g")),
+                   help="L1 host memory pool size, e.g. 64g (env KVDEPOT_L1_BYTES; default 4g)")
+    s.add_argument("--metrics-port", type=int, default=int(os.environ.get(ENV_METRICS_PORT, "0")),
+                   help="Prometheus /metrics port, 0 = off (env KVDEPOT_METRICS_PORT)")
+    s.add_argument("--metrics-addr", default="127.0.0.1", help="address the metrics endpoint binds")
+    s.add_argument("--pin-ttl-s", type=float, default=120.0, help="lookup pins expire after this many seconds")
+    s.add_argument("--transfer-threads", type=int, default=2, help="copy worker threads")
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(func=cmd_serve)
+
+    d = sub.add_parser("describe", help="show engines, layer groups, memory and hit rates of a running daemon")
+    common(d)
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.set_defaults(func=cmd_describe)
+
+    f = sub.add_parser("flush", help="drop cached KV (all, or by model / cache salt / tier)")
+    common(f)
+    f.add_argument("--model", help="only this model's chunks")
+    f.add_argument("--cache-salt", default=None, help="only this tenant's chunks ('' = unsalted)")
+    f.add_argument("--tier", help="only this tier (l1)")
+    f.set_defaults(func=cmd_flush)
+
+    pg = sub.add_parser("ping", help="check that a daemon answers")
+    common(pg)
+    pg.set_defaults(func=cmd_ping)
+
+    dm = sub.add_parser("demo", help="two engine processes share a real model's prompt KV through the daemon")
+    common(dm)
+    dm.add_argument("--chunk-size", type=int, default=256)
+    dm.add_argument("--max-new-tokens", type=int, default=40)
+    dm.add_argument("--threads", type=int, default=2, help="torch threads per engine process")
+    dm.add_argument("--json-out", default=None, help="also write the results as JSON here")
+    dm.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - CLI prints a one-line error
+        from kvdepot.protocol.errors import KVDepotError
+
+        if isinstance(exc, KVDepotError):
+            print(f"kvdepot {args.command}: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

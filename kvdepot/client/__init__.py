@@ -1,0 +1,8 @@
+"""Engine-side library: the daemon client, chunk hashing and shared-memory KV caches."""
+
+from kvdepot.client.client import KVDepotClient, Registration
+from kvdepot.client.hashing import chunk_keys, namespace_seed, shard_name
+from kvdepot.protocol.errors import ErrorCode, KVDepotError
+
+__all__ = ["KVDepotClient", "Registration", "chunk_keys", "namespace_seed", "shard_name", "ErrorCode",
+           "KVDepotError"]

@@ -1,0 +1,191 @@
+"""Synchronous client of the kvdepot daemon (one DEALER socket, one request at a time).
+
+Every call raises `KVDepotError` for an error reply (with its `ErrorCode`) and for a reply
+that does not come within ``timeout_s`` (code TIMEOUT). After a timeout the socket is
+rebuilt, so a late reply is never mistaken for the next request's.
+
+The client notices a daemon restart (the boot id in `Pong` / `RegisterReply` changes, or a
+registration comes back UNKNOWN_REGISTRATION); `Registration.ensure` re-registers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import time
+from collections.abc import Sequence
+
+import zmq
+
+from kvdepot.client.hashing import chunk_keys, namespace_seed
+from kvdepot.protocol import codec
+from kvdepot.protocol import messages as m
+from kvdepot.protocol.errors import ErrorCode, KVDepotError
+from kvdepot.protocol.transport import default_endpoint, make_socket
+
+
+@dataclasses.dataclass
+class Registration:
+    """A registration as the client holds it.
+
+    Attributes:
+        id: registration id to put in Store / Retrieve.
+        layout_fingerprint: what the daemon says the chunk bytes mean.
+        object_bytes: bytes of one chunk object.
+        boot_id: daemon boot the registration belongs to.
+        request: the `Register` message (kept to re-register after a daemon restart).
+    """
+
+    id: str
+    layout_fingerprint: str
+    object_bytes: int
+    boot_id: str
+    request: m.Register
+
+    @property
+    def model(self) -> str:
+        return self.request.model
+
+    @property
+    def chunk_size(self) -> int:
+        return self.request.chunk_size
+
+    def seed(self, cache_salt: str = "") -> bytes:
+        """Namespace seed of this registration's chunk keys for one tenant."""
+        return namespace_seed(self.request.model, self.layout_fingerprint, self.request.shard, cache_salt)
+
+    def keys(self, token_ids: Sequence[int], cache_salt: str = "") -> list[bytes]:
+        """Chunk keys of the whole chunks of ``token_ids``."""
+        return chunk_keys(self.seed(cache_salt), token_ids, self.request.chunk_size)
+
+
+class KVDepotClient:
+    """Blocking client.
+
+    Args:
+        endpoint: daemon address (default `default_endpoint()`).
+        timeout_s: per-request reply timeout.
+        name: client name shown in daemon logs.
+    """
+
+    def __init__(self, endpoint: str | None = None, timeout_s: float = 10.0, name: str = "") -> None:
+        self.endpoint = endpoint or default_endpoint()
+        self.timeout_s = timeout_s
+        self.name = name or f"pid{os.getpid()}"
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+        self._rid = itertools.count(1)
+        self.boot_id: str | None = None
+        self.hello()
+
+    # ------------------------------------------------------------------ transport
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            self._sock = make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False)
+        return self._sock
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def call(self, req: m.Msg, timeout_s: float | None = None) -> m.Msg:
+        """Send one request (its ``rid`` is assigned here) and return its reply.
+
+        Raises:
+            KVDepotError: error reply, or TIMEOUT.
+        """
+        req.rid = next(self._rid)
+        sock = self._socket()
+        sock.send(codec.encode(req))
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not sock.poll(left_ms):
+                self._reset()
+                raise KVDepotError(ErrorCode.TIMEOUT, f"no reply from {self.endpoint} within {self.timeout_s} s "
+                                                      f"to {type(req).__name__}; is `kvdepot serve` running?")
+            reply = codec.decode_reply(sock.recv())
+            if reply.rid != req.rid:
+                continue  # a late reply to an earlier, timed-out request
+            if isinstance(reply, m.ErrorReply):
+                raise KVDepotError(reply.code, reply.message)
+            return reply
+
+    def close(self) -> None:
+        self._reset()
+        self._ctx.term()
+
+    def __enter__(self) -> KVDepotClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ API
+
+    def hello(self) -> m.HelloReply:
+        r = self.call(m.Hello(rid=0, protocol_version=m.PROTOCOL_VERSION, client=self.name, pid=os.getpid()))
+        self.boot_id = r.boot_id
+        return r
+
+    def ping(self) -> str:
+        """The daemon's boot id (a new one means the daemon restarted)."""
+        return self.call(m.Ping(rid=0)).boot_id
+
+    def register(self, model: str, shard: str, chunk_size: int, storages: list[m.StorageSpec],
+                 layers: list[m.LayerSpec], groups: list[m.KVGroupSpec], device: str = "cpu") -> Registration:
+        """Register an engine's KV caches.
+
+        Raises:
+            KVDepotError: LAYOUT (layers the daemon cannot describe, chunk size not a multiple
+                of a group's tokens per block), ENGINE_MEMORY (shared memory not found), ...
+        """
+        req = m.Register(rid=0, model=model, shard=shard, chunk_size=chunk_size, storages=storages, layers=layers,
+                         groups=groups, pid=os.getpid(), device=device)
+        return self._register(req)
+
+    def _register(self, req: m.Register) -> Registration:
+        r = self.call(req)
+        self.boot_id = r.boot_id
+        return Registration(r.registration, r.layout_fingerprint, r.object_bytes, r.boot_id, req)
+
+    def reregister(self, reg: Registration) -> Registration:
+        """Register ``reg``'s caches again (after a daemon restart)."""
+        return self._register(reg.request)
+
+    def unregister(self, reg: Registration) -> None:
+        self.call(m.Unregister(rid=0, registration=reg.id))
+
+    def lookup(self, keys: Sequence[Sequence[bytes]] | Sequence[bytes], chunk_size: int, num_tokens: int = 0,
+               model: str = "", pin_request: str = "") -> int:
+        """Leading chunks cached for every shard. ``keys`` is one chain, or one chain per shard."""
+        if keys and isinstance(keys[0], bytes):
+            keys = [keys]
+        r = self.call(m.Lookup(rid=0, keys=[list(k) for k in keys], chunk_size=chunk_size, num_tokens=num_tokens,
+                               model=model, pin_request=pin_request))
+        return r.hit_chunks
+
+    def store(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
+              parent: bytes = b"", cache_salt: str = "", request: str = "") -> m.StoreReply:
+        """Store whole chunks from engine blocks (see `kvdepot.protocol.messages.Store`)."""
+        return self.call(m.Store(rid=0, registration=reg.id, keys=list(keys), block_ids=[list(b) for b in block_ids],
+                                 parent=parent, cache_salt=cache_salt, request=request))
+
+    def retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
+                 skip_tokens: int = 0, request: str = "") -> int:
+        """Write cached chunks into engine blocks; returns how many leading chunks were written."""
+        r = self.call(m.Retrieve(rid=0, registration=reg.id, keys=list(keys),
+                                 block_ids=[list(b) for b in block_ids], skip_tokens=skip_tokens, request=request))
+        return r.retrieved
+
+    def end_request(self, request: str) -> None:
+        self.call(m.EndRequest(rid=0, request=request))
+
+    def describe(self) -> m.DaemonInfo:
+        return self.call(m.Describe(rid=0)).info
+
+    def flush(self, model: str = "", cache_salt: str | None = None, tier: str = "") -> m.FlushReply:
+        return self.call(m.Flush(rid=0, model=model, cache_salt=cache_salt, tier=tier))

@@ -1,0 +1,1 @@
+"""Engine-memory side: layouts and grouping, shared memory, transfer engines."""

@@ -1,0 +1,46 @@
+"""Typed error codes carried by `ErrorReply` and the exception the client raises for them.
+
+Codes are part of the wire protocol: append only, never renumber or reuse.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.IntEnum):
+    """Error codes of `ErrorReply.code` (wire values; append only)."""
+
+    MALFORMED = 1  # frame is not a decodable message (bad msgpack, wrong field types, bad ranges)
+    UNKNOWN_MESSAGE = 2  # well-formed msgpack array whose tag names no known request
+    VERSION_MISMATCH = 3  # client protocol version not supported by this daemon
+    UNKNOWN_REGISTRATION = 4  # registration id not known (never registered, unregistered, or daemon restarted)
+    INVALID_ARGUMENT = 5  # request is well-formed but its values are wrong (block id out of range, counts)
+    LAYOUT = 6  # a registered KV-cache layout the daemon cannot describe or that exceeds its storage
+    ENGINE_MEMORY = 7  # the engine's memory (shared memory / IPC handle) could not be opened or vanished
+    INTERNAL = 8  # a bug in the daemon; the request was rolled back and the daemon keeps serving
+    TIMEOUT = 9  # client side only: no reply within the client's timeout_s
+    UNSUPPORTED = 10  # a valid request this daemon build cannot serve (e.g. CUDA IPC without CUDA)
+
+
+class KVDepotError(Exception):
+    """An error reply from the daemon (or a client-side timeout), with its `ErrorCode`.
+
+    Attributes:
+        code: the `ErrorCode`.
+        message: human-readable text naming what to change.
+    """
+
+    def __init__(self, code: ErrorCode | int, message: str) -> None:
+        try:
+            code = ErrorCode(code)
+        except ValueError:
+            pass
+        self.code = code
+        self.message = message
+        name = code.name if isinstance(code, ErrorCode) else str(code)
+        super().__init__(f"[{name}] {message}")
+
+
+class RequestError(KVDepotError):
+    """Raised inside the daemon by request handlers; turned into an `ErrorReply`."""

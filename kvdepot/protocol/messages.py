@@ -1,0 +1,333 @@
+"""Wire messages of the kvdepot protocol (msgspec Structs, msgpack-encoded).
+
+Every message is one ZMQ frame holding a msgpack array ``[tag, rid, field...]``: a tagged
+``msgspec.Struct`` with ``array_like=True`` (field order is the wire order) and
+``omit_defaults=True`` (trailing default fields are left off). ``rid`` is the caller's request
+id; the daemon echoes it in the reply, so a client may keep several requests outstanding.
+
+Schema evolution is append-only: new fields go last and get defaults, fields are never
+reordered, tags are never reused. ``tests/golden/`` keeps encoded messages of every released
+protocol version and the tests check that they still decode.
+
+Chunk keys are 16-byte prefix-chained hashes (see ``kvdepot.client.hashing``). Block ids are
+per KV-cache group (gid): ``block_ids[gid]`` lists the engine's block ids, in token order, that
+hold the tokens of the chunks named by ``keys`` (``len(keys) * chunk_size // tokens_per_block[gid]``
+ids per gid).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+import msgspec
+from msgspec import Meta
+
+PROTOCOL_VERSION = 1
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosInt = Annotated[int, Meta(gt=0)]
+ChunkKey = Annotated[bytes, Meta(min_length=8, max_length=64)]
+BlockIds = list[NonNegInt]
+Name = Annotated[str, Meta(max_length=4096)]
+
+
+class Msg(msgspec.Struct, tag_field="t", array_like=True, omit_defaults=True):
+    """Base of every wire message. ``rid``: request id chosen by the client (echoed in replies)."""
+
+    rid: NonNegInt
+
+
+# --------------------------------------------------------------------------- descriptors
+
+
+class StorageSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """One engine memory allocation that layer views point into.
+
+    kind: ``"shm"`` (POSIX shared memory, ``name`` is the /dev/shm name) or ``"cuda_ipc"``
+    (``handle`` is a ``cudaIpcMemHandle_t``, ``device_uuid`` the GPU's UUID).
+    size_bytes: bytes of the allocation; every layer view must lie inside it.
+    """
+
+    kind: Annotated[str, Meta(pattern="^(shm|cuda_ipc)$")]
+    size_bytes: PosInt
+    name: Name = ""
+    handle: bytes = b""
+    device_uuid: str = ""
+
+
+class LayerSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """One attention layer's KV-cache tensor as the engine holds it.
+
+    layout: one of ``kvdepot.gpu.layout.LayerLayout`` values (``vllm``, ``flash_attn``,
+        ``flashinfer``, ``mla``) naming what the dims of ``shape`` mean.
+    shape / strides: of the engine's tensor view, strides in elements of ``dtype``.
+    dtype: the view's dtype (``int8`` for vLLM >= 0.33 views, which pack K|V bytes in C).
+    kv_dtype: dtype of the K/V values themselves (``bfloat16``, ``float8_e4m3fn``,
+        ``uint8`` for byte-packed rows); part of what the stored bytes mean.
+    offset_bytes: byte offset of element [0, ...] of the view inside ``storages[storage]``.
+    gid: the KV-cache group this layer belongs to.
+    """
+
+    name: Name
+    storage: NonNegInt
+    offset_bytes: NonNegInt
+    shape: list[NonNegInt]
+    strides: list[NonNegInt]
+    dtype: str
+    kv_dtype: str
+    gid: NonNegInt
+    layout: str
+
+
+class KVGroupSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """A KV-cache group (gid): all its layers share ``tokens_per_block`` and block ids."""
+
+    gid: NonNegInt
+    tokens_per_block: PosInt
+
+
+class LayerGroupInfo(msgspec.Struct, omit_defaults=True):
+    """How the daemon grouped layers: one entry per (gid, layout, shape, strides, dtype)."""
+
+    gid: int
+    layout: str
+    dtype: str
+    kv_dtype: str
+    num_layers: int
+    num_blocks: int
+    tokens_per_block: int
+    num_heads: int
+    num_kv: int
+    row_bytes: int
+    bytes_per_token: int  # over all layers of the group
+
+
+class EngineInfo(msgspec.Struct, omit_defaults=True):
+    registration: str
+    model: str
+    shard: str
+    pid: int
+    device: str
+    chunk_size: int
+    object_bytes: int
+    layout_fingerprint: str
+    groups: list[LayerGroupInfo]
+    stored_chunks: int = 0
+    retrieved_chunks: int = 0
+
+
+class TierInfo(msgspec.Struct, omit_defaults=True):
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    num_objects: int
+
+
+class DaemonInfo(msgspec.Struct, omit_defaults=True):
+    boot_id: str
+    version: str
+    protocol_version: int
+    endpoints: list[str]
+    metrics_port: int
+    uptime_s: float
+    tiers: list[TierInfo]
+    engines: list[EngineInfo]
+    lookup_requested_tokens: int
+    lookup_hit_tokens: int
+    stored_chunks: int
+    retrieved_chunks: int
+    evicted_chunks: int
+    transfer_engine: str
+    pinned_requests: int
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class Hello(Msg, tag="hello"):
+    """First message of a client. Reply: `HelloReply` (or VERSION_MISMATCH)."""
+
+    protocol_version: NonNegInt
+    client: Name = ""
+    pid: NonNegInt = 0
+
+
+class Register(Msg, tag="reg"):
+    """Register an engine's KV caches. Reply: `RegisterReply`.
+
+    model: model identity (name + revision); part of the chunk-key namespace.
+    shard: ``"tp{rank}of{world}"``, or ``"replicated"`` for MLA KV identical on every rank.
+    chunk_size: tokens per chunk; a multiple of every group's tokens_per_block.
+    """
+
+    model: Name
+    shard: Name
+    chunk_size: PosInt
+    storages: list[StorageSpec]
+    layers: list[LayerSpec]
+    groups: list[KVGroupSpec]
+    pid: NonNegInt = 0
+    device: str = "cpu"
+
+
+class Unregister(Msg, tag="unreg"):
+    """Drop a registration (its engine memory is unmapped once transfers using it finish)."""
+
+    registration: Name
+
+
+class Lookup(Msg, tag="look"):
+    """How many leading chunks of a prompt are cached for every shard.
+
+    keys: one chain of chunk keys per shard the engine needs (``keys[shard][i]`` = chunk i).
+    num_tokens: prompt length in tokens (for hit-rate metrics only).
+    pin_request: if set, the hit chunks are pinned (not evictable) under this request name
+        until `EndRequest`, the client's process exits, or the pin TTL passes.
+    Reply: `LookupReply`.
+    """
+
+    keys: list[list[ChunkKey]]
+    chunk_size: PosInt
+    num_tokens: NonNegInt = 0
+    model: Name = ""
+    pin_request: Name = ""
+
+
+class Store(Msg, tag="store"):
+    """Copy whole chunks from engine blocks into the daemon.
+
+    keys: chunk keys in prefix order; ``parent`` is the key of the chunk before ``keys[0]``
+        (empty for chunk 0). A chunk is stored only if its parent is cached (or stored by this
+        same request): a chunk without its prefix can never hit.
+    block_ids: per gid, the block ids holding those chunks' tokens, in token order.
+    event: interprocess CUDA event handle to wait on before reading (CUDA engines only).
+    Reply: `StoreReply`.
+    """
+
+    registration: Name
+    keys: list[ChunkKey]
+    block_ids: list[BlockIds]
+    parent: bytes = b""
+    cache_salt: Name = ""
+    request: Name = ""
+    event: bytes = b""
+
+
+class Retrieve(Msg, tag="get"):
+    """Copy cached chunks into engine blocks.
+
+    keys / block_ids: as in `Store`.
+    skip_tokens: leading tokens of ``keys[0]`` whose blocks must not be written (the engine
+        already holds them, e.g. from its own prefix cache); a multiple of every group's
+        tokens_per_block.
+    Reply: `RetrieveReply`; only its ``retrieved`` leading chunks were written.
+    """
+
+    registration: Name
+    keys: list[ChunkKey]
+    block_ids: list[BlockIds]
+    skip_tokens: NonNegInt = 0
+    request: Name = ""
+
+
+class EndRequest(Msg, tag="end"):
+    """The engine is done with a request: release its pins. Reply: `OkReply`."""
+
+    request: Name
+
+
+class Describe(Msg, tag="desc"):
+    """Reply: `DescribeReply`."""
+
+
+class Flush(Msg, tag="flush"):
+    """Drop cached chunks (all, or those of one model / cache_salt / tier).
+
+    Chunks in use by a transfer are hidden at once and freed when the transfer ends.
+    ``cache_salt=None`` matches every salt; ``""`` matches unsalted chunks only.
+    Reply: `FlushReply`.
+    """
+
+    model: Name = ""
+    cache_salt: Name | None = None
+    tier: Name = ""
+
+
+class Ping(Msg, tag="ping"):
+    """Reply: `Pong`."""
+
+
+Request = Union[Hello, Register, Unregister, Lookup, Store, Retrieve, EndRequest, Describe, Flush, Ping]
+
+# --------------------------------------------------------------------------- replies
+
+
+class HelloReply(Msg, tag="helloR"):
+    protocol_version: int
+    boot_id: str
+    version: str
+
+
+class RegisterReply(Msg, tag="regR"):
+    """registration: id to use in Store/Retrieve; layout_fingerprint: hex digest of what the
+    chunk bytes mean (the client seeds chunk keys with it); object_bytes: bytes per chunk."""
+
+    registration: str
+    layout_fingerprint: str
+    object_bytes: int
+    boot_id: str
+
+
+class OkReply(Msg, tag="ok"):
+    pass
+
+
+class LookupReply(Msg, tag="lookR"):
+    """hit_chunks: leading chunks cached for every shard (hit tokens = hit_chunks * chunk_size)."""
+
+    hit_chunks: int
+
+
+class StoreReply(Msg, tag="storeR"):
+    """stored: chunks copied now; present: already cached (not copied); skipped: not stored
+    (parent missing or L1 full). stored + present + skipped == len(keys)."""
+
+    stored: int
+    present: int
+    skipped: int
+
+
+class RetrieveReply(Msg, tag="getR"):
+    """retrieved: leading chunks written into the engine's blocks; event: interprocess CUDA
+    event handle the engine must wait on before reading them (CUDA engines only)."""
+
+    retrieved: int
+    event: bytes = b""
+
+
+class DescribeReply(Msg, tag="descR"):
+    info: DaemonInfo
+
+
+class FlushReply(Msg, tag="flushR"):
+    objects: int
+    bytes: int
+
+
+class Pong(Msg, tag="pong"):
+    boot_id: str
+
+
+class ErrorReply(Msg, tag="err"):
+    """Typed failure of the request ``rid`` (0 when the frame could not be decoded)."""
+
+    code: int
+    message: str
+
+
+Reply = Union[
+    HelloReply, RegisterReply, OkReply, LookupReply, StoreReply, RetrieveReply, DescribeReply,
+    FlushReply, Pong, ErrorReply,
+]
+
+REQUEST_TAGS = frozenset(t.__struct_config__.tag for t in Request.__args__)

@@ -1,0 +1,569 @@
+"""The kvdepot daemon: a ZMQ ROUTER front end on one asyncio (uvloop) loop.
+
+The loop owns the socket, decoding, dispatch, the engine registry and the chunk index;
+nothing on it blocks. Copies between engine memory and L1 run in a small thread pool
+(torch releases the GIL inside copies) and their results are applied back on the loop.
+Every request gets exactly one reply: its result or an `ErrorReply` with a typed code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import zmq
+import zmq.asyncio
+
+import kvdepot
+from kvdepot.gpu.cpu_engine import CpuTransferEngine
+from kvdepot.gpu.layout import EngineLayout, group_layers
+from kvdepot.gpu.shm import open_shm
+from kvdepot.protocol import codec
+from kvdepot.protocol import messages as m
+from kvdepot.protocol.errors import ErrorCode, RequestError
+from kvdepot.protocol.transport import ipc_path, make_socket
+from kvdepot.server.index import ChunkIndex, Entry
+from kvdepot.server.metrics import Metrics
+from kvdepot.server.pool import HostPool
+
+log = logging.getLogger("kvdepot.daemon")
+
+
+@dataclasses.dataclass
+class DaemonConfig:
+    """Settings of `kvdepot serve` (flags in parentheses)."""
+
+    endpoints: list[str]  # (--endpoint, repeatable) ipc:// and/or tcp:// addresses
+    l1_capacity_bytes: int = 4 << 30  # (--l1-bytes) L1 host pool size
+    metrics_port: int = 0  # (--metrics-port) 0 = no Prometheus endpoint
+    metrics_addr: str = "127.0.0.1"  # (--metrics-addr)
+    pin_ttl_s: float = 120.0  # (--pin-ttl-s) lookup pins expire after this long
+    liveness_interval_s: float = 1.0  # how often dead engines / expired pins are reclaimed
+    transfer_threads: int = 2  # (--transfer-threads) copy worker threads
+
+
+@dataclasses.dataclass(eq=False)
+class Registration:
+    """One engine's registered KV caches (daemon side)."""
+
+    id: str
+    model: str
+    shard: str
+    pid: int
+    device: str
+    layout: EngineLayout
+    storages: list[torch.Tensor] | None  # mapped engine memory; None once unmapped
+    engine: CpuTransferEngine | None
+    active: int = 0  # transfers in flight using the mappings
+    closed: bool = False  # unregistered; unmap when active reaches 0
+    stored_chunks: int = 0
+    retrieved_chunks: int = 0
+
+    def release_memory(self) -> None:
+        self.engine = None
+        self.storages = None  # last reference: torch unmaps
+
+
+@dataclasses.dataclass(eq=False)
+class Pin:
+    entries: list[Entry]
+    deadline: float
+    pid: int
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Daemon:
+    """The kvdepot daemon. Use ``await Daemon(cfg).serve()``; `stop` ends it."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.boot_id = uuid.uuid4().hex
+        self.started = time.monotonic()
+        self.metrics = Metrics()
+        self.pool = HostPool(config.l1_capacity_bytes)
+        self.index = ChunkIndex(self._free_entry)
+        self.registrations: dict[str, Registration] = {}
+        self.pins: dict[tuple[bytes, str], Pin] = {}
+        self.client_pids: dict[bytes, int] = {}
+        self._reg_seq = 0
+        self._executor = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvdepot-xfer")
+        self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self.stats = {"lookup_requested_tokens": 0, "lookup_hit_tokens": 0, "stored_chunks": 0, "retrieved_chunks": 0}
+        self.metrics.tier_capacity_bytes.labels("l1").set(self.pool.capacity_bytes)
+        self._sock: zmq.asyncio.Socket | None = None
+
+    # ------------------------------------------------------------------ main loop
+
+    async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
+        """Bind, serve until `stop`, then close everything."""
+        for ep in self.config.endpoints:
+            path = ipc_path(ep)
+            if path and os.path.exists(path) and _endpoint_answers(ep):
+                raise RuntimeError(f"another kvdepot daemon is serving at {ep}; stop it or pass another --endpoint")
+        ctx = zmq.asyncio.Context()
+        self._sock = make_socket(ctx, zmq.ROUTER, self.config.endpoints, bind=True)
+        if self.config.metrics_port:
+            self.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
+        sweeper = asyncio.create_task(self._sweep_loop())
+        receiver = asyncio.create_task(self._recv_loop())
+        log.info("kvdepot %s serving on %s (boot %s, L1 %d bytes, transfer engine %s)", kvdepot.__version__,
+                 ", ".join(self.config.endpoints), self.boot_id, self.pool.capacity_bytes, CpuTransferEngine.name)
+        if on_ready:
+            on_ready()
+        try:
+            await self._stop.wait()
+        finally:
+            receiver.cancel()
+            sweeper.cancel()
+            for t in list(self._tasks):
+                t.cancel()
+            await asyncio.gather(receiver, sweeper, *self._tasks, return_exceptions=True)
+            self._sock.close(0)
+            ctx.term()
+            self._executor.shutdown(wait=True)
+            for ep in self.config.endpoints:
+                path = ipc_path(ep)
+                if path and os.path.exists(path):
+                    os.unlink(path)
+            for reg in list(self.registrations.values()):
+                reg.release_memory()
+            log.info("kvdepot stopped")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _recv_loop(self) -> None:
+        sock = self._sock
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            identity = frames[0].bytes
+            if len(frames) != 2:
+                self._send(identity, codec.error_frame(0, ErrorCode.MALFORMED, f"expected 1 body frame, got {len(frames) - 1}"))
+                self.metrics.errors.labels(ErrorCode.MALFORMED.name).inc()
+                continue
+            try:
+                req = codec.decode_request(frames[1].buffer)
+            except RequestError as exc:
+                self._reply_error(identity, exc.rid, exc)
+                continue
+            handler = self._handlers.get(type(req))
+            if handler is None:  # a request type this daemon build does not serve
+                self._reply_error(identity, req.rid, RequestError(ErrorCode.UNSUPPORTED, type(req).__name__))
+                continue
+            if inspect.iscoroutinefunction(handler):
+                task = asyncio.create_task(self._run_async(handler, identity, req))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            else:
+                try:
+                    reply = handler(self, identity, req)
+                except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
+                    self._reply_error(identity, req.rid, exc)
+                else:
+                    self._send(identity, codec.encode(reply))
+
+    async def _run_async(self, handler, identity: bytes, req: m.Msg) -> None:
+        try:
+            reply = await handler(self, identity, req)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            self._reply_error(identity, req.rid, exc)
+        else:
+            self._send(identity, codec.encode(reply))
+
+    def _send(self, identity: bytes, frame: bytes) -> None:
+        try:
+            self._sock.send_multipart([identity, frame], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("dropping a reply: client queue full")
+        except zmq.ZMQError as exc:
+            log.warning("dropping a reply: %s", exc)
+
+    def _reply_error(self, identity: bytes, rid: int, exc: BaseException) -> None:
+        if isinstance(exc, RequestError):
+            code, msg = exc.code, exc.message
+        else:
+            code, msg = ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+            log.exception("internal error on request %d", rid, exc_info=exc)
+        name = code.name if isinstance(code, ErrorCode) else str(code)
+        self.metrics.errors.labels(name).inc()
+        self._send(identity, codec.error_frame(rid, code, msg))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _registration(self, reg_id: str) -> Registration:
+        reg = self.registrations.get(reg_id)
+        if reg is None:
+            raise RequestError(
+                ErrorCode.UNKNOWN_REGISTRATION,
+                f"registration {reg_id!r} is not known to daemon boot {self.boot_id}; register again",
+            )
+        return reg
+
+    def _check_block_ids(self, reg: Registration, block_ids: Sequence[Sequence[int]], num_chunks: int) -> None:
+        lay = reg.layout
+        if len(block_ids) != len(lay.tokens_per_block):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                               f"block_ids has {len(block_ids)} groups, registration has {len(lay.tokens_per_block)}")
+        num_blocks = {g.gid: g.view.num_blocks for g in lay.groups}
+        for gid, ids in enumerate(block_ids):
+            need = num_chunks * lay.blocks_per_chunk(gid)
+            if len(ids) != need:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                                   f"gid {gid}: {len(ids)} block ids for {num_chunks} chunks, need {need}")
+            nb = num_blocks.get(gid, 0)
+            for b in ids:
+                if b >= nb:
+                    raise RequestError(ErrorCode.INVALID_ARGUMENT, f"gid {gid}: block id {b} out of range [0, {nb})")
+
+    @staticmethod
+    def _chunk_block_ids(reg: Registration, block_ids: Sequence[Sequence[int]], j: int) -> list[Sequence[int]]:
+        out = []
+        for gid, ids in enumerate(block_ids):
+            n = reg.layout.blocks_per_chunk(gid)
+            out.append(ids[j * n : (j + 1) * n])
+        return out
+
+    def _alloc(self, size_bytes: int) -> int | None:
+        while True:
+            off = self.pool.alloc(size_bytes)
+            if off is not None:
+                return off
+            victim = self.index.evict_one()
+            if victim is None:
+                return None
+            self.metrics.evictions.labels("l1").inc()
+
+    def _free_entry(self, e: Entry) -> None:
+        self.pool.free(e.offset)
+
+    def _update_tier_gauges(self) -> None:
+        self.metrics.tier_used_bytes.labels("l1").set(self.pool.used_bytes)
+        self.metrics.tier_objects.labels("l1").set(len(self.index))
+
+    def _finish_transfer(self, reg: Registration) -> None:
+        reg.active -= 1
+        if reg.closed and reg.active == 0:
+            reg.release_memory()
+
+    # ------------------------------------------------------------------ handlers
+
+    def _on_hello(self, identity: bytes, req: m.Hello) -> m.Msg:
+        if req.protocol_version != m.PROTOCOL_VERSION:
+            raise RequestError(ErrorCode.VERSION_MISMATCH,
+                               f"client speaks protocol {req.protocol_version}, daemon {m.PROTOCOL_VERSION}; "
+                               "upgrade the older side")
+        if req.pid:
+            self.client_pids[identity] = req.pid
+        return m.HelloReply(rid=req.rid, protocol_version=m.PROTOCOL_VERSION, boot_id=self.boot_id,
+                            version=kvdepot.__version__)
+
+    def _on_ping(self, identity: bytes, req: m.Ping) -> m.Msg:
+        return m.Pong(rid=req.rid, boot_id=self.boot_id)
+
+    def _on_register(self, identity: bytes, req: m.Register) -> m.Msg:
+        if req.device != "cpu" or any(s.kind != "shm" for s in req.storages):
+            raise RequestError(ErrorCode.UNSUPPORTED,
+                               "this daemon build serves CPU engines (shared memory) only; CUDA IPC is not available")
+        layout = group_layers(req.layers, req.groups, req.chunk_size, [s.size_bytes for s in req.storages])
+        storages = [open_shm(s.name, s.size_bytes) for s in req.storages]
+        self._reg_seq += 1
+        reg_id = f"{self.boot_id[:8]}-{self._reg_seq}"
+        reg = Registration(reg_id, req.model, req.shard, req.pid, req.device, layout, storages,
+                           CpuTransferEngine(layout, storages))
+        self.registrations[reg_id] = reg
+        self.metrics.registered_engines.set(len(self.registrations))
+        log.info("registered %s: model %s shard %s pid %d, %d layer groups, %d bytes per chunk", reg_id,
+                 req.model, req.shard, req.pid, len(layout.groups), layout.object_bytes)
+        return m.RegisterReply(rid=req.rid, registration=reg_id, layout_fingerprint=layout.fingerprint,
+                               object_bytes=layout.object_bytes, boot_id=self.boot_id)
+
+    def _unregister(self, reg: Registration) -> None:
+        self.registrations.pop(reg.id, None)
+        reg.closed = True
+        if reg.active == 0:
+            reg.release_memory()
+        self.metrics.registered_engines.set(len(self.registrations))
+        log.info("unregistered %s", reg.id)
+
+    def _on_unregister(self, identity: bytes, req: m.Unregister) -> m.Msg:
+        self._unregister(self._registration(req.registration))
+        return m.OkReply(rid=req.rid)
+
+    def _on_lookup(self, identity: bytes, req: m.Lookup) -> m.Msg:
+        hit = min((self._prefix_len(chain) for chain in req.keys), default=0)
+        if req.pin_request:
+            self._unpin(identity, req.pin_request)
+            if hit:
+                entries = [self.index.get(k) for chain in req.keys for k in chain[:hit]]
+                for e in entries:
+                    self.index.acquire(e)
+                self.pins[(identity, req.pin_request)] = Pin(
+                    entries, time.monotonic() + self.config.pin_ttl_s, self.client_pids.get(identity, 0))
+        for chain in req.keys:
+            self.index.touch_chain(chain[:hit])
+        hit_tokens = hit * req.chunk_size
+        if req.num_tokens:
+            hit_tokens = min(hit_tokens, req.num_tokens)
+        self.metrics.lookups.labels(req.model).inc()
+        self.metrics.lookup_requested_tokens.labels(req.model).inc(req.num_tokens)
+        self.metrics.lookup_hit_tokens.labels(req.model).inc(hit_tokens)
+        self.stats["lookup_requested_tokens"] += req.num_tokens
+        self.stats["lookup_hit_tokens"] += hit_tokens
+        return m.LookupReply(rid=req.rid, hit_chunks=hit)
+
+    def _prefix_len(self, chain: Sequence[bytes]) -> int:
+        n = 0
+        for k in chain:
+            if self.index.ready(k) is None:
+                break
+            n += 1
+        return n
+
+    def _unpin(self, identity: bytes, request: str) -> None:
+        pin = self.pins.pop((identity, request), None)
+        if pin is not None:
+            for e in pin.entries:
+                self.index.release(e)
+
+    def _on_end(self, identity: bytes, req: m.EndRequest) -> m.Msg:
+        self._unpin(identity, req.request)
+        self._update_tier_gauges()
+        return m.OkReply(rid=req.rid)
+
+    async def _on_store(self, identity: bytes, req: m.Store) -> m.Msg:
+        reg = self._registration(req.registration)
+        lay = reg.layout
+        n = len(req.keys)
+        self._check_block_ids(reg, req.block_ids, n)
+        held: list[Entry] = []  # present entries kept from eviction while this store allocates
+        new: list[tuple[int, Entry]] = []
+        present = 0
+        reason = ""
+        parent = req.parent
+        if parent:
+            p = self.index.ready(parent)
+            if p is None:
+                reason = "parent_missing"
+            else:
+                self.index.acquire(p)
+                held.append(p)
+        if not reason:
+            for j, key in enumerate(req.keys):
+                e = self.index.get(key)
+                if e is not None:
+                    if self.index.ready(key) is None or (e.size_bytes != lay.object_bytes):
+                        reason = "parent_missing"  # being written by another request: its children wait
+                        break
+                    self.index.acquire(e)
+                    held.append(e)
+                    present += 1
+                else:
+                    off = self._alloc(lay.object_bytes)
+                    if off is None:
+                        reason = "capacity"
+                        break
+                    new.append((j, self.index.begin_write(key, parent, off, lay.object_bytes, reg.model, req.cache_salt)))
+                parent = key
+        skipped = n - present - len(new)
+        if reason:
+            self.metrics.store_skipped_chunks.labels(reason).inc(skipped)
+        try:
+            if new:
+                reg.active += 1
+                t0 = time.perf_counter()
+                try:
+                    await asyncio.get_running_loop().run_in_executor(
+                        self._executor, self._gather, reg, req.block_ids, new)
+                except BaseException as exc:
+                    for _, e in reversed(new):
+                        self.index.abort(e)
+                    if isinstance(exc, (RequestError, asyncio.CancelledError)):
+                        raise
+                    raise RequestError(ErrorCode.ENGINE_MEMORY, f"store copy failed: {exc}") from exc
+                finally:
+                    self._finish_transfer(reg)
+                dt = time.perf_counter() - t0
+                for _, e in new:
+                    self.index.commit(e)
+                self.metrics.transfer_seconds.labels("store").observe(dt)
+                nbytes = len(new) * lay.object_bytes
+                self.metrics.bytes.labels(reg.model, "store").inc(nbytes)
+                self.metrics.tokens.labels(reg.model, "store").inc(len(new) * lay.chunk_size)
+                reg.stored_chunks += len(new)
+                self.stats["stored_chunks"] += len(new)
+        finally:
+            for e in held:
+                self.index.release(e)
+            self.index.touch_chain(list(req.keys))
+            self._update_tier_gauges()
+        return m.StoreReply(rid=req.rid, stored=len(new), present=present, skipped=skipped)
+
+    def _gather(self, reg: Registration, block_ids, new: list[tuple[int, Entry]]) -> None:
+        eng = reg.engine
+        for j, e in new:
+            eng.gather(self.pool.buffer(e.offset, e.size_bytes), self._chunk_block_ids(reg, block_ids, j))
+
+    async def _on_retrieve(self, identity: bytes, req: m.Retrieve) -> m.Msg:
+        reg = self._registration(req.registration)
+        lay = reg.layout
+        n = len(req.keys)
+        self._check_block_ids(reg, req.block_ids, n)
+        if req.skip_tokens and (req.skip_tokens >= n * lay.chunk_size
+                                or any(req.skip_tokens % t for t in lay.tokens_per_block)):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                               f"skip_tokens {req.skip_tokens} must be a multiple of every group's tokens per block "
+                               f"{lay.tokens_per_block} and less than {n * lay.chunk_size}")
+        entries: list[Entry] = []
+        for key in req.keys:
+            e = self.index.ready(key)
+            if e is None or e.size_bytes != lay.object_bytes:
+                break
+            self.index.acquire(e)
+            entries.append(e)
+        try:
+            if entries:
+                reg.active += 1
+                t0 = time.perf_counter()
+                try:
+                    await asyncio.get_running_loop().run_in_executor(
+                        self._executor, self._scatter, reg, req.block_ids, req.skip_tokens, entries)
+                except (RequestError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:
+                    raise RequestError(ErrorCode.ENGINE_MEMORY, f"retrieve copy failed: {exc}") from exc
+                finally:
+                    self._finish_transfer(reg)
+                dt = time.perf_counter() - t0
+                self.metrics.transfer_seconds.labels("retrieve").observe(dt)
+                self.metrics.bytes.labels(reg.model, "retrieve").inc(len(entries) * lay.object_bytes)
+                self.metrics.tokens.labels(reg.model, "retrieve").inc(len(entries) * lay.chunk_size)
+                reg.retrieved_chunks += len(entries)
+                self.stats["retrieved_chunks"] += len(entries)
+        finally:
+            for e in entries:
+                self.index.release(e)
+            self.index.touch_chain([e.key for e in entries])
+            self._update_tier_gauges()
+        return m.RetrieveReply(rid=req.rid, retrieved=len(entries))
+
+    def _scatter(self, reg: Registration, block_ids, skip_tokens: int, entries: list[Entry]) -> None:
+        eng, cs = reg.engine, reg.layout.chunk_size
+        for j, e in enumerate(entries):
+            skip = min(max(skip_tokens - j * cs, 0), cs)
+            if skip == cs:
+                continue
+            eng.scatter(self.pool.buffer(e.offset, e.size_bytes), self._chunk_block_ids(reg, block_ids, j), skip)
+
+    def _on_flush(self, identity: bytes, req: m.Flush) -> m.Msg:
+        if req.tier not in ("", "l1"):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"unknown tier {req.tier!r}; tiers: l1")
+
+        def match(e: Entry) -> bool:
+            return ((not req.model or e.model == req.model)
+                    and (req.cache_salt is None or e.cache_salt == req.cache_salt))
+
+        n, b = self.index.drop_where(match)
+        self._update_tier_gauges()
+        log.info("flushed %d objects (%d bytes)", n, b)
+        return m.FlushReply(rid=req.rid, objects=n, bytes=b)
+
+    def _on_describe(self, identity: bytes, req: m.Describe) -> m.Msg:
+        engines = [
+            m.EngineInfo(
+                registration=r.id, model=r.model, shard=r.shard, pid=r.pid, device=r.device,
+                chunk_size=r.layout.chunk_size, object_bytes=r.layout.object_bytes,
+                layout_fingerprint=r.layout.fingerprint, groups=[g.info() for g in r.layout.groups],
+                stored_chunks=r.stored_chunks, retrieved_chunks=r.retrieved_chunks)
+            for r in self.registrations.values()
+        ]
+        info = m.DaemonInfo(
+            boot_id=self.boot_id, version=kvdepot.__version__, protocol_version=m.PROTOCOL_VERSION,
+            endpoints=list(self.config.endpoints), metrics_port=self.config.metrics_port,
+            uptime_s=time.monotonic() - self.started,
+            tiers=[m.TierInfo("l1", self.pool.capacity_bytes, self.pool.used_bytes, len(self.index))],
+            engines=engines, lookup_requested_tokens=self.stats["lookup_requested_tokens"],
+            lookup_hit_tokens=self.stats["lookup_hit_tokens"], stored_chunks=self.stats["stored_chunks"],
+            retrieved_chunks=self.stats["retrieved_chunks"], evicted_chunks=self.index.evictions,
+            transfer_engine=CpuTransferEngine.name, pinned_requests=len(self.pins))
+        return m.DescribeReply(rid=req.rid, info=info)
+
+    _handlers: dict[type, Callable] = {
+        m.Hello: _on_hello, m.Ping: _on_ping, m.Register: _on_register, m.Unregister: _on_unregister,
+        m.Lookup: _on_lookup, m.EndRequest: _on_end, m.Store: _on_store, m.Retrieve: _on_retrieve,
+        m.Flush: _on_flush, m.Describe: _on_describe,
+    }
+
+    # ------------------------------------------------------------------ liveness
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.liveness_interval_s)
+            try:
+                self.sweep()
+            except Exception:  # noqa: BLE001 - never let the sweeper die
+                log.exception("sweep failed")
+
+    def sweep(self) -> None:
+        """Reclaim registrations of exited engine processes and expired or orphaned pins."""
+        for reg in list(self.registrations.values()):
+            if not _pid_alive(reg.pid):
+                log.warning("engine pid %d of %s exited; reclaiming its registration", reg.pid, reg.id)
+                self._unregister(reg)
+        now = time.monotonic()
+        for key, pin in list(self.pins.items()):
+            if pin.deadline < now or not _pid_alive(pin.pid):
+                self._unpin(*key)
+        for ident, pid in list(self.client_pids.items()):
+            if not _pid_alive(pid):
+                del self.client_pids[ident]
+        self._update_tier_gauges()
+
+
+def _endpoint_answers(endpoint: str, timeout_s: float = 0.5) -> bool:
+    """True if a daemon answers a ping at ``endpoint`` within ``timeout_s``."""
+    ctx = zmq.Context.instance()
+    sock = make_socket(ctx, zmq.DEALER, endpoint, bind=False)
+    try:
+        sock.send(codec.encode(m.Ping(rid=1)))
+        return bool(sock.poll(int(timeout_s * 1000)))
+    finally:
+        sock.close(0)
+
+
+def run_daemon(config: DaemonConfig) -> None:
+    """Run the daemon on uvloop until SIGINT/SIGTERM."""
+    import signal
+
+    import uvloop
+
+    async def main() -> None:
+        d = Daemon(config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, d.stop)
+        await d.serve(on_ready=lambda: print(f"kvdepot ready on {', '.join(config.endpoints)} boot {d.boot_id}",
+                                             flush=True))
+
+    uvloop.run(main())

@@ -1,0 +1,159 @@
+"""Chunk index: chunk key -> cached object, with prefix-aware LRU eviction and pins.
+
+Entries form prefix chains (``entry.parent`` is the key of the chunk before it). A chunk is
+useless once its parent is gone, so only *leaves* (entries with no cached child) are
+evicted, least recently used first. Touching a hit chain walks it tail-first, so every
+parent is more recent than its children and the LRU end holds chain tails.
+
+Entry states (checked transitions)::
+
+    WRITING --commit--> READY --(readers += 1 / -= 1)--> READY
+       |                  |
+       +---abort----------+---evict / flush---> (gone; freed now, or when readers reach 0)
+
+Only READY entries are visible to lookups and retrieves (fail closed: a chunk is never
+answered before its copy completed). An entry with readers (a retrieve in progress or a
+lookup pin) or in WRITING is never evicted; flushing it hides it at once and frees its
+memory when the last reader leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+
+class EntryState(enum.Enum):
+    WRITING = 1  # memory allocated, copy in progress, invisible
+    READY = 2  # bytes complete; visible
+    DOOMED = 3  # removed from the index while in use; freed when readers reach 0
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Entry:
+    """One cached chunk object in L1."""
+
+    key: bytes  # chunk key (prefix-chained hash)
+    parent: bytes  # key of the previous chunk; b"" for chunk 0
+    offset: int  # byte offset of the object in the L1 arena
+    size_bytes: int  # object bytes
+    model: str  # model label (metrics, flush by model)
+    cache_salt: str  # tenant salt (flush by salt)
+    state: EntryState = EntryState.WRITING
+    readers: int = 0  # in-flight retrieves + lookup pins; > 0 blocks eviction
+    children: int = 0  # cached entries whose parent is this one; > 0 blocks eviction
+
+
+class ChunkIndex:
+    """Chunk key -> `Entry`, LRU-ordered, with prefix-aware eviction.
+
+    Args:
+        free_fn: called with an entry when its memory may be reused (evicted, flushed,
+            aborted, or doomed and released).
+    """
+
+    def __init__(self, free_fn: Callable[[Entry], None]) -> None:
+        self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # LRU first, MRU last
+        self._free = free_fn
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: bytes) -> Entry | None:
+        return self._entries.get(key)
+
+    def ready(self, key: bytes) -> Entry | None:
+        e = self._entries.get(key)
+        return e if e is not None and e.state is EntryState.READY else None
+
+    def entries(self) -> Iterable[Entry]:
+        return self._entries.values()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def begin_write(self, key: bytes, parent: bytes, offset: int, size_bytes: int, model: str, cache_salt: str) -> Entry:
+        """Add a WRITING entry. The parent (if any) must be in the index."""
+        assert key not in self._entries, "begin_write on a present key"
+        e = Entry(key, parent, offset, size_bytes, model, cache_salt)
+        if parent:
+            p = self._entries.get(parent)
+            assert p is not None, "begin_write without its parent"
+            p.children += 1
+        self._entries[key] = e
+        return e
+
+    def commit(self, e: Entry) -> None:
+        """WRITING -> READY: the object's bytes are complete and may be served."""
+        assert e.state is EntryState.WRITING, f"commit from {e.state}"
+        e.state = EntryState.READY
+        if self._entries.get(e.key) is not e:  # flushed while writing
+            e.state = EntryState.DOOMED
+            self._maybe_free(e)
+
+    def abort(self, e: Entry) -> None:
+        """Drop a WRITING entry whose copy failed and free its memory. Abort a request's
+        entries tail first (children before parents)."""
+        assert e.state is EntryState.WRITING, f"abort from {e.state}"
+        self._remove(e)
+        e.state = None
+        self._free(e)
+
+    def acquire(self, e: Entry) -> None:
+        """Add a reader (blocks eviction). Only READY entries may be read."""
+        assert e.state is EntryState.READY, f"acquire from {e.state}"
+        e.readers += 1
+
+    def release(self, e: Entry) -> None:
+        """Drop a reader; frees a DOOMED entry when its last reader leaves."""
+        assert e.readers > 0, "release without acquire"
+        e.readers -= 1
+        self._maybe_free(e)
+
+    def touch_chain(self, keys: list[bytes]) -> None:
+        """Mark a hit chain most recently used, tail first so parents end up newer."""
+        for k in reversed(keys):
+            if k in self._entries:
+                self._entries.move_to_end(k)
+
+    # ---------------------------------------------------------------- removal
+
+    def _remove(self, e: Entry) -> None:
+        if self._entries.get(e.key) is not e:
+            return
+        del self._entries[e.key]
+        if e.parent:
+            p = self._entries.get(e.parent)
+            if p is not None:
+                p.children -= 1
+        if e.state is EntryState.WRITING:
+            # memory is freed by commit/abort of the writer; mark it so commit does not publish it
+            return
+        e.state = EntryState.DOOMED
+        self._maybe_free(e)
+
+    def _maybe_free(self, e: Entry) -> None:
+        if e.state is EntryState.DOOMED and e.readers == 0:
+            e.state = None  # freed; no further transitions
+            self._free(e)
+
+    def evict_one(self) -> Entry | None:
+        """Evict the least recently used evictable leaf; None if nothing is evictable."""
+        for e in self._entries.values():
+            if e.state is EntryState.READY and e.readers == 0 and e.children == 0:
+                self._remove(e)
+                self.evictions += 1
+                return e
+        return None
+
+    def drop_where(self, pred: Callable[[Entry], bool]) -> tuple[int, int]:
+        """Remove every entry matching ``pred`` (flush). Returns (objects, bytes) dropped."""
+        victims = [e for e in self._entries.values() if pred(e)]
+        n = b = 0
+        for e in victims:
+            self._remove(e)
+            n += 1
+            b += e.size_bytes
+        return n, b
