@@ -137,6 +137,7 @@ class ShmKVCache:
             size = _align(off)
         self.size_bytes = max(size, 4096)
         self.storage = create_shm(self.name, self.size_bytes)
+        self.storage.zero_()  # commit the pages now, as an engine does when it allocates its cache
         self.layer_names = [f"layer.{i}" for i in range(len(layers))]
         self.layer_gids = [g.gid for g, _ in layers]
         self._layer_groups = [g for g, _ in layers]

@@ -94,7 +94,11 @@ class SmolLM:
         if num_threads is not None:
             torch.set_num_threads(int(num_threads))
 
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
         from transformers.cache_utils import DynamicCache
 
         self._DynamicCache = DynamicCache

@@ -26,7 +26,9 @@ def encode(msg: Msg) -> bytes:
 
 
 def _rid_of(raw: object) -> int:
-    if isinstance(raw, list) and len(raw) >= 2 and isinstance(raw[1], int) and raw[1] >= 0:
+    # type() is int, not isinstance: msgpack true/false decode to bool, which is an int
+    # subclass; echoing True as the rid would make the client unable to decode the ErrorReply.
+    if isinstance(raw, list) and len(raw) >= 2 and type(raw[1]) is int and raw[1] >= 0:
         return raw[1]
     return 0
 

@@ -1,8 +1,10 @@
 """Wire messages of the kvdepot protocol (msgspec Structs, msgpack-encoded).
 
 Every message is one ZMQ frame holding a msgpack array ``[tag, rid, field...]``: a tagged
-``msgspec.Struct`` with ``array_like=True`` (field order is the wire order) and
-``omit_defaults=True`` (trailing default fields are left off). ``rid`` is the caller's request
+``msgspec.Struct`` with ``array_like=True`` (field order is the wire order). ``omit_defaults``
+is set but msgspec does not apply it to array-like structs (jcrist/msgspec#720): every field is
+encoded. Decoders fill missing trailing fields from their defaults and ignore extra trailing
+fields, which is what lets old and new versions talk. ``rid`` is the caller's request
 id; the daemon echoes it in the reply, so a client may keep several requests outstanding.
 
 Schema evolution is append-only: new fields go last and get defaults, fields are never

@@ -124,6 +124,7 @@ class Daemon:
         self._sock = make_socket(ctx, zmq.ROUTER, self.config.endpoints, bind=True)
         if self.config.metrics_port:
             self.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
+        self.pool.start_prefault()
         sweeper = asyncio.create_task(self._sweep_loop())
         receiver = asyncio.create_task(self._recv_loop())
         log.info("kvdepot %s serving on %s (boot %s, L1 %d bytes, transfer engine %s)", kvdepot.__version__,
@@ -141,6 +142,7 @@ class Daemon:
             self._sock.close(0)
             ctx.term()
             self._executor.shutdown(wait=True)
+            self.pool.stop_prefault()
             for ep in self.config.endpoints:
                 path = ipc_path(ep)
                 if path and os.path.exists(path):
