@@ -1,0 +1,147 @@
+// kvdepot transfer kernels: gather engine KV blocks into the flat staging buffer in the
+// canonical object format, and scatter them back.
+//
+// Built by nvcc into libkvdepot_kernels.so that links only the CUDA runtime (statically) and
+// exposes the small C ABI below, called from Python through ctypes with raw device pointers
+// and a cudaStream_t. No libtorch linkage, so one build serves every torch version.
+//
+// One layer group (see kvdepot/gpu/layout.py) per launch. Engine side, layer l of the group:
+//
+//   byte(l, block b, token n, head h, kv k, x) = layer_ptrs[l] + b*block_stride + n*token_stride
+//                                                + h*head_stride + k*kv_stride + x,  x < row_bytes
+//
+// Staging side: chunk j is object j (object_bytes apart); inside it the group occupies
+//
+//   object_offset + ((t*L + l)*H*KV + h*KV + k)*row_bytes + x,   t = i*N + n (token in chunk)
+//
+// i.e. [chunk_tokens, L, H, KV, row] token-major. Grid: x = block slot (chunk j, block i of the
+// chunk, slot = j*blocks_per_chunk + i, starting at first_slot so leading blocks can be
+// skipped), y = layer. Each CTA moves one (block, layer): N*H*KV rows. Copies use the widest
+// of 16/8/4/2/1-byte words that divides every stride, offset, row and pointer.
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+extern "C" {
+
+struct KvdGroupDesc {
+  int64_t num_layers;        // L
+  int64_t block_size;        // N, tokens per block
+  int64_t num_heads;         // H
+  int64_t num_kv;            // KV: 2 (K, V) or 1 (MLA / packed rows)
+  int64_t row_bytes;         // contiguous bytes of one (token, head, kv) row
+  int64_t block_stride;      // bytes
+  int64_t token_stride;      // bytes
+  int64_t head_stride;       // bytes
+  int64_t kv_stride;         // bytes
+  int64_t object_offset;     // bytes: where the group starts inside an object
+  int64_t object_bytes;      // bytes of one whole object (all groups)
+  int64_t blocks_per_chunk;  // chunk_size / N
+};
+
+enum {
+  KVD_OK = 0,
+  KVD_EINVAL = 1,      // bad descriptor / arguments
+  KVD_EALIGN = 2,      // vec_bytes does not divide the strides / pointers
+  KVD_ECUDA = 3,       // a CUDA runtime error (see kvd_last_cuda_error)
+};
+
+}  // extern "C"
+
+static thread_local cudaError_t g_last_cuda_error = cudaSuccess;
+
+template <typename Word>
+__global__ void kvd_copy_kernel(KvdGroupDesc d, const uint64_t* __restrict__ layer_ptrs,
+                                const int32_t* __restrict__ block_ids, int64_t first_slot,
+                                uint8_t* __restrict__ staging, int to_staging) {
+  const int64_t slot = first_slot + blockIdx.x;
+  const int64_t layer = blockIdx.y;
+  const int64_t j = slot / d.blocks_per_chunk;
+  const int64_t i = slot - j * d.blocks_per_chunk;
+  const int64_t b = block_ids[slot];
+  const int hk_count = (int)(d.num_heads * d.num_kv);
+  const int words_per_row = (int)(d.row_bytes / sizeof(Word));
+  const int rows = (int)d.block_size * hk_count;
+  const int total = rows * words_per_row;
+
+  uint8_t* eng = reinterpret_cast<uint8_t*>(layer_ptrs[layer]) + b * d.block_stride;
+  uint8_t* obj = staging + j * d.object_bytes + d.object_offset;
+  const int64_t t0 = i * d.block_size;
+
+  for (int idx = threadIdx.x; idx < total; idx += blockDim.x) {
+    const int r = idx / words_per_row;
+    const int w = idx - r * words_per_row;
+    const int n = r / hk_count;
+    const int hk = r - n * hk_count;
+    const int h = hk / (int)d.num_kv;
+    const int k = hk - h * (int)d.num_kv;
+    Word* e = reinterpret_cast<Word*>(eng + n * d.token_stride + h * d.head_stride + k * d.kv_stride) + w;
+    Word* o = reinterpret_cast<Word*>(
+                  obj + (((t0 + n) * d.num_layers + layer) * hk_count + hk) * d.row_bytes) + w;
+    if (to_staging) {
+      *o = *e;
+    } else {
+      *e = *o;
+    }
+  }
+}
+
+static bool divides(int64_t v, int64_t x) { return x % v == 0; }
+
+extern "C" {
+
+// Widest word (16, 8, 4, 2, 1 bytes) usable for this group with these pointers.
+int kvd_vec_bytes(const KvdGroupDesc* d, const uint64_t* layer_ptrs_host, int64_t num_layer_ptrs,
+                  uint64_t staging) {
+  for (int v = 16; v > 1; v /= 2) {
+    bool ok = divides(v, d->row_bytes) && divides(v, d->block_stride) && divides(v, d->token_stride) &&
+              divides(v, d->head_stride) && divides(v, d->kv_stride) && divides(v, d->object_offset) &&
+              divides(v, d->object_bytes) && divides(v, (int64_t)staging);
+    for (int64_t l = 0; ok && l < num_layer_ptrs; ++l) ok = divides(v, (int64_t)layer_ptrs_host[l]);
+    if (ok) return v;
+  }
+  return 1;
+}
+
+// Copy num_slots block slots (starting at first_slot) of one layer group between engine memory
+// and staging. to_staging = 1: gather (engine -> staging); 0: scatter (staging -> engine).
+// layer_ptrs and block_ids are DEVICE arrays (num_layers pointers; one int32 block id per slot
+// from slot 0). vec_bytes must come from kvd_vec_bytes. Returns KVD_OK or an error code.
+int kvd_copy_blocks(const KvdGroupDesc* d, const uint64_t* layer_ptrs, const int32_t* block_ids,
+                    int64_t first_slot, int64_t num_slots, void* staging, int to_staging, int vec_bytes,
+                    int threads_per_cta, cudaStream_t stream) {
+  if (d == nullptr || layer_ptrs == nullptr || block_ids == nullptr || staging == nullptr) return KVD_EINVAL;
+  if (d->num_layers <= 0 || d->num_layers > 65535 || d->block_size <= 0 || d->num_heads <= 0 ||
+      d->num_kv <= 0 || d->row_bytes <= 0 || d->blocks_per_chunk <= 0 || first_slot < 0 || num_slots < 0 ||
+      num_slots > 0x7fffffff)
+    return KVD_EINVAL;
+  if (d->block_size * d->num_heads * d->num_kv * d->row_bytes > 0x7fffffff) return KVD_EINVAL;
+  if (num_slots == 0) return KVD_OK;
+  if (threads_per_cta <= 0 || threads_per_cta > 1024) threads_per_cta = 256;
+  int64_t checks[] = {d->row_bytes, d->block_stride, d->token_stride, d->head_stride, d->kv_stride,
+                      d->object_offset, d->object_bytes, (int64_t)(uintptr_t)staging};
+  if (vec_bytes != 1 && vec_bytes != 2 && vec_bytes != 4 && vec_bytes != 8 && vec_bytes != 16) return KVD_EINVAL;
+  for (int64_t c : checks)
+    if (c % vec_bytes) return KVD_EALIGN;
+  dim3 grid((unsigned)num_slots, (unsigned)d->num_layers);
+  uint8_t* st = static_cast<uint8_t*>(staging);
+  switch (vec_bytes) {
+    case 16: kvd_copy_kernel<uint4><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, block_ids, first_slot, st, to_staging); break;
+    case 8: kvd_copy_kernel<uint2><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, block_ids, first_slot, st, to_staging); break;
+    case 4: kvd_copy_kernel<uint32_t><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, block_ids, first_slot, st, to_staging); break;
+    case 2: kvd_copy_kernel<uint16_t><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, block_ids, first_slot, st, to_staging); break;
+    default: kvd_copy_kernel<uint8_t><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, block_ids, first_slot, st, to_staging); break;
+  }
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    g_last_cuda_error = err;
+    return KVD_ECUDA;
+  }
+  return KVD_OK;
+}
+
+const char* kvd_last_cuda_error(void) { return cudaGetErrorString(g_last_cuda_error); }
+
+int kvd_abi_version(void) { return 1; }
+
+}  // extern "C"

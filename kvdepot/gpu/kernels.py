@@ -1,0 +1,191 @@
+"""Typed wrapper of the CUDA transfer kernels (``csrc/kvdepot_kernels.cu``) and their torch
+reference.
+
+The kernels live in a shared library that links only the CUDA runtime and is called through
+ctypes with raw device pointers and a ``cudaStream_t``. Where the library comes from, first
+match wins:
+
+1. ``$KVDEPOT_KERNELS_SO``: a prebuilt library (e.g. built on a machine with nvcc, carried over);
+2. the per-user cache ``$XDG_CACHE_HOME/kvdepot/kernels/<source hash>-sm<arch>/``;
+3. built on first use with nvcc into that cache, under a file lock (the cache is re-checked
+   after taking the lock, so concurrent processes build once). ``KVDEPOT_NO_JIT=1`` forbids
+   this step (production images should ship the library).
+
+With no library and no nvcc, `load_kernels` returns None and callers use `copy_blocks_torch`,
+which is correct but slower; the daemon says so once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kvdepot.gpu.layout import LayerGroup
+
+log = logging.getLogger("kvdepot.kernels")
+
+ENV_SO = "KVDEPOT_KERNELS_SO"
+ENV_NO_JIT = "KVDEPOT_NO_JIT"
+_SRC = Path(__file__).parent / "csrc" / "kvdepot_kernels.cu"
+ABI_VERSION = 1
+
+KVD_OK, KVD_EINVAL, KVD_EALIGN, KVD_ECUDA = 0, 1, 2, 3
+
+
+class KvdGroupDesc(ctypes.Structure):
+    """Mirror of ``struct KvdGroupDesc`` in the .cu file (all int64; byte units)."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "num_layers", "block_size", "num_heads", "num_kv", "row_bytes", "block_stride", "token_stride",
+        "head_stride", "kv_stride", "object_offset", "object_bytes", "blocks_per_chunk")]
+
+    @classmethod
+    def from_group(cls, g: LayerGroup, object_bytes: int, chunk_size: int) -> KvdGroupDesc:
+        v = g.view
+        return cls(g.num_layers, v.block_size, v.num_heads, v.num_kv, v.row_bytes, v.block_stride, v.token_stride,
+                   v.head_stride, v.kv_stride, g.object_offset, object_bytes, chunk_size // v.block_size)
+
+
+class KernelError(RuntimeError):
+    """A kernel entry point returned an error code."""
+
+
+class Kernels:
+    """The loaded library. Methods take device pointers as ints."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        lib = ctypes.CDLL(path)
+        lib.kvd_abi_version.restype = ctypes.c_int
+        if lib.kvd_abi_version() != ABI_VERSION:
+            raise KernelError(f"{path}: ABI {lib.kvd_abi_version()} != {ABI_VERSION}; rebuild the kernels")
+        lib.kvd_vec_bytes.restype = ctypes.c_int
+        lib.kvd_vec_bytes.argtypes = [ctypes.POINTER(KvdGroupDesc), ctypes.POINTER(ctypes.c_uint64), ctypes.c_int64,
+                                      ctypes.c_uint64]
+        lib.kvd_copy_blocks.restype = ctypes.c_int
+        lib.kvd_copy_blocks.argtypes = [
+            ctypes.POINTER(KvdGroupDesc), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.kvd_last_cuda_error.restype = ctypes.c_char_p
+        self.lib = lib
+
+    def vec_bytes(self, desc: KvdGroupDesc, layer_ptrs: Sequence[int], staging_ptr: int) -> int:
+        arr = (ctypes.c_uint64 * len(layer_ptrs))(*layer_ptrs)
+        return self.lib.kvd_vec_bytes(ctypes.byref(desc), arr, len(layer_ptrs), staging_ptr)
+
+    def copy_blocks(self, desc: KvdGroupDesc, layer_ptrs_dev: int, block_ids_dev: int, first_slot: int,
+                    num_slots: int, staging_ptr: int, to_staging: bool, vec_bytes: int, stream: int,
+                    threads_per_cta: int = 256) -> None:
+        """Launch one gather (``to_staging``) or scatter on ``stream`` (asynchronous).
+
+        Raises:
+            KernelError: invalid arguments, misalignment for ``vec_bytes``, or a launch error.
+        """
+        rc = self.lib.kvd_copy_blocks(ctypes.byref(desc), layer_ptrs_dev, block_ids_dev, first_slot, num_slots,
+                                      staging_ptr, int(to_staging), vec_bytes, threads_per_cta, stream)
+        if rc != KVD_OK:
+            what = {KVD_EINVAL: "invalid arguments", KVD_EALIGN: f"misaligned for {vec_bytes}-byte words",
+                    KVD_ECUDA: f"CUDA error: {self.lib.kvd_last_cuda_error().decode()}"}.get(rc, f"code {rc}")
+            raise KernelError(f"kvd_copy_blocks: {what}")
+
+
+def _cache_dir(arch: str) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvdepot" / "kernels"
+    digest = hashlib.sha256(_SRC.read_bytes()).hexdigest()[:16]
+    return base / f"{digest}-sm{arch}"
+
+
+def build_kernels(out_path: Path, arch: str) -> None:
+    """Compile the kernels with nvcc into ``out_path`` (static cudart, C ABI only).
+
+    Raises:
+        FileNotFoundError: no nvcc on PATH / in $CUDA_HOME.
+        subprocess.CalledProcessError: compilation failed.
+    """
+    nvcc = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    if not os.path.exists(nvcc):
+        raise FileNotFoundError("nvcc not found; set CUDA_HOME or KVDEPOT_KERNELS_SO")
+    tmp = out_path.with_suffix(f".tmp{os.getpid()}")
+    subprocess.run([nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", "-gencode",
+                    f"arch=compute_{arch},code=sm_{arch}", "-o", str(tmp), str(_SRC)], check=True)
+    os.replace(tmp, out_path)
+
+
+def _device_arch() -> str:
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{major}{minor}"
+    return "90"
+
+
+_loaded: Kernels | None = None
+_load_failed = False
+
+
+def load_kernels() -> Kernels | None:
+    """The kernel library (cached per process), or None if it cannot be found or built."""
+    global _loaded, _load_failed
+    if _loaded is not None or _load_failed:
+        return _loaded
+    try:
+        path = os.environ.get(ENV_SO)
+        if not path:
+            arch = _device_arch()
+            d = _cache_dir(arch)
+            so = d / "libkvdepot_kernels.so"
+            if not so.exists():
+                if os.environ.get(ENV_NO_JIT) == "1":
+                    raise FileNotFoundError(f"{so} missing and {ENV_NO_JIT}=1")
+                d.mkdir(parents=True, exist_ok=True)
+                with open(d / "build.lock", "w") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    if not so.exists():  # another process may have built it meanwhile
+                        log.info("building CUDA kernels for sm_%s into %s", arch, so)
+                        build_kernels(so, arch)
+            path = str(so)
+        _loaded = Kernels(path)
+    except Exception as exc:  # noqa: BLE001 - fall back to torch, loudly once
+        _load_failed = True
+        log.warning("CUDA kernels unavailable (%s); using the torch fallback (correct, slower)", exc)
+    return _loaded
+
+
+def copy_blocks_torch(group: LayerGroup, layer_tensors: Sequence[torch.Tensor], block_ids: Sequence[int],
+                      first_slot: int, num_slots: int, staging: torch.Tensor, object_bytes: int, chunk_size: int,
+                      to_staging: bool) -> None:
+    """Torch reference of `Kernels.copy_blocks` (also the fallback and the test oracle).
+
+    Args:
+        layer_tensors: per layer of the group, a uint8 tensor starting at the layer view's first
+            byte and covering its extent (any device).
+        block_ids: one id per slot from slot 0 (``num_chunks * blocks_per_chunk``).
+        staging: uint8 tensor of whole objects, same device as the layers.
+    """
+    v = group.view
+    bpc = chunk_size // v.block_size
+    L, hk = group.num_layers, v.num_heads * v.num_kv
+    for slot in range(first_slot, first_slot + num_slots):
+        j, i = divmod(slot, bpc)
+        b = block_ids[slot]
+        for layer, t in enumerate(layer_tensors):
+            eng = torch.as_strided(t, (v.block_size, v.num_heads, v.num_kv, v.row_bytes),
+                                   (v.token_stride, v.head_stride, v.kv_stride, 1),
+                                   t.storage_offset() + b * v.block_stride)
+            base = j * object_bytes + group.object_offset
+            obj = torch.as_strided(staging, (v.block_size, v.num_heads, v.num_kv, v.row_bytes),
+                                   (L * hk * v.row_bytes, v.num_kv * v.row_bytes, v.row_bytes, 1),
+                                   staging.storage_offset() + base + (i * v.block_size * L + layer) * hk * v.row_bytes)
+            if to_staging:
+                obj.copy_(eng)
+            else:
+                eng.copy_(obj)
