@@ -182,9 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - CLI prints a one-line error
+        import zmq
+
         from kvdepot.protocol.errors import KVDepotError
 
-        if isinstance(exc, KVDepotError):
+        # error replies, and misuse / environment errors whose messages name what to change
+        # (a bad --endpoint, an endpoint already served, a socket directory that does not exist)
+        if isinstance(exc, (KVDepotError, ValueError, OSError, zmq.ZMQError)):
             print(f"kvdepot {args.command}: {exc}", file=sys.stderr)
             return 1
         raise

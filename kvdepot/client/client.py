@@ -77,7 +77,11 @@ class KVDepotClient:
         self._sock: zmq.Socket | None = None
         self._rid = itertools.count(1)
         self.boot_id: str | None = None
-        self.hello()
+        try:
+            self.hello()
+        except BaseException:
+            self.close()  # no caller can close a client whose constructor failed
+            raise
 
     # ------------------------------------------------------------------ transport
 

@@ -77,7 +77,40 @@ class Kernels:
             ctypes.POINTER(KvdGroupDesc), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         lib.kvd_last_cuda_error.restype = ctypes.c_char_p
+        lib.kvd_ipc_open_mem.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
+        lib.kvd_ipc_close_mem.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.kvd_host_register.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.kvd_host_unregister.argtypes = [ctypes.c_void_p]
+        self.ipc_handle_bytes = lib.kvd_ipc_handle_bytes()
         self.lib = lib
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != KVD_OK:
+            detail = self.lib.kvd_last_cuda_error().decode() if rc == KVD_ECUDA else f"code {rc}"
+            raise KernelError(f"{what}: {detail}")
+
+    def ipc_open(self, handle: bytes, device: int) -> int:
+        """Map another process's allocation (``cudaIpcMemHandle_t`` bytes) on ``device``;
+        returns the base device pointer.
+
+        Raises:
+            KernelError: wrong handle size, or the CUDA error (e.g. the owner exited).
+        """
+        if len(handle) != self.ipc_handle_bytes:
+            raise KernelError(f"IPC handle of {len(handle)} bytes, expected {self.ipc_handle_bytes}")
+        out = ctypes.c_void_p()
+        self._check(self.lib.kvd_ipc_open_mem(handle, device, ctypes.byref(out)), "cudaIpcOpenMemHandle")
+        return int(out.value)
+
+    def ipc_close(self, ptr: int, device: int) -> None:
+        self._check(self.lib.kvd_ipc_close_mem(ptr, device), "cudaIpcCloseMemHandle")
+
+    def host_register(self, ptr: int, size_bytes: int) -> None:
+        """Page-lock ``[ptr, ptr + size_bytes)`` of host memory for DMA (cudaHostRegister)."""
+        self._check(self.lib.kvd_host_register(ptr, size_bytes), "cudaHostRegister")
+
+    def host_unregister(self, ptr: int) -> None:
+        self._check(self.lib.kvd_host_unregister(ptr), "cudaHostUnregister")
 
     def vec_bytes(self, desc: KvdGroupDesc, layer_ptrs: Sequence[int], staging_ptr: int) -> int:
         arr = (ctypes.c_uint64 * len(layer_ptrs))(*layer_ptrs)

@@ -47,10 +47,11 @@ def decode_request(frame: bytes | memoryview) -> Request:
         raise err
     try:
         return _request_decoder.decode(frame)
-    except msgspec.DecodeError as exc:  # includes ValidationError
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # DecodeError includes ValidationError;
+        # msgspec raises UnicodeDecodeError (not DecodeError) for a msgpack str that is not UTF-8
         try:
             raw = _raw_decoder.decode(frame)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, UnicodeDecodeError):
             raw = None
         rid = _rid_of(raw)
         if isinstance(raw, list) and raw and isinstance(raw[0], str) and raw[0] not in REQUEST_TAGS:

@@ -9,6 +9,7 @@ Every request gets exactly one reply: its result or an `ErrorReply` with a typed
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import dataclasses
 import logging
@@ -25,7 +26,7 @@ import zmq.asyncio
 import kvdepot
 from kvdepot.gpu.cpu_engine import CpuTransferEngine
 from kvdepot.gpu.layout import EngineLayout, group_layers
-from kvdepot.gpu.shm import open_shm
+from kvdepot.gpu.shm import open_shm, shm_path
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, RequestError
@@ -66,10 +67,25 @@ class Registration:
     closed: bool = False  # unregistered; unmap when active reaches 0
     stored_chunks: int = 0
     retrieved_chunks: int = 0
+    # (fd, registered size) per storage: the mapped files, fstat-ed before every transfer because
+    # touching a mapping beyond a file the engine shrank kills the daemon with SIGBUS
+    files: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     def release_memory(self) -> None:
         self.engine = None
         self.storages = None  # last reference: torch unmaps
+        for fd, _ in self.files:
+            os.close(fd)
+        self.files = []
+
+    def check_memory(self) -> None:
+        """Raises RequestError(ENGINE_MEMORY) if a storage file shrank below its registered size."""
+        for sid, (fd, size) in enumerate(self.files):
+            actual = os.fstat(fd).st_size
+            if actual < size:
+                raise RequestError(ErrorCode.ENGINE_MEMORY,
+                                   f"shared memory of storage {sid} shrank to {actual} bytes (registered {size}); "
+                                   "the engine must keep its KV-cache segment intact while registered")
 
 
 @dataclasses.dataclass(eq=False)
@@ -119,7 +135,8 @@ class Daemon:
         for ep in self.config.endpoints:
             path = ipc_path(ep)
             if path and os.path.exists(path) and _endpoint_answers(ep):
-                raise RuntimeError(f"another kvdepot daemon is serving at {ep}; stop it or pass another --endpoint")
+                raise OSError(errno.EADDRINUSE,
+                              f"another kvdepot daemon is serving at {ep}; stop it or pass another --endpoint")
         ctx = zmq.asyncio.Context()
         self._sock = make_socket(ctx, zmq.ROUTER, self.config.endpoints, bind=True)
         if self.config.metrics_port:
@@ -158,31 +175,40 @@ class Daemon:
         sock = self._sock
         while True:
             frames = await sock.recv_multipart(copy=False)
-            identity = frames[0].bytes
-            if len(frames) != 2:
-                self._send(identity, codec.error_frame(0, ErrorCode.MALFORMED, f"expected 1 body frame, got {len(frames) - 1}"))
-                self.metrics.errors.labels(ErrorCode.MALFORMED.name).inc()
-                continue
             try:
-                req = codec.decode_request(frames[1].buffer)
-            except RequestError as exc:
-                self._reply_error(identity, exc.rid, exc)
-                continue
-            handler = self._handlers.get(type(req))
-            if handler is None:  # a request type this daemon build does not serve
-                self._reply_error(identity, req.rid, RequestError(ErrorCode.UNSUPPORTED, type(req).__name__))
-                continue
-            if inspect.iscoroutinefunction(handler):
-                task = asyncio.create_task(self._run_async(handler, identity, req))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._dispatch(frames)
+            except Exception:  # noqa: BLE001 - one message must never end the loop (the daemon would go silent)
+                log.exception("dropped a message that failed outside its handler")
+
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        if len(frames) != 2:
+            self._send(identity, codec.error_frame(0, ErrorCode.MALFORMED, f"expected 1 body frame, got {len(frames) - 1}"))
+            self.metrics.errors.labels(ErrorCode.MALFORMED.name).inc()
+            return
+        try:
+            req = codec.decode_request(frames[1].buffer)
+        except RequestError as exc:
+            self._reply_error(identity, exc.rid, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - e.g. RecursionError on deeply nested msgpack
+            self._reply_error(identity, 0, RequestError(ErrorCode.MALFORMED, f"undecodable request: {exc}"))
+            return
+        handler = self._handlers.get(type(req))
+        if handler is None:  # a request type this daemon build does not serve
+            self._reply_error(identity, req.rid, RequestError(ErrorCode.UNSUPPORTED, type(req).__name__))
+            return
+        if inspect.iscoroutinefunction(handler):
+            task = asyncio.create_task(self._run_async(handler, identity, req))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            try:
+                reply = handler(self, identity, req)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
+                self._reply_error(identity, req.rid, exc)
             else:
-                try:
-                    reply = handler(self, identity, req)
-                except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
-                    self._reply_error(identity, req.rid, exc)
-                else:
-                    self._send(identity, codec.encode(reply))
+                self._send(identity, codec.encode(reply))
 
     async def _run_async(self, handler, identity: bytes, req: m.Msg) -> None:
         try:
@@ -248,6 +274,8 @@ class Daemon:
         return out
 
     def _alloc(self, size_bytes: int) -> int | None:
+        if size_bytes > self.pool.capacity_bytes:
+            return None  # can never fit: evicting would only empty the cache for nothing
         while True:
             off = self.pool.alloc(size_bytes)
             if off is not None:
@@ -290,10 +318,18 @@ class Daemon:
                                "this daemon build serves CPU engines (shared memory) only; CUDA IPC is not available")
         layout = group_layers(req.layers, req.groups, req.chunk_size, [s.size_bytes for s in req.storages])
         storages = [open_shm(s.name, s.size_bytes) for s in req.storages]
+        files = []
+        try:
+            for s in req.storages:
+                files.append((os.open(shm_path(s.name), os.O_RDONLY | os.O_CLOEXEC), s.size_bytes))
+            engine = CpuTransferEngine(layout, storages)
+        except BaseException:
+            for fd, _ in files:
+                os.close(fd)
+            raise
         self._reg_seq += 1
         reg_id = f"{self.boot_id[:8]}-{self._reg_seq}"
-        reg = Registration(reg_id, req.model, req.shard, req.pid, req.device, layout, storages,
-                           CpuTransferEngine(layout, storages))
+        reg = Registration(reg_id, req.model, req.shard, req.pid, req.device, layout, storages, engine, files=files)
         self.registrations[reg_id] = reg
         self.metrics.registered_engines.set(len(self.registrations))
         log.info("registered %s: model %s shard %s pid %d, %d layer groups, %d bytes per chunk", reg_id,
@@ -325,13 +361,14 @@ class Daemon:
                     entries, time.monotonic() + self.config.pin_ttl_s, self.client_pids.get(identity, 0))
         for chain in req.keys:
             self.index.touch_chain(chain[:hit])
-        hit_tokens = hit * req.chunk_size
-        if req.num_tokens:
-            hit_tokens = min(hit_tokens, req.num_tokens)
+        # without num_tokens the prompt is taken to be the whole chunks asked about, so that
+        # hit tokens never exceed requested tokens (hit rate <= 1)
+        requested = req.num_tokens or max((len(c) for c in req.keys), default=0) * req.chunk_size
+        hit_tokens = min(hit * req.chunk_size, requested)
         self.metrics.lookups.labels(req.model).inc()
-        self.metrics.lookup_requested_tokens.labels(req.model).inc(req.num_tokens)
+        self.metrics.lookup_requested_tokens.labels(req.model).inc(requested)
         self.metrics.lookup_hit_tokens.labels(req.model).inc(hit_tokens)
-        self.stats["lookup_requested_tokens"] += req.num_tokens
+        self.stats["lookup_requested_tokens"] += requested
         self.stats["lookup_hit_tokens"] += hit_tokens
         return m.LookupReply(rid=req.rid, hit_chunks=hit)
 
@@ -359,6 +396,7 @@ class Daemon:
         lay = reg.layout
         n = len(req.keys)
         self._check_block_ids(reg, req.block_ids, n)
+        reg.check_memory()
         held: list[Entry] = []  # present entries kept from eviction while this store allocates
         new: list[tuple[int, Entry]] = []
         present = 0
@@ -432,6 +470,7 @@ class Daemon:
         lay = reg.layout
         n = len(req.keys)
         self._check_block_ids(reg, req.block_ids, n)
+        reg.check_memory()
         if req.skip_tokens and (req.skip_tokens >= n * lay.chunk_size
                                 or any(req.skip_tokens % t for t in lay.tokens_per_block)):
             raise RequestError(ErrorCode.INVALID_ARGUMENT,

@@ -149,8 +149,17 @@ class ChunkIndex:
         return None
 
     def drop_where(self, pred: Callable[[Entry], bool]) -> tuple[int, int]:
-        """Remove every entry matching ``pred`` (flush). Returns (objects, bytes) dropped."""
-        victims = [e for e in self._entries.values() if pred(e)]
+        """Remove every entry matching ``pred`` (flush), and every cached descendant of one: a
+        chunk is useless without its prefix, and an entry that outlived its parent would later
+        decrement the ``children`` of a re-stored entry of the parent's key (which never
+        counted it), leaving that entry unevictable. Returns (objects, bytes) dropped."""
+        doomed = {e.key for e in self._entries.values() if pred(e)}
+        grew = bool(doomed)
+        while grew:
+            n = len(doomed)
+            doomed.update(e.key for e in self._entries.values() if e.parent in doomed)
+            grew = len(doomed) > n
+        victims = [e for e in self._entries.values() if e.key in doomed]
         n = b = 0
         for e in victims:
             self._remove(e)

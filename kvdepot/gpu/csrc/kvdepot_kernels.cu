@@ -21,6 +21,7 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <string.h>
 
 extern "C" {
 
@@ -141,6 +142,40 @@ int kvd_copy_blocks(const KvdGroupDesc* d, const uint64_t* layer_ptrs, const int
 }
 
 const char* kvd_last_cuda_error(void) { return cudaGetErrorString(g_last_cuda_error); }
+
+static int kvd_check(cudaError_t err) {
+  if (err != cudaSuccess) {
+    g_last_cuda_error = err;
+    cudaGetLastError();  // clear a sticky-free error so later calls are not poisoned
+    return KVD_ECUDA;
+  }
+  return KVD_OK;
+}
+
+// Open another process's allocation from its cudaIpcMemHandle_t (64 bytes) on `device`.
+int kvd_ipc_open_mem(const void* handle, int device, void** out_ptr) {
+  if (handle == nullptr || out_ptr == nullptr) return KVD_EINVAL;
+  int rc = kvd_check(cudaSetDevice(device));
+  if (rc) return rc;
+  cudaIpcMemHandle_t h;
+  memcpy(&h, handle, sizeof(h));
+  return kvd_check(cudaIpcOpenMemHandle(out_ptr, h, cudaIpcMemLazyEnablePeerAccess));
+}
+
+int kvd_ipc_close_mem(void* ptr, int device) {
+  int rc = kvd_check(cudaSetDevice(device));
+  if (rc) return rc;
+  return kvd_check(cudaIpcCloseMemHandle(ptr));
+}
+
+// Page-lock an existing host range (the L1 arena, progressively) / undo it.
+int kvd_host_register(void* ptr, size_t size_bytes) {
+  return kvd_check(cudaHostRegister(ptr, size_bytes, cudaHostRegisterPortable));
+}
+
+int kvd_host_unregister(void* ptr) { return kvd_check(cudaHostUnregister(ptr)); }
+
+int kvd_ipc_handle_bytes(void) { return (int)sizeof(cudaIpcMemHandle_t); }
 
 int kvd_abi_version(void) { return 1; }
 
