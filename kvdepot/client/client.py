@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import os
 import time
+import uuid
 from collections.abc import Sequence
 
 import zmq
@@ -76,6 +77,7 @@ class KVDepotClient:
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         self._rid = itertools.count(1)
+        self._identity = f"kvd-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
         self.boot_id: str | None = None
         try:
             self.hello()
@@ -87,7 +89,7 @@ class KVDepotClient:
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
-            self._sock = make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False)
+            self._sock = make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False, identity=self._identity)
         return self._sock
 
     def _reset(self) -> None:

@@ -142,8 +142,7 @@ class ShmKVCache:
         self.layer_gids = [g.gid for g, _ in layers]
         self._layer_groups = [g for g, _ in layers]
         self.engine_tensors = [
-            torch.as_strided(self.storage[off:].view(dt) if dt.itemsize == 1 else self.storage[off:].view(dt),
-                             shape, strides)
+            torch.as_strided(self.storage[off:].view(dt), shape, strides)
             for off, shape, strides, dt in self._plan
         ]
 

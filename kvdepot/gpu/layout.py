@@ -56,6 +56,10 @@ from kvdepot.protocol.errors import ErrorCode, RequestError
 from kvdepot.protocol.messages import KVGroupSpec, LayerGroupInfo, LayerSpec
 
 
+MAX_CHUNK_TOKENS = 1 << 20
+MAX_OBJECT_BYTES = 1 << 36  # 64 GiB: far above any real chunk, far below integer-overflow territory
+
+
 class LayerLayout(str, enum.Enum):
     """What the dims of a registered layer tensor mean (see the module docstring)."""
 
@@ -197,6 +201,14 @@ def layer_view(spec: LayerSpec, tokens_per_block: int) -> LayerView:
         if spec.strides[2] != 1:
             raise bad("the row must be contiguous (stride 1)")
         view = LayerView(nb, n, 1, 1, r * es, st[0], st[1], 0, 0)
+    # the view must not alias itself: sorted by stride, each dim must step past everything inside it
+    extent = view.row_bytes
+    dims = [(view.kv_stride, view.num_kv), (view.head_stride, view.num_heads), (view.token_stride, view.block_size),
+            (view.block_stride, view.num_blocks)]
+    for stride, size in sorted((d for d in dims if d[1] > 1), key=lambda d: d[0]):
+        if stride < extent:
+            raise bad("the view overlaps itself (a stride is smaller than the data inside it)")
+        extent = stride * (size - 1) + extent
     if view.block_size != tokens_per_block:
         raise bad(f"block size {view.block_size} != tokens_per_block {tokens_per_block} of gid {spec.gid}")
     if view.row_bytes == 0 or view.num_heads == 0:
@@ -292,6 +304,8 @@ def group_layers(
                 f"chunk_size {chunk_size} is not a multiple of gid {gid}'s {bs} tokens per block; "
                 f"use a multiple of {lcm} (--chunk-size / chunk_size)",
             )
+    if chunk_size > MAX_CHUNK_TOKENS:
+        raise RequestError(ErrorCode.LAYOUT, f"chunk_size {chunk_size} exceeds {MAX_CHUNK_TOKENS} tokens")
     groups: dict[tuple, LayerGroup] = {}
     used_gids = set()
     for spec in layers:
@@ -319,6 +333,9 @@ def group_layers(
     for grp in ordered:
         grp.object_offset = offset
         offset += chunk_size * grp.bytes_per_token
+    if offset > MAX_OBJECT_BYTES:
+        raise RequestError(ErrorCode.LAYOUT, f"one chunk would be {offset} bytes (> {MAX_OBJECT_BYTES}); "
+                                             "use a smaller chunk_size")
     tokens_per_block = [tpb[g] for g in range(len(tpb))]
     return EngineLayout(chunk_size, tokens_per_block, ordered, offset, layout_fingerprint(chunk_size, ordered))
 

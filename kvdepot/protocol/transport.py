@@ -31,8 +31,12 @@ def ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
 
 
-def make_socket(ctx: zmq.Context, socket_type: int, endpoints: list[str] | str, bind: bool) -> zmq.Socket:
+def make_socket(ctx: zmq.Context, socket_type: int, endpoints: list[str] | str, bind: bool,
+                identity: bytes | None = None) -> zmq.Socket:
     """Create a socket with kvdepot's options and bind or connect it.
+
+    ``identity`` (DEALER): a fixed routing id, so a client that rebuilds its socket after a
+    timeout keeps its pins and liveness record in the daemon (the ROUTER hands the id over).
 
     Binding an ``ipc://`` endpoint creates the socket file with mode 0600 (umask 0o177 while
     binding) and replaces a stale file left by a dead daemon.
@@ -49,6 +53,9 @@ def make_socket(ctx: zmq.Context, socket_type: int, endpoints: list[str] | str, 
     sock.setsockopt(zmq.RCVHWM, _HWM)
     if socket_type == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished peer's reply is dropped, not an error
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client takes its routing id over
+    if identity is not None:
+        sock.setsockopt(zmq.ROUTING_ID, identity)
     try:
         for ep in endpoints:
             if not ep.startswith(("ipc://", "tcp://")):

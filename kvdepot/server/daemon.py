@@ -120,6 +120,7 @@ class Daemon:
         self.registrations: dict[str, Registration] = {}
         self.pins: dict[tuple[bytes, str], Pin] = {}
         self.client_pids: dict[bytes, int] = {}
+        self._models: set[str] = set()  # every model ever registered (metric label values)
         self._reg_seq = 0
         self._executor = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvdepot-xfer")
         self._stop = asyncio.Event()
@@ -331,6 +332,7 @@ class Daemon:
         reg_id = f"{self.boot_id[:8]}-{self._reg_seq}"
         reg = Registration(reg_id, req.model, req.shard, req.pid, req.device, layout, storages, engine, files=files)
         self.registrations[reg_id] = reg
+        self._models.add(req.model)
         self.metrics.registered_engines.set(len(self.registrations))
         log.info("registered %s: model %s shard %s pid %d, %d layer groups, %d bytes per chunk", reg_id,
                  req.model, req.shard, req.pid, len(layout.groups), layout.object_bytes)
@@ -365,12 +367,18 @@ class Daemon:
         # hit tokens never exceed requested tokens (hit rate <= 1)
         requested = req.num_tokens or max((len(c) for c in req.keys), default=0) * req.chunk_size
         hit_tokens = min(hit * req.chunk_size, requested)
-        self.metrics.lookups.labels(req.model).inc()
-        self.metrics.lookup_requested_tokens.labels(req.model).inc(requested)
-        self.metrics.lookup_hit_tokens.labels(req.model).inc(hit_tokens)
+        model = self._model_label(req.model)
+        self.metrics.lookups.labels(model).inc()
+        self.metrics.lookup_requested_tokens.labels(model).inc(requested)
+        self.metrics.lookup_hit_tokens.labels(model).inc(hit_tokens)
         self.stats["lookup_requested_tokens"] += requested
         self.stats["lookup_hit_tokens"] += hit_tokens
         return m.LookupReply(rid=req.rid, hit_chunks=hit)
+
+    def _model_label(self, model: str) -> str:
+        """Metric label for a model name from a request: registered models only (a small set
+        the operator controls), anything else is "other"."""
+        return model if model in self._models else "other"
 
     def _prefix_len(self, chain: Sequence[bytes]) -> int:
         n = 0

@@ -187,3 +187,36 @@ def test_client_without_daemon_times_out_cleanly(tmp_path):
         KVDepotClient(f"ipc://{tmp_path}/nobody-serves-here.sock", timeout_s=0.3)
     assert ei.value.code is ErrorCode.TIMEOUT
     gc.collect()  # a zmq context left open by the failed constructor would warn here (an error under pytest)
+
+
+def test_lookup_model_label_is_bounded_to_registered_models(module_daemon):
+    """A client cannot mint metric label values: unregistered model names count as "other"."""
+    with KVDepotClient(module_daemon.endpoint) as c:
+        for i in range(3):
+            c.lookup([bytes([i]) * 16], 16, num_tokens=16, model=f"not-registered-{i}")
+        samples = scrape(module_daemon.metrics_port)
+    assert not any(dict(labels).get("model", "").startswith("not-registered") for _, labels in samples)
+    assert metric(samples, "kvdepot_lookups_total", model="other") >= 3
+
+
+def test_pins_survive_a_client_timeout(daemon):
+    """After a TIMEOUT the client rebuilds its socket with the same routing id, so the pin it
+    took before is still released by its end_request."""
+    import os
+    import signal
+
+    spec = ke.EngineSpec(daemon.endpoint, ke.SMOLLM2, "LBNHC", (16,), (8,), 16, 5200, model_id="pin-timeout")
+    with ke.Engine(spec) as e:
+        keys = e.keys(ke.prompt_tokens(5200, 32))
+        assert e.client.store(e.reg, keys, [[0, 1]]).stored == 2
+        assert e.client.lookup(keys, 16, pin_request="req-1") == 2
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(KVDepotError) as exc:
+                e.client.call(m.Ping(rid=0), timeout_s=0.3)
+            assert exc.value.code == ErrorCode.TIMEOUT
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert e.client.describe().pinned_requests == 1
+        e.client.end_request("req-1")
+        assert e.client.describe().pinned_requests == 0

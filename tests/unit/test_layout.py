@@ -346,9 +346,23 @@ def _flash_spec(**kw) -> LayerSpec:
     (dict(layout="mla", shape=[4, 16, 576], strides=[1, 4, 64]), "row must be contiguous"),
     (dict(layout="mla", shape=[4, 16, 0], strides=[0, 0, 1]), "empty rows"),
     (dict(shape=[2, 4, 16, 0, 128]), "empty rows"),
+    (dict(strides=[65536, 0, 1024, 128, 1]), "overlaps itself"),  # every block aliases block 0
+    (dict(strides=[65536, 16384, 512, 128, 1]), "overlaps itself"),  # tokens overlap their heads
+    (dict(strides=[128, 16384, 1024, 128, 1]), "overlaps itself"),  # V aliases head 1 of K
 ])
 def test_layer_view_errors(kw, match):
     _layout_error(layer_view, _flash_spec(**kw), 16, match=match)
+
+
+def test_absurd_chunk_sizes_are_layout_errors(model_groups, shm_kv_cache):
+    from kvdepot.gpu.layout import MAX_CHUNK_TOKENS
+
+    spec = _flash_spec()
+    _layout_error(group_layers, [spec], [KVGroupSpec(gid=0, tokens_per_block=16)], MAX_CHUNK_TOKENS * 16,
+                  [1 << 20], match="exceeds")
+    big = _flash_spec(shape=[2, 4, 16, 8, 1 << 20], strides=[4 * 16 * 8 << 20, 16 * 8 << 20, 8 << 20, 1 << 20, 1])
+    _layout_error(group_layers, [big], [KVGroupSpec(gid=0, tokens_per_block=16)], 1 << 16, [1 << 40],
+                  match="smaller chunk_size")
 
 
 def test_layer_view_error_names_the_layer():
