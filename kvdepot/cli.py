@@ -53,7 +53,8 @@ def cmd_serve(args) -> int:
     endpoints = args.endpoint_list or [_endpoint(args)]
     cfg = DaemonConfig(
         endpoints=endpoints, l1_capacity_bytes=args.l1_bytes, metrics_port=args.metrics_port,
-        metrics_addr=args.metrics_addr, pin_ttl_s=args.pin_ttl_s, transfer_threads=args.transfer_threads)
+        metrics_addr=args.metrics_addr, pin_ttl_s=args.pin_ttl_s, transfer_threads=args.transfer_threads,
+        staging_batch_bytes=args.staging_batch_bytes, pin_l1=args.pin_l1)
     run_daemon(cfg)
     return 0
 
@@ -145,7 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Prometheus /metrics port, 0 = off (env KVDEPOT_METRICS_PORT)")
     s.add_argument("--metrics-addr", default="127.0.0.1", help="address the metrics endpoint binds")
     s.add_argument("--pin-ttl-s", type=float, default=120.0, help="lookup pins expire after this many seconds")
-    s.add_argument("--transfer-threads", type=int, default=2, help="copy worker threads")
+    s.add_argument("--transfer-threads", type=int, default=2, help="copy worker threads (CPU engines)")
+    s.add_argument("--staging-batch-bytes", type=parse_bytes, default=128 << 20,
+                   help="GPU staging bytes per batch of chunks (CUDA engines; default 128m)")
+    s.add_argument("--pin-l1", dest="pin_l1", action="store_true", default=None,
+                   help="page-lock L1 for DMA (default: when a GPU is visible)")
+    s.add_argument("--no-pin-l1", dest="pin_l1", action="store_false")
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve)
 

@@ -78,6 +78,9 @@ class KVDepotClient:
         self._sock: zmq.Socket | None = None
         self._rid = itertools.count(1)
         self._identity = f"kvd-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
+        self._own_events: dict = {}  # device -> interprocess event this client records for stores
+        self._peer_events: dict = {}  # handle -> the daemon's opened interprocess event
+        self.last_retrieve_event = None
         self.boot_id: str | None = None
         try:
             self.hello()
@@ -175,17 +178,57 @@ class KVDepotClient:
         return r.hit_chunks
 
     def store(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
-              parent: bytes = b"", cache_salt: str = "", request: str = "") -> m.StoreReply:
-        """Store whole chunks from engine blocks (see `kvdepot.protocol.messages.Store`)."""
+              parent: bytes = b"", cache_salt: str = "", request: str = "", after=None) -> m.StoreReply:
+        """Store whole chunks from engine blocks (see `kvdepot.protocol.messages.Store`).
+
+        after: CUDA engines: the ``torch.cuda.Stream`` whose work so far wrote the blocks; the
+            client records its interprocess event there and the daemon's copy waits on it.
+            Returns once the chunks are in the daemon's memory (the blocks may be reused).
+        """
+        event = b""
+        if after is not None:
+            event = self._record_event(after)
         return self.call(m.Store(rid=0, registration=reg.id, keys=list(keys), block_ids=[list(b) for b in block_ids],
-                                 parent=parent, cache_salt=cache_salt, request=request))
+                                 parent=parent, cache_salt=cache_salt, request=request, event=event))
 
     def retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
-                 skip_tokens: int = 0, request: str = "") -> int:
-        """Write cached chunks into engine blocks; returns how many leading chunks were written."""
+                 skip_tokens: int = 0, request: str = "", before=None) -> int:
+        """Write cached chunks into engine blocks; returns how many leading chunks were written.
+
+        before: CUDA engines: the ``torch.cuda.Stream`` that will read the blocks; it is made to
+            wait (on the GPU, not the CPU) for the daemon's copies. Without it, the call returns
+            once the copies are enqueued and the caller must wait on ``last_retrieve_event``.
+        """
         r = self.call(m.Retrieve(rid=0, registration=reg.id, keys=list(keys),
                                  block_ids=[list(b) for b in block_ids], skip_tokens=skip_tokens, request=request))
+        self.last_retrieve_event = None
+        if r.event:
+            ev = self._open_event(r.event, before.device if before is not None else None)
+            self.last_retrieve_event = ev
+            if before is not None:
+                before.wait_event(ev)
         return r.retrieved
+
+    # ------------------------------------------------------------------ CUDA events
+
+    def _record_event(self, stream) -> bytes:
+        import torch
+
+        ev = self._own_events.get(stream.device)
+        if ev is None:
+            with torch.cuda.device(stream.device):
+                ev = self._own_events[stream.device] = torch.cuda.Event(interprocess=True)
+        ev.record(stream)
+        return bytes(ev.ipc_handle())
+
+    def _open_event(self, handle: bytes, device):
+        import torch
+
+        ev = self._peer_events.get(handle)
+        if ev is None:
+            dev = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+            ev = self._peer_events[handle] = torch.cuda.Event.from_ipc_handle(dev, handle)
+        return ev
 
     def end_request(self, request: str) -> None:
         self.call(m.EndRequest(rid=0, request=request))

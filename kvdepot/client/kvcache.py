@@ -63,6 +63,20 @@ class KVGroupShape:
         return self.tokens_per_block * self.token_bytes
 
 
+def export_cuda_storage(t: torch.Tensor) -> StorageSpec:
+    """`StorageSpec` of the CUDA allocation holding tensor ``t`` (whose first byte is the
+    storage's byte 0): a ``cudaIpcMemHandle_t`` of the caching allocator's block, the storage's
+    offset in it, and the GPU's UUID (the daemon matches GPUs by UUID, never by ordinal).
+    Layer offsets are then relative to ``t.data_ptr()``."""
+    st = t.untyped_storage()
+    shared = st._share_cuda_()  # (device, handle, size, offset in the block, ...)
+    dev, handle, offset = shared[0], shared[1], shared[3]
+    uuid = str(torch.cuda.get_device_properties(dev).uuid)
+    return StorageSpec(kind="cuda_ipc", size_bytes=st.nbytes() - t.storage_offset() * t.element_size(),
+                       handle=bytes(handle), device_uuid=uuid,
+                       handle_offset_bytes=offset + t.storage_offset() * t.element_size())
+
+
 def _align(n: int, a: int = 256) -> int:
     return (n + a - 1) // a * a
 
@@ -85,7 +99,7 @@ class ShmKVCache:
     """
 
     def __init__(self, groups: Sequence[KVGroupShape], num_blocks: int | Sequence[int], layout: str = "LBNHC",
-                 name: str | None = None) -> None:
+                 name: str | None = None, device: str | torch.device | None = None) -> None:
         if layout not in ALL_LAYOUTS:
             raise ValueError(f"layout {layout!r} not in {ALL_LAYOUTS}")
         self.groups = sorted(groups, key=lambda g: g.gid)
@@ -136,8 +150,13 @@ class ShmKVCache:
                 off = _align(off + nb * g.page_bytes)
             size = _align(off)
         self.size_bytes = max(size, 4096)
-        self.storage = create_shm(self.name, self.size_bytes)
-        self.storage.zero_()  # commit the pages now, as an engine does when it allocates its cache
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type == "cuda":
+            # one device allocation, shared with the daemon by CUDA IPC handle (vLLM 0.33 style)
+            self.storage = torch.zeros(self.size_bytes, dtype=torch.uint8, device=self.device)
+        else:
+            self.storage = create_shm(self.name, self.size_bytes)
+            self.storage.zero_()  # commit the pages now, as an engine does when it allocates its cache
         self.layer_names = [f"layer.{i}" for i in range(len(layers))]
         self.layer_gids = [g.gid for g, _ in layers]
         self._layer_groups = [g for g, _ in layers]
@@ -148,7 +167,14 @@ class ShmKVCache:
 
     # ------------------------------------------------------------------ description
 
+    @property
+    def register_device(self) -> str:
+        """``Register.device`` for this cache: ``"cpu"`` or ``"cuda"``."""
+        return "cuda" if self.device.type == "cuda" else "cpu"
+
     def storage_specs(self) -> list[StorageSpec]:
+        if self.device.type == "cuda":
+            return [export_cuda_storage(self.storage)]
         return [StorageSpec(kind="shm", size_bytes=self.size_bytes, name=self.name)]
 
     def group_specs(self) -> list[KVGroupSpec]:
@@ -217,7 +243,8 @@ class ShmKVCache:
 
     def close(self) -> None:
         """Unlink the segment (the mapping lives on until this object is dropped)."""
-        unlink_shm(self.name)
+        if self.device.type != "cuda":
+            unlink_shm(self.name)
 
     def __enter__(self) -> ShmKVCache:
         return self

@@ -46,7 +46,9 @@ class StorageSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
     """One engine memory allocation that layer views point into.
 
     kind: ``"shm"`` (POSIX shared memory, ``name`` is the /dev/shm name) or ``"cuda_ipc"``
-    (``handle`` is a ``cudaIpcMemHandle_t``, ``device_uuid`` the GPU's UUID).
+    (``handle`` is a ``cudaIpcMemHandle_t`` of the allocation holding the storage, which starts
+    ``handle_offset_bytes`` into it; ``device_uuid`` is the GPU's UUID, matched by the daemon
+    against its visible GPUs, never by ordinal).
     size_bytes: bytes of the allocation; every layer view must lie inside it.
     """
 
@@ -55,6 +57,7 @@ class StorageSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
     name: Name = ""
     handle: bytes = b""
     device_uuid: str = ""
+    handle_offset_bytes: NonNegInt = 0  # cuda_ipc: where the storage starts in the handle's allocation
 
 
 class LayerSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):

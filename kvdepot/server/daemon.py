@@ -49,6 +49,8 @@ class DaemonConfig:
     pin_ttl_s: float = 120.0  # (--pin-ttl-s) lookup pins expire after this long
     liveness_interval_s: float = 1.0  # how often dead engines / expired pins are reclaimed
     transfer_threads: int = 2  # (--transfer-threads) copy worker threads
+    staging_batch_bytes: int = 128 << 20  # (--staging-batch-bytes) device staging per batch (CUDA path)
+    pin_l1: bool | None = None  # (--pin-l1/--no-pin-l1) page-lock L1 for DMA; None = if a GPU is visible
 
 
 @dataclasses.dataclass(eq=False)
@@ -70,6 +72,11 @@ class Registration:
     # (fd, registered size) per storage: the mapped files, fstat-ed before every transfer because
     # touching a mapping beyond a file the engine shrank kills the daemon with SIGBUS
     files: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # CUDA engines: device ordinal, IPC-opened storages, the interprocess event retrieves record
+    cuda_device: int | None = None
+    cuda_storages: list = dataclasses.field(default_factory=list)
+    retrieve_event: object = None
+    on_release: object = None  # callable closing the CUDA mappings
 
     def release_memory(self) -> None:
         self.engine = None
@@ -77,6 +84,10 @@ class Registration:
         for fd, _ in self.files:
             os.close(fd)
         self.files = []
+        if self.on_release is not None:
+            self.on_release(self.cuda_storages)
+            self.on_release = None
+            self.cuda_storages = []
 
     def check_memory(self) -> None:
         """Raises RequestError(ENGINE_MEMORY) if a storage file shrank below its registered size."""
@@ -121,6 +132,8 @@ class Daemon:
         self.pins: dict[tuple[bytes, str], Pin] = {}
         self.client_pids: dict[bytes, int] = {}
         self._models: set[str] = set()  # every model ever registered (metric label values)
+        self._cuda = None  # CudaRuntime, created by the first CUDA registration
+        self.transfer_engine_name = CpuTransferEngine.name
         self._reg_seq = 0
         self._executor = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvdepot-xfer")
         self._stop = asyncio.Event()
@@ -142,7 +155,13 @@ class Daemon:
         self._sock = make_socket(ctx, zmq.ROUTER, self.config.endpoints, bind=True)
         if self.config.metrics_port:
             self.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
-        self.pool.start_prefault()
+        pin = self.config.pin_l1
+        if pin is None:
+            pin = torch.cuda.is_available()
+        if pin:
+            self.pool.start_pinning()
+        else:
+            self.pool.start_prefault()
         sweeper = asyncio.create_task(self._sweep_loop())
         receiver = asyncio.create_task(self._recv_loop())
         log.info("kvdepot %s serving on %s (boot %s, L1 %d bytes, transfer engine %s)", kvdepot.__version__,
@@ -161,6 +180,8 @@ class Daemon:
             ctx.term()
             self._executor.shutdown(wait=True)
             self.pool.stop_prefault()
+            if self._cuda is not None:
+                self._cuda.close()
             for ep in self.config.endpoints:
                 path = ipc_path(ep)
                 if path and os.path.exists(path):
@@ -313,11 +334,43 @@ class Daemon:
     def _on_ping(self, identity: bytes, req: m.Ping) -> m.Msg:
         return m.Pong(rid=req.rid, boot_id=self.boot_id)
 
+    def _cuda_runtime(self):
+        if self._cuda is None:
+            from kvdepot.gpu.cuda_path import CudaRuntime
+
+            self._cuda = CudaRuntime(asyncio.get_running_loop(), self.config.staging_batch_bytes)
+            self.transfer_engine_name = f"cpu-torch + {'cuda-kernels' if self._cuda.kernels else 'cuda-torch'}"
+        return self._cuda
+
+    def _register_cuda(self, req: m.Register, layout: EngineLayout) -> Registration:
+        import torch as _torch
+
+        from kvdepot.gpu.cuda_engine import CudaTransferEngine
+
+        if any(s.kind != "cuda_ipc" for s in req.storages):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "a CUDA registration's storages must all be cuda_ipc")
+        rt = self._cuda_runtime()
+        dev, opened = rt.open_storages(req.storages)
+        try:
+            engine = CudaTransferEngine(layout, [o.ptr for o in opened], [s.size_bytes for s in req.storages],
+                                        _torch.device("cuda", dev))
+            with _torch.cuda.device(dev):
+                event = _torch.cuda.Event(interprocess=True)
+            rt.path(dev)
+        except BaseException:
+            rt.close_storages(opened)
+            raise
+        reg = Registration("", req.model, req.shard, req.pid, req.device, layout, None, engine, cuda_device=dev,
+                           cuda_storages=opened, retrieve_event=event, on_release=rt.close_storages)
+        return reg
+
     def _on_register(self, identity: bytes, req: m.Register) -> m.Msg:
-        if req.device != "cpu" or any(s.kind != "shm" for s in req.storages):
-            raise RequestError(ErrorCode.UNSUPPORTED,
-                               "this daemon build serves CPU engines (shared memory) only; CUDA IPC is not available")
         layout = group_layers(req.layers, req.groups, req.chunk_size, [s.size_bytes for s in req.storages])
+        if req.device != "cpu":
+            reg = self._register_cuda(req, layout)
+            return self._add_registration(req, reg)
+        if any(s.kind != "shm" for s in req.storages):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "a CPU registration's storages must all be shm")
         storages = [open_shm(s.name, s.size_bytes) for s in req.storages]
         files = []
         try:
@@ -328,9 +381,13 @@ class Daemon:
             for fd, _ in files:
                 os.close(fd)
             raise
+        reg = Registration("", req.model, req.shard, req.pid, req.device, layout, storages, engine, files=files)
+        return self._add_registration(req, reg)
+
+    def _add_registration(self, req: m.Register, reg: Registration) -> m.Msg:
+        layout = reg.layout
         self._reg_seq += 1
-        reg_id = f"{self.boot_id[:8]}-{self._reg_seq}"
-        reg = Registration(reg_id, req.model, req.shard, req.pid, req.device, layout, storages, engine, files=files)
+        reg_id = reg.id = f"{self.boot_id[:8]}-{self._reg_seq}"
         self.registrations[reg_id] = reg
         self._models.add(req.model)
         self.metrics.registered_engines.set(len(self.registrations))
@@ -442,8 +499,7 @@ class Daemon:
                 reg.active += 1
                 t0 = time.perf_counter()
                 try:
-                    await asyncio.get_running_loop().run_in_executor(
-                        self._executor, self._gather, reg, req.block_ids, new)
+                    await self._store_copy(reg, req, new)
                 except BaseException as exc:
                     for _, e in reversed(new):
                         self.index.abort(e)
@@ -468,6 +524,18 @@ class Daemon:
             self._update_tier_gauges()
         return m.StoreReply(rid=req.rid, stored=len(new), present=present, skipped=skipped)
 
+    async def _store_copy(self, reg: Registration, req: m.Store, new: list[tuple[int, Entry]]) -> None:
+        if reg.cuda_device is None:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._gather, reg, req.block_ids, new)
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._cuda.path(reg.cuda_device).store(
+            reg.engine, req.block_ids, [j for j, _ in new], [self.pool.buffer(e.offset, e.size_bytes) for _, e in new],
+            req.event, lambda err: fut.done() or fut.set_result(err))
+        err = await fut
+        if err is not None:
+            raise RequestError(ErrorCode.ENGINE_MEMORY, f"CUDA store failed: {err}")
+
     def _gather(self, reg: Registration, block_ids, new: list[tuple[int, Entry]]) -> None:
         eng = reg.engine
         for j, e in new:
@@ -491,6 +559,8 @@ class Daemon:
                 break
             self.index.acquire(e)
             entries.append(e)
+        if reg.cuda_device is not None:
+            return self._retrieve_cuda(reg, req, entries)
         try:
             if entries:
                 reg.active += 1
@@ -516,6 +586,40 @@ class Daemon:
             self.index.touch_chain([e.key for e in entries])
             self._update_tier_gauges()
         return m.RetrieveReply(rid=req.rid, retrieved=len(entries))
+
+    def _retrieve_cuda(self, reg: Registration, req: m.Retrieve, entries: list[Entry]) -> m.Msg:
+        """Enqueue the copies and reply at once with the interprocess event the engine waits on;
+        the entries stay acquired until the GPU finished reading them."""
+        lay = reg.layout
+        if not entries:
+            self.index.touch_chain([])
+            return m.RetrieveReply(rid=req.rid, retrieved=0)
+        reg.active += 1
+        t0 = time.perf_counter()
+
+        def done(err: BaseException | None) -> None:
+            self._finish_transfer(reg)
+            for e in entries:
+                self.index.release(e)
+            self._update_tier_gauges()
+            if err is not None:
+                log.error("CUDA retrieve for %s failed on the GPU: %s", reg.id, err)
+                return
+            self.metrics.transfer_seconds.labels("retrieve").observe(time.perf_counter() - t0)
+
+        try:
+            self._cuda.path(reg.cuda_device).retrieve(
+                reg.engine, req.block_ids, [self.pool.buffer(e.offset, e.size_bytes) for e in entries],
+                req.skip_tokens, reg.retrieve_event, done)
+        except BaseException:
+            done(None)
+            raise
+        self.metrics.bytes.labels(reg.model, "retrieve").inc(len(entries) * lay.object_bytes)
+        self.metrics.tokens.labels(reg.model, "retrieve").inc(len(entries) * lay.chunk_size)
+        reg.retrieved_chunks += len(entries)
+        self.stats["retrieved_chunks"] += len(entries)
+        self.index.touch_chain([e.key for e in entries])
+        return m.RetrieveReply(rid=req.rid, retrieved=len(entries), event=bytes(reg.retrieve_event.ipc_handle()))
 
     def _scatter(self, reg: Registration, block_ids, skip_tokens: int, entries: list[Entry]) -> None:
         eng, cs = reg.engine, reg.layout.chunk_size
@@ -555,7 +659,7 @@ class Daemon:
             engines=engines, lookup_requested_tokens=self.stats["lookup_requested_tokens"],
             lookup_hit_tokens=self.stats["lookup_hit_tokens"], stored_chunks=self.stats["stored_chunks"],
             retrieved_chunks=self.stats["retrieved_chunks"], evicted_chunks=self.index.evictions,
-            transfer_engine=CpuTransferEngine.name, pinned_requests=len(self.pins))
+            transfer_engine=self.transfer_engine_name, pinned_requests=len(self.pins))
         return m.DescribeReply(rid=req.rid, info=info)
 
     _handlers: dict[type, Callable] = {

@@ -15,7 +15,11 @@ import ctypes
 import mmap
 import threading
 
+import logging
+
 import torch
+
+log = logging.getLogger("kvdepot.pool")
 
 ALIGN_BYTES = 4096
 
@@ -116,6 +120,8 @@ class HostPool:
         self._mmap = mmap.mmap(-1, max(n, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.arena = torch.frombuffer(self._mmap, dtype=torch.uint8)[:n]
         self.prefaulted_bytes = 0
+        self.pinned_bytes = 0
+        self._pinned_ranges: list[int] = []
         self._prefault_stop = threading.Event()
 
     def start_prefault(self) -> threading.Thread | None:
@@ -143,7 +149,37 @@ class HostPool:
         t.start()
         return t
 
+    def start_pinning(self, step_bytes: int = 1 << 30) -> threading.Thread:
+        """Page-lock the arena for DMA from a daemon thread, ``step_bytes`` at a time
+        (``cudaHostRegister``, which also faults the pages in), so start-up stays instant for
+        any size. Until a step is pinned, copies into it are correct but run at pageable speed.
+        ``pinned_bytes`` reports progress."""
+        import torch
+
+        cudart = torch.cuda.cudart()
+        base, total = self.arena.data_ptr(), self.capacity_bytes
+        self.pinned_bytes = 0
+
+        def run() -> None:
+            for off in range(0, total, step_bytes):
+                if self._prefault_stop.is_set():
+                    return
+                n = min(step_bytes, total - off)
+                err = cudart.cudaHostRegister(base + off, n, 0)
+                if int(err) != 0:
+                    log.warning("cudaHostRegister of L1 bytes [%d, %d) failed (%s); the rest stays pageable",
+                                off, off + n, err)
+                    return
+                self._pinned_ranges.append(base + off)
+                self.pinned_bytes = off + n
+            log.info("L1 pinned: %d bytes", total)
+
+        t = threading.Thread(target=run, name="kvdepot-l1-pin", daemon=True)
+        t.start()
+        return t
+
     def stop_prefault(self) -> None:
+        """Stop background prefaulting / pinning (what is pinned stays pinned)."""
         self._prefault_stop.set()
 
     @property

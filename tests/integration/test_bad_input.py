@@ -190,11 +190,11 @@ def test_bad_registrations(engine):
     layers = cache.layer_specs()
     n_before = len(c.describe().engines)
 
-    def reg(storages=None, layers_=None, groups=None, chunk_size=16):
+    def reg(storages=None, layers_=None, groups=None, chunk_size=16, device="cpu"):
         return c.register("bad-register", "tp0of1", chunk_size,
                           cache.storage_specs() if storages is None else storages,
                           layers if layers_ is None else layers_,
-                          cache.group_specs() if groups is None else groups)
+                          cache.group_specs() if groups is None else groups, device=device)
 
     def storage(**kw):
         return [msgspec.structs.replace(st, **kw)]
@@ -233,8 +233,11 @@ def test_bad_registrations(engine):
         (ErrorCode.LAYOUT, dict(groups=[m.KVGroupSpec(gid=0, tokens_per_block=32)], chunk_size=32)),
         (ErrorCode.LAYOUT, dict(groups=[m.KVGroupSpec(gid=1, tokens_per_block=16)])),
         (ErrorCode.LAYOUT, dict(groups=[*cache.group_specs(), *cache.group_specs()])),
-        # CUDA IPC on a CPU-only daemon
-        (ErrorCode.UNSUPPORTED, dict(storages=storage(kind="cuda_ipc", handle=b"\0" * 64))),
+        # a cuda_ipc storage in a CPU registration is a contradiction; a CUDA registration to a
+        # daemon that sees no GPU is a valid request this daemon cannot serve
+        (ErrorCode.INVALID_ARGUMENT, dict(storages=storage(kind="cuda_ipc", handle=b"\0" * 64))),
+        (ErrorCode.UNSUPPORTED if not torch.cuda.is_available() else ErrorCode.ENGINE_MEMORY,
+         dict(storages=storage(kind="cuda_ipc", handle=b"\0" * 64, device_uuid="GPU-none"), device="cuda")),
     ]
     for code, kw in cases:
         e = expect(code, reg, **kw)
