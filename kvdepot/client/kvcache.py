@@ -70,10 +70,17 @@ def export_cuda_storage(t: torch.Tensor) -> StorageSpec:
     Layer offsets are then relative to ``t.data_ptr()``."""
     st = t.untyped_storage()
     shared = st._share_cuda_()  # (device, handle, size, offset in the block, ...)
-    dev, handle, offset = shared[0], shared[1], shared[3]
+    dev, handle, offset = shared[0], bytes(shared[1]), shared[3]
+    if len(handle) == 66:
+        # torch >= 2.5 prefixes the cudaIpcMemHandle_t with a version byte and a type byte:
+        # 'c' = cudaMalloc'ed block (64-byte IPC handle follows), 'e' = expandable segment
+        if handle[1:2] != b"c":
+            raise ValueError("KV cache lives in an expandable segment; CUDA IPC needs "
+                             "PYTORCH_CUDA_ALLOC_CONF without expandable_segments:True")
+        handle = handle[2:]
     uuid = str(torch.cuda.get_device_properties(dev).uuid)
     return StorageSpec(kind="cuda_ipc", size_bytes=st.nbytes() - t.storage_offset() * t.element_size(),
-                       handle=bytes(handle), device_uuid=uuid,
+                       handle=handle, device_uuid=uuid,
                        handle_offset_bytes=offset + t.storage_offset() * t.element_size())
 
 
@@ -229,7 +236,7 @@ class ShmKVCache:
     def read_tokens(self, layer: int, block_ids: Sequence[int], as_bytes: bool = False) -> torch.Tensor:
         """Copy out the tokens held by ``block_ids`` (in order): ``[T, H, KV, D]``."""
         v = self.token_view(layer, as_bytes)
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=v.device)
         out = v.index_select(0, idx)
         return out.reshape(-1, *out.shape[2:])
 
