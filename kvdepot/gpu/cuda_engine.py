@@ -52,6 +52,10 @@ class CudaTransferEngine:
         self._layer_ptrs = [[storage_ptrs[s] + off for s, off in g.offsets] for g in layout.groups]
         self._descs = [KvdGroupDesc.from_group(g, layout.object_bytes, layout.chunk_size) for g in layout.groups]
         self._layer_ptrs_dev = [torch.tensor(p, dtype=torch.int64, device=device) for p in self._layer_ptrs]
+        # widest word per group, for staging buffers aligned to 256 bytes (the caching allocator's
+        # minimum); checked again per call
+        self._vec = ([self.kernels.vec_bytes(d, p, 0) for d, p in zip(self._descs, self._layer_ptrs)]
+                     if self.kernels is not None else [])
         if self.kernels is None:
             storages = [tensor_at(p, n, device) for p, n in zip(storage_ptrs, storage_sizes)]
             self._layer_tensors = [[storages[s][off:] for s, off in g.offsets] for g in layout.groups]
@@ -83,7 +87,9 @@ class CudaTransferEngine:
                 if self.kernels is not None:
                     ids_dev = self._ids_tensor(ids)
                     desc = self._descs[gi]
-                    vec = self.kernels.vec_bytes(desc, self._layer_ptrs[gi], staging.data_ptr())
+                    vec = self._vec[gi]
+                    if staging.data_ptr() % vec:
+                        vec = self.kernels.vec_bytes(desc, self._layer_ptrs[gi], staging.data_ptr())
                     self.kernels.copy_blocks(desc, self._layer_ptrs_dev[gi].data_ptr(), ids_dev.data_ptr(), first,
                                              total - first, staging.data_ptr(), to_staging, vec, stream.cuda_stream)
                     ids_dev.record_stream(stream)

@@ -1,7 +1,7 @@
 """The daemon's CUDA data path: open engines' memory by IPC handle, and move chunks between
 engine blocks and pinned L1 objects through device staging, without blocking the event loop.
 
-Per device there are two streams. STORE::
+Per device there are two streams per direction. STORE::
 
     gather stream: wait(engine's interprocess event) -> gather kernel (batch -> staging) -> record ready
     copy stream:   wait(ready) -> D2H staging -> each L1 object -> record done
@@ -93,8 +93,12 @@ class CudaDevicePath:
         self.device = torch.device("cuda", device)
         self.batch_bytes = batch_bytes
         with torch.cuda.device(self.device):
-            self.gather_stream = torch.cuda.Stream()
-            self.copy_stream = torch.cuda.Stream()
+            # one (kernel, DMA) stream pair per direction, so STOREs and RETRIEVEs overlap on
+            # the two PCIe directions instead of queueing behind each other
+            self.store_kernel_stream = torch.cuda.Stream()
+            self.store_copy_stream = torch.cuda.Stream()
+            self.retrieve_copy_stream = torch.cuda.Stream()
+            self.retrieve_kernel_stream = torch.cuda.Stream()
         self.completer = _Completer(loop, self.device)
         self.completer.start()
         self._engine_events: dict[bytes, torch.cuda.Event] = {}
@@ -133,24 +137,23 @@ class CudaDevicePath:
         tensors of object_bytes each); ``done(err)`` runs on the loop when the copies completed."""
         lay = engine.layout
         ob = lay.object_bytes
+        ks, cs = self.store_kernel_stream, self.store_copy_stream
         with torch.cuda.device(self.device):
             if engine_event:
-                self.gather_stream.wait_event(self._engine_event(engine_event))
+                ks.wait_event(self._engine_event(engine_event))
             k = 0
             for batch in self._batches(chunks, ob):
-                with torch.cuda.stream(self.gather_stream):
+                with torch.cuda.stream(ks):
                     staging = torch.empty(len(batch) * ob, dtype=torch.uint8, device=self.device)
-                engine.copy(staging, self._ids_for(lay, block_ids, batch), len(batch), True, self.gather_stream)
-                ready = torch.cuda.Event()
-                ready.record(self.gather_stream)
-                self.copy_stream.wait_event(ready)
-                with torch.cuda.stream(self.copy_stream):
+                engine.copy(staging, self._ids_for(lay, block_ids, batch), len(batch), True, ks)
+                cs.wait_stream(ks)
+                with torch.cuda.stream(cs):
                     for i in range(len(batch)):
                         host_objects[k].copy_(staging[i * ob:(i + 1) * ob], non_blocking=True)
                         k += 1
-                staging.record_stream(self.copy_stream)
+                staging.record_stream(cs)
             finished = torch.cuda.Event()
-            finished.record(self.copy_stream)
+            finished.record(cs)
         self.completer.jobs.put((finished, done))
 
     def retrieve(self, engine: CudaTransferEngine, block_ids: Sequence[Sequence[int]], host_objects: Sequence[torch.Tensor],
@@ -159,25 +162,23 @@ class CudaDevicePath:
         blocks, then record ``out_event`` (interprocess) on the scatter stream. Chunks wholly
         inside ``skip_tokens`` are not copied at all."""
         lay = engine.layout
-        ob, cs = lay.object_bytes, lay.chunk_size
-        first = min(skip_tokens // cs, len(host_objects))
+        ob, cs_tokens = lay.object_bytes, lay.chunk_size
+        first = min(skip_tokens // cs_tokens, len(host_objects))
         chunks = list(range(first, len(host_objects)))
+        ks, cs = self.retrieve_kernel_stream, self.retrieve_copy_stream
         with torch.cuda.device(self.device):
             for batch in self._batches(chunks, ob):
-                with torch.cuda.stream(self.copy_stream):
+                with torch.cuda.stream(cs):
                     staging = torch.empty(len(batch) * ob, dtype=torch.uint8, device=self.device)
                     for i, j in enumerate(batch):
                         staging[i * ob:(i + 1) * ob].copy_(host_objects[j], non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(self.copy_stream)
-                self.gather_stream.wait_event(ready)
-                skip = max(skip_tokens - batch[0] * cs, 0)
-                engine.copy(staging, self._ids_for(lay, block_ids, batch), len(batch), False, self.gather_stream,
-                            skip_tokens=skip)
-                staging.record_stream(self.gather_stream)
-            out_event.record(self.gather_stream)
+                ks.wait_stream(cs)
+                skip = max(skip_tokens - batch[0] * cs_tokens, 0)
+                engine.copy(staging, self._ids_for(lay, block_ids, batch), len(batch), False, ks, skip_tokens=skip)
+                staging.record_stream(ks)
+            out_event.record(ks)
             finished = torch.cuda.Event()
-            finished.record(self.gather_stream)
+            finished.record(ks)
         self.completer.jobs.put((finished, done))
 
 

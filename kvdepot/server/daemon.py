@@ -76,6 +76,7 @@ class Registration:
     cuda_device: int | None = None
     cuda_storages: list = dataclasses.field(default_factory=list)
     retrieve_event: object = None
+    retrieve_event_handle: bytes = b""  # its cudaIpcEventHandle_t (asked once: the call is not free)
     on_release: object = None  # callable closing the CUDA mappings
 
     def release_memory(self) -> None:
@@ -296,7 +297,7 @@ class Daemon:
         return out
 
     def _alloc(self, size_bytes: int) -> int | None:
-        if size_bytes > self.pool.capacity_bytes:
+        if size_bytes > self.pool.allocator.segment_bytes:
             return None  # can never fit: evicting would only empty the cache for nothing
         while True:
             off = self.pool.alloc(size_bytes)
@@ -361,7 +362,8 @@ class Daemon:
             rt.close_storages(opened)
             raise
         reg = Registration("", req.model, req.shard, req.pid, req.device, layout, None, engine, cuda_device=dev,
-                           cuda_storages=opened, retrieve_event=event, on_release=rt.close_storages)
+                           cuda_storages=opened, retrieve_event=event, retrieve_event_handle=bytes(event.ipc_handle()),
+                           on_release=rt.close_storages)
         return reg
 
     def _on_register(self, identity: bytes, req: m.Register) -> m.Msg:
@@ -619,7 +621,7 @@ class Daemon:
         reg.retrieved_chunks += len(entries)
         self.stats["retrieved_chunks"] += len(entries)
         self.index.touch_chain([e.key for e in entries])
-        return m.RetrieveReply(rid=req.rid, retrieved=len(entries), event=bytes(reg.retrieve_event.ipc_handle()))
+        return m.RetrieveReply(rid=req.rid, retrieved=len(entries), event=reg.retrieve_event_handle)
 
     def _scatter(self, reg: Registration, block_ids, skip_tokens: int, entries: list[Entry]) -> None:
         eng, cs = reg.engine, reg.layout.chunk_size

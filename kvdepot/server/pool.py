@@ -32,25 +32,35 @@ class ExtentAllocator:
     """First-fit allocator of aligned byte extents in ``[0, capacity_bytes)``.
 
     Free extents are kept address-ordered (``_starts`` sorted, ``_sizes[start]``) and
-    coalesced with both neighbours on free. Not thread-safe: the daemon's event loop owns it.
+    coalesced with both neighbours on free. With ``segment_bytes`` no extent ever crosses a
+    multiple of it (the L1 arena is page-locked one segment per ``cudaHostRegister`` call, and
+    one async copy cannot span two registrations). Not thread-safe: the event loop owns it.
     """
 
-    def __init__(self, capacity_bytes: int, align_bytes: int = ALIGN_BYTES) -> None:
+    def __init__(self, capacity_bytes: int, align_bytes: int = ALIGN_BYTES, segment_bytes: int | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError("capacity_bytes must be >= 0")
+        if segment_bytes is not None and (segment_bytes <= 0 or segment_bytes % align_bytes):
+            raise ValueError("segment_bytes must be a positive multiple of align_bytes")
         self.align_bytes = align_bytes
         self.capacity_bytes = capacity_bytes // align_bytes * align_bytes
-        self._starts: list[int] = [0] if self.capacity_bytes else []
-        self._sizes: dict[int, int] = {0: self.capacity_bytes} if self.capacity_bytes else {}
+        self.segment_bytes = segment_bytes or max(self.capacity_bytes, align_bytes)
+        seg = self.segment_bytes
+        self._starts: list[int] = list(range(0, self.capacity_bytes, seg))
+        self._sizes: dict[int, int] = {s: min(seg, self.capacity_bytes - s) for s in self._starts}
         self._allocated: dict[int, int] = {}  # start -> size (rounded)
         self.used_bytes = 0
 
-    def alloc(self, size_bytes: int) -> int | None:
-        """Offset of a new extent of at least ``size_bytes``, or None if no free extent fits."""
+    def alloc(self, size_bytes: int, limit_bytes: int | None = None) -> int | None:
+        """Offset of a new extent of at least ``size_bytes``, or None if no free extent fits.
+        ``limit_bytes``: only extents that end at or below it (the pinned part of L1)."""
         if size_bytes <= 0:
             raise ValueError("size_bytes must be > 0")
         need = _round_up(size_bytes, self.align_bytes)
+        limit = self.capacity_bytes if limit_bytes is None else limit_bytes
         for i, start in enumerate(self._starts):
+            if start + need > limit:
+                return None
             have = self._sizes[start]
             if have >= need:
                 del self._sizes[start]
@@ -76,12 +86,13 @@ class ExtentAllocator:
             raise ValueError(f"extent at {start} is not allocated") from None
         self.used_bytes -= size
         i = bisect.bisect_left(self._starts, start)
-        # coalesce with the next free extent
-        if i < len(self._starts) and self._starts[i] == start + size:
+        seg = self.segment_bytes
+        # coalesce with the next free extent (same segment only)
+        if i < len(self._starts) and self._starts[i] == start + size and (start + size) % seg:
             size += self._sizes.pop(self._starts[i])
             del self._starts[i]
-        # coalesce with the previous free extent
-        if i > 0:
+        # coalesce with the previous free extent (same segment only)
+        if i > 0 and start % seg:
             prev = self._starts[i - 1]
             if prev + self._sizes[prev] == start:
                 self._sizes[prev] += size
@@ -98,6 +109,7 @@ class ExtentAllocator:
         return len(self._starts)
 
 
+PIN_SEGMENT_BYTES = 2 << 30  # one cudaHostRegister per segment; no object crosses a segment
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without changing their bytes
 _PREFAULT_STEP_BYTES = 64 << 20
 
@@ -114,8 +126,10 @@ class HostPool:
 
     name = "l1"
 
-    def __init__(self, capacity_bytes: int) -> None:
-        self.allocator = ExtentAllocator(capacity_bytes)
+    def __init__(self, capacity_bytes: int, segment_bytes: int = PIN_SEGMENT_BYTES) -> None:
+        self.allocator = ExtentAllocator(capacity_bytes, segment_bytes=min(segment_bytes, max(
+            capacity_bytes // ALIGN_BYTES * ALIGN_BYTES, ALIGN_BYTES)))
+        self.usable_bytes = self.allocator.capacity_bytes  # shrinks to the pinned part while pinning
         n = self.allocator.capacity_bytes
         self._mmap = mmap.mmap(-1, max(n, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.arena = torch.frombuffer(self._mmap, dtype=torch.uint8)[:n]
@@ -149,16 +163,18 @@ class HostPool:
         t.start()
         return t
 
-    def start_pinning(self, step_bytes: int = 1 << 30) -> threading.Thread:
-        """Page-lock the arena for DMA from a daemon thread, ``step_bytes`` at a time
-        (``cudaHostRegister``, which also faults the pages in), so start-up stays instant for
-        any size. Until a step is pinned, copies into it are correct but run at pageable speed.
-        ``pinned_bytes`` reports progress."""
+    def start_pinning(self) -> threading.Thread:
+        """Page-lock the arena for DMA from a daemon thread, one segment per
+        ``cudaHostRegister`` call (which also faults the pages in), so start-up stays instant
+        for any size. Objects are only allocated in segments already pinned (`usable_bytes`),
+        and never across two: every copy into L1 is a single-registration DMA."""
         import torch
 
         cudart = torch.cuda.cudart()
         base, total = self.arena.data_ptr(), self.capacity_bytes
+        step_bytes = self.allocator.segment_bytes
         self.pinned_bytes = 0
+        self.usable_bytes = 0
 
         def run() -> None:
             for off in range(0, total, step_bytes):
@@ -167,11 +183,12 @@ class HostPool:
                 n = min(step_bytes, total - off)
                 err = cudart.cudaHostRegister(base + off, n, 0)
                 if int(err) != 0:
-                    log.warning("cudaHostRegister of L1 bytes [%d, %d) failed (%s); the rest stays pageable",
+                    log.warning("cudaHostRegister of L1 bytes [%d, %d) failed (%s); using the rest pageable",
                                 off, off + n, err)
+                    self.usable_bytes = total
                     return
                 self._pinned_ranges.append(base + off)
-                self.pinned_bytes = off + n
+                self.pinned_bytes = self.usable_bytes = off + n
             log.info("L1 pinned: %d bytes", total)
 
         t = threading.Thread(target=run, name="kvdepot-l1-pin", daemon=True)
@@ -191,7 +208,7 @@ class HostPool:
         return self.allocator.used_bytes
 
     def alloc(self, size_bytes: int) -> int | None:
-        return self.allocator.alloc(size_bytes)
+        return self.allocator.alloc(size_bytes, self.usable_bytes)
 
     def free(self, offset: int) -> None:
         self.allocator.free(offset)

@@ -181,3 +181,26 @@ def _check(alloc: ExtentAllocator, live: dict[int, int]) -> None:
     assert alloc.free_bytes == alloc.capacity_bytes - alloc.used_bytes
     # fully coalesced: one free extent per maximal free run
     assert alloc.num_free_extents == len(_free_runs(alloc.capacity_bytes, live))
+
+
+def test_segments_are_never_crossed_and_coalescing_stops_at_them():
+    """L1 is page-locked one segment per cudaHostRegister; one DMA cannot span two."""
+    seg = 4 * ALIGN_BYTES
+    a = ExtentAllocator(10 * ALIGN_BYTES, segment_bytes=seg)
+    got = [a.alloc(3 * ALIGN_BYTES) for _ in range(3)]
+    assert got == [0, seg, None]  # 3 pages are free at 3-4 and 7-10, but only across a boundary
+    assert a.alloc(2 * ALIGN_BYTES) == 2 * seg  # the last segment has only 2 pages
+    for off in got[:2]:
+        a.free(off)
+    a.free(2 * seg)
+    assert a.num_free_extents == 3  # one per segment, never merged across
+    assert a.alloc(5 * ALIGN_BYTES) is None  # larger than a segment
+
+
+def test_alloc_limit_restricts_to_the_pinned_prefix():
+    seg = 4 * ALIGN_BYTES
+    a = ExtentAllocator(12 * ALIGN_BYTES, segment_bytes=seg)
+    assert a.alloc(seg, limit_bytes=0) is None
+    assert a.alloc(seg, limit_bytes=seg) == 0
+    assert a.alloc(ALIGN_BYTES, limit_bytes=seg) is None
+    assert a.alloc(ALIGN_BYTES, limit_bytes=2 * seg) == seg
