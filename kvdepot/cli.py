@@ -147,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-addr", default="127.0.0.1", help="address the metrics endpoint binds")
     s.add_argument("--pin-ttl-s", type=float, default=120.0, help="lookup pins expire after this many seconds")
     s.add_argument("--transfer-threads", type=int, default=2, help="copy worker threads (CPU engines)")
-    s.add_argument("--staging-batch-bytes", type=parse_bytes, default=128 << 20,
-                   help="GPU staging bytes per batch of chunks (CUDA engines; default 128m)")
+    s.add_argument("--staging-batch-bytes", type=parse_bytes, default=64 << 20,
+                   help="GPU staging bytes per slot, 2 slots per direction per GPU (CUDA engines; default 64m)")
     s.add_argument("--pin-l1", dest="pin_l1", action="store_true", default=None,
                    help="page-lock L1 for DMA (default: when a GPU is visible)")
     s.add_argument("--no-pin-l1", dest="pin_l1", action="store_false")

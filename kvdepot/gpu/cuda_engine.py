@@ -46,6 +46,8 @@ class CudaTransferEngine:
     def __init__(self, layout: EngineLayout, storage_ptrs: Sequence[int], storage_sizes: Sequence[int],
                  device: torch.device, use_kernels: bool = True) -> None:
         self.layout = layout
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.kernels: Kernels | None = load_kernels() if use_kernels else None
         self.name = "cuda-kernels" if self.kernels else "cuda-torch"
@@ -59,10 +61,6 @@ class CudaTransferEngine:
         if self.kernels is None:
             storages = [tensor_at(p, n, device) for p, n in zip(storage_ptrs, storage_sizes)]
             self._layer_tensors = [[storages[s][off:] for s, off in g.offsets] for g in layout.groups]
-
-    def _ids_tensor(self, ids: Sequence[int]) -> torch.Tensor:
-        host = torch.tensor(list(ids), dtype=torch.int32).pin_memory()
-        return host.to(self.device, non_blocking=True)
 
     def copy(self, staging: torch.Tensor, block_ids: Sequence[Sequence[int]], num_chunks: int, to_staging: bool,
              stream: torch.cuda.Stream, skip_tokens: int = 0) -> None:
@@ -78,21 +76,19 @@ class CudaTransferEngine:
         """
         lay = self.layout
         assert staging.numel() >= num_chunks * lay.object_bytes, "staging too small"
-        with torch.cuda.stream(stream):
-            for gi, g in enumerate(lay.groups):
-                bpc = lay.chunk_size // g.view.block_size
-                total = num_chunks * bpc
-                first = min(skip_tokens // g.view.block_size, total)
-                ids = block_ids[g.gid]
-                if self.kernels is not None:
-                    ids_dev = self._ids_tensor(ids)
-                    desc = self._descs[gi]
-                    vec = self._vec[gi]
-                    if staging.data_ptr() % vec:
-                        vec = self.kernels.vec_bytes(desc, self._layer_ptrs[gi], staging.data_ptr())
-                    self.kernels.copy_blocks(desc, self._layer_ptrs_dev[gi].data_ptr(), ids_dev.data_ptr(), first,
-                                             total - first, staging.data_ptr(), to_staging, vec, stream.cuda_stream)
-                    ids_dev.record_stream(stream)
-                else:
+        for gi, g in enumerate(lay.groups):
+            bpc = lay.chunk_size // g.view.block_size
+            total = num_chunks * bpc
+            first = min(skip_tokens // g.view.block_size, total)
+            ids = block_ids[g.gid]
+            if self.kernels is not None:
+                desc = self._descs[gi]
+                vec = self._vec[gi]
+                if staging.data_ptr() % vec:
+                    vec = self.kernels.vec_bytes(desc, self._layer_ptrs[gi], staging.data_ptr())
+                self.kernels.copy_blocks(desc, self._layer_ptrs_dev[gi].data_ptr(), ids, first, total - first,
+                                         staging.data_ptr(), to_staging, vec, self.device.index, stream.cuda_stream)
+            else:
+                with torch.cuda.stream(stream):
                     copy_blocks_torch(g, self._layer_tensors[gi], ids, first, total - first, staging,
                                       lay.object_bytes, lay.chunk_size, to_staging)

@@ -1,41 +1,43 @@
 """The daemon's CUDA data path: open engines' memory by IPC handle, and move chunks between
 engine blocks and pinned L1 objects through device staging, without blocking the event loop.
 
-Per device there are two streams per direction. STORE::
+Per device and direction there is a *lane*: a kernel stream, a DMA stream and two staging
+slots. STORE, per batch of chunks::
 
-    gather stream: wait(engine's interprocess event) -> gather kernel (batch -> staging) -> record ready
-    copy stream:   wait(ready) -> D2H staging -> each L1 object -> record done
+    kernel stream: wait(engine's interprocess event) -> wait(slot free) -> gather kernel
+    DMA stream:    wait(gathered) -> D2H staging -> each L1 object -> mark slot free
 
-RETRIEVE is the mirror (H2D on the copy stream, scatter on the gather stream), and the daemon
-records the registration's interprocess event after the scatter; the engine waits on it
-before reading its blocks, so the reply goes out as soon as the work is enqueued.
+RETRIEVE is the mirror on its own lane (H2D, then scatter), and the daemon records the
+registration's interprocess event after the scatter; the engine waits on it before reading
+its blocks, so the reply goes out as soon as the work is enqueued. With two slots per lane,
+gathering batch i+1 overlaps the PCIe copy of batch i, and the two directions overlap.
 
-Staging buffers come from torch's caching allocator per batch and are handed to the other
-stream with ``record_stream``, so consecutive batches and requests pipeline (gathering batch
-i+1 overlaps the PCIe copy of batch i) with no CPU-side waits. Completion is observed by one
-thread per device that synchronizes on each job's done event in FIFO order and hands the
-callback back to the event loop (``call_soon_threadsafe``): the loop never blocks on the GPU.
+Everything on the hot path is a raw call into the kernel library (launch with the block ids
+in the kernel parameters, batched ``cudaMemcpyAsync``), not torch stream contexts. Completion
+is signalled by a host function the GPU runs after the job (``cudaLaunchHostFunc``) writing an
+8-byte token into a pipe the event loop watches: no thread is blocked on the GPU, and the
+loop never waits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
+import os
+import struct
 from collections.abc import Callable, Sequence
 
 import torch
 
 from kvdepot.gpu.cuda_engine import CudaTransferEngine
-from kvdepot.gpu.kernels import KernelError, load_kernels
+from kvdepot.gpu.kernels import KernelError, Kernels, load_kernels
 from kvdepot.gpu.layout import EngineLayout
 from kvdepot.protocol.errors import ErrorCode, RequestError
 from kvdepot.protocol.messages import StorageSpec
 
 log = logging.getLogger("kvdepot.cuda")
 
-DEFAULT_BATCH_BYTES = 128 << 20  # staging bytes per batch (one kernel launch + one DMA per object)
+DEFAULT_BATCH_BYTES = 64 << 20  # staging bytes per slot (2 slots per direction per GPU)
 
 
 def device_index_by_uuid(uuid: str) -> int:
@@ -53,32 +55,51 @@ def device_index_by_uuid(uuid: str) -> int:
                        f"no GPU with UUID {uuid} is visible to the daemon (check CUDA_VISIBLE_DEVICES)")
 
 
-class _Completer(threading.Thread):
-    """Waits on CUDA events in FIFO order and runs callbacks on the event loop."""
+class CompletionPipe:
+    """Tokens written by GPU host functions into a pipe; the event loop runs their callbacks."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, device: torch.device) -> None:
-        super().__init__(name=f"kvdepot-cuda-done-{device.index}", daemon=True)
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.read_fd, self.write_fd = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(self.read_fd, False)
+        self._callbacks: dict[int, Callable[[BaseException | None], None]] = {}
+        self._next = 1
+        self._partial = b""
         self.loop = loop
-        self.device = device
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        loop.add_reader(self.read_fd, self._drain)
 
-    def run(self) -> None:
-        torch.cuda.set_device(self.device)
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            event, callback = job
-            err = None
-            try:
-                event.synchronize()  # releases the GIL
-            except Exception as exc:  # noqa: BLE001 - reported to the waiting request
-                err = exc
-            self.loop.call_soon_threadsafe(callback, err)
+    def expect(self, callback: Callable[[BaseException | None], None]) -> int:
+        token = self._next
+        self._next += 1
+        self._callbacks[token] = callback
+        return token
+
+    def forget(self, token: int) -> None:
+        self._callbacks.pop(token, None)
+
+    def _drain(self) -> None:
+        try:
+            data = self._partial + os.read(self.read_fd, 1 << 16)
+        except BlockingIOError:
+            return
+        n = len(data) // 8 * 8
+        self._partial = data[n:]
+        for (token,) in struct.iter_unpack("<Q", data[:n]):
+            cb = self._callbacks.pop(token, None)
+            if cb is not None:
+                try:
+                    cb(None)
+                except Exception:  # noqa: BLE001 - one bad callback must not stop completions
+                    log.exception("completion callback failed")
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.read_fd)
+        os.close(self.read_fd)
+        os.close(self.write_fd)
 
 
 class CudaOpenedStorage:
-    """One engine allocation opened by IPC handle."""
+    """One engine allocation opened by IPC handle: ``ptr`` = ``base_ptr`` + the storage's
+    offset in the allocation."""
 
     def __init__(self, base_ptr: int, ptr: int, device: int) -> None:
         self.base_ptr = base_ptr
@@ -86,25 +107,56 @@ class CudaOpenedStorage:
         self.device = device
 
 
-class CudaDevicePath:
-    """Streams, completion thread and transfer enqueueing for one GPU."""
+class _Lane:
+    """One direction's streams and double-buffered staging on one GPU."""
 
-    def __init__(self, device: int, loop: asyncio.AbstractEventLoop, batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
+    SLOTS = 2
+
+    def __init__(self, device: torch.device, slot_bytes: int) -> None:
+        self.device = device
+        with torch.cuda.device(device):
+            self.kernel_stream = torch.cuda.Stream()
+            self.dma_stream = torch.cuda.Stream()
+        self.slot_bytes = slot_bytes
+        self.staging = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.SLOTS)]
+        self.slot_free: list[torch.cuda.Event | None] = [None] * self.SLOTS
+        self._next = 0
+
+    def take(self, nbytes: int, producer: torch.cuda.Stream) -> tuple[int, torch.Tensor]:
+        """Next slot (at least ``nbytes``), with ``producer`` made to wait until it is free."""
+        i = self._next
+        self._next = (i + 1) % self.SLOTS
+        if nbytes > self.staging[i].numel():
+            old = self.staging[i]
+            old.record_stream(self.kernel_stream)  # freed only after pending work on it
+            old.record_stream(self.dma_stream)
+            self.staging[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        ev = self.slot_free[i]
+        if ev is not None:
+            producer.wait_event(ev)
+        return i, self.staging[i]
+
+    def release(self, i: int, consumer: torch.cuda.Stream) -> None:
+        ev = torch.cuda.Event()
+        ev.record(consumer)
+        self.slot_free[i] = ev
+
+
+class CudaDevicePath:
+    """Lanes and transfer enqueueing for one GPU."""
+
+    def __init__(self, device: int, kernels: Kernels, completions: CompletionPipe,
+                 batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
         self.device = torch.device("cuda", device)
+        self.kernels = kernels
+        self.completions = completions
         self.batch_bytes = batch_bytes
-        with torch.cuda.device(self.device):
-            # one (kernel, DMA) stream pair per direction, so STOREs and RETRIEVEs overlap on
-            # the two PCIe directions instead of queueing behind each other
-            self.store_kernel_stream = torch.cuda.Stream()
-            self.store_copy_stream = torch.cuda.Stream()
-            self.retrieve_copy_stream = torch.cuda.Stream()
-            self.retrieve_kernel_stream = torch.cuda.Stream()
-        self.completer = _Completer(loop, self.device)
-        self.completer.start()
+        self.store_lane = _Lane(self.device, batch_bytes)
+        self.retrieve_lane = _Lane(self.device, batch_bytes)
         self._engine_events: dict[bytes, torch.cuda.Event] = {}
 
     def close(self) -> None:
-        self.completer.jobs.put(None)
+        pass
 
     def _engine_event(self, handle: bytes) -> torch.cuda.Event:
         ev = self._engine_events.get(handle)
@@ -130,6 +182,14 @@ class CudaDevicePath:
             out.append([b for j in chunks for b in ids[j * n:(j + 1) * n]])
         return out
 
+    def _finish(self, stream: torch.cuda.Stream, done: Callable[[BaseException | None], None]) -> None:
+        token = self.completions.expect(done)
+        try:
+            self.kernels.notify(stream.cuda_stream, self.completions.write_fd, token)
+        except BaseException:
+            self.completions.forget(token)
+            raise
+
     def store(self, engine: CudaTransferEngine, block_ids: Sequence[Sequence[int]], chunks: Sequence[int],
               host_objects: Sequence[torch.Tensor], engine_event: bytes, done: Callable[[BaseException | None], None]
               ) -> None:
@@ -137,24 +197,21 @@ class CudaDevicePath:
         tensors of object_bytes each); ``done(err)`` runs on the loop when the copies completed."""
         lay = engine.layout
         ob = lay.object_bytes
-        ks, cs = self.store_kernel_stream, self.store_copy_stream
-        with torch.cuda.device(self.device):
-            if engine_event:
-                ks.wait_event(self._engine_event(engine_event))
-            k = 0
-            for batch in self._batches(chunks, ob):
-                with torch.cuda.stream(ks):
-                    staging = torch.empty(len(batch) * ob, dtype=torch.uint8, device=self.device)
-                engine.copy(staging, self._ids_for(lay, block_ids, batch), len(batch), True, ks)
-                cs.wait_stream(ks)
-                with torch.cuda.stream(cs):
-                    for i in range(len(batch)):
-                        host_objects[k].copy_(staging[i * ob:(i + 1) * ob], non_blocking=True)
-                        k += 1
-                staging.record_stream(cs)
-            finished = torch.cuda.Event()
-            finished.record(cs)
-        self.completer.jobs.put((finished, done))
+        lane = self.store_lane
+        ks, ds = lane.kernel_stream, lane.dma_stream
+        if engine_event:
+            ks.wait_event(self._engine_event(engine_event))
+        k = 0
+        for batch in self._batches(chunks, ob):
+            slot, st = lane.take(len(batch) * ob, ks)
+            engine.copy(st, self._ids_for(lay, block_ids, batch), len(batch), True, ks)
+            ds.wait_stream(ks)
+            base = st.data_ptr()
+            self.kernels.memcpy_batch([host_objects[k + i].data_ptr() for i in range(len(batch))],
+                                      [base + i * ob for i in range(len(batch))], [ob] * len(batch), ds.cuda_stream)
+            k += len(batch)
+            lane.release(slot, ds)
+        self._finish(ds, done)
 
     def retrieve(self, engine: CudaTransferEngine, block_ids: Sequence[Sequence[int]], host_objects: Sequence[torch.Tensor],
                  skip_tokens: int, out_event: torch.cuda.Event, done: Callable[[BaseException | None], None]) -> None:
@@ -165,21 +222,19 @@ class CudaDevicePath:
         ob, cs_tokens = lay.object_bytes, lay.chunk_size
         first = min(skip_tokens // cs_tokens, len(host_objects))
         chunks = list(range(first, len(host_objects)))
-        ks, cs = self.retrieve_kernel_stream, self.retrieve_copy_stream
-        with torch.cuda.device(self.device):
-            for batch in self._batches(chunks, ob):
-                with torch.cuda.stream(cs):
-                    staging = torch.empty(len(batch) * ob, dtype=torch.uint8, device=self.device)
-                    for i, j in enumerate(batch):
-                        staging[i * ob:(i + 1) * ob].copy_(host_objects[j], non_blocking=True)
-                ks.wait_stream(cs)
-                skip = max(skip_tokens - batch[0] * cs_tokens, 0)
-                engine.copy(staging, self._ids_for(lay, block_ids, batch), len(batch), False, ks, skip_tokens=skip)
-                staging.record_stream(ks)
-            out_event.record(ks)
-            finished = torch.cuda.Event()
-            finished.record(ks)
-        self.completer.jobs.put((finished, done))
+        lane = self.retrieve_lane
+        ks, ds = lane.kernel_stream, lane.dma_stream
+        for batch in self._batches(chunks, ob):
+            slot, st = lane.take(len(batch) * ob, ds)
+            base = st.data_ptr()
+            self.kernels.memcpy_batch([base + i * ob for i in range(len(batch))],
+                                      [host_objects[j].data_ptr() for j in batch], [ob] * len(batch), ds.cuda_stream)
+            ks.wait_stream(ds)
+            skip = max(skip_tokens - batch[0] * cs_tokens, 0)
+            engine.copy(st, self._ids_for(lay, block_ids, batch), len(batch), False, ks, skip_tokens=skip)
+            lane.release(slot, ks)
+        out_event.record(ks)
+        self._finish(ks, done)
 
 
 class CudaRuntime:
@@ -191,12 +246,16 @@ class CudaRuntime:
         self.loop = loop
         self.batch_bytes = batch_bytes
         self.kernels = load_kernels()
+        if self.kernels is None:
+            raise RequestError(ErrorCode.UNSUPPORTED,
+                               "CUDA engines need the kvdepot kernel library (install nvcc or set KVDEPOT_KERNELS_SO)")
+        self.completions = CompletionPipe(loop)
         self.paths: dict[int, CudaDevicePath] = {}
 
     def path(self, device: int) -> CudaDevicePath:
         p = self.paths.get(device)
         if p is None:
-            p = self.paths[device] = CudaDevicePath(device, self.loop, self.batch_bytes)
+            p = self.paths[device] = CudaDevicePath(device, self.kernels, self.completions, self.batch_bytes)
         return p
 
     def open_storages(self, storages: Sequence[StorageSpec]) -> tuple[int, list[CudaOpenedStorage]]:
@@ -207,9 +266,6 @@ class CudaRuntime:
             RequestError(ENGINE_MEMORY / UNSUPPORTED): unknown GPU, mixed GPUs, a handle that
                 cannot be opened, or no kernel library to open handles with.
         """
-        if self.kernels is None:
-            raise RequestError(ErrorCode.UNSUPPORTED,
-                               "CUDA IPC needs the kvdepot kernel library (install nvcc or set KVDEPOT_KERNELS_SO)")
         devices = {device_index_by_uuid(s.device_uuid) for s in storages}
         if len(devices) != 1:
             raise RequestError(ErrorCode.ENGINE_MEMORY, "a registration's storages must all be on one GPU")
@@ -237,3 +293,4 @@ class CudaRuntime:
     def close(self) -> None:
         for p in self.paths.values():
             p.close()
+        self.completions.close()

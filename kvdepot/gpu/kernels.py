@@ -17,6 +17,7 @@ which is correct but slower; the daemon says so once.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import fcntl
 import hashlib
@@ -24,7 +25,6 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,7 +37,7 @@ log = logging.getLogger("kvdepot.kernels")
 ENV_SO = "KVDEPOT_KERNELS_SO"
 ENV_NO_JIT = "KVDEPOT_NO_JIT"
 _SRC = Path(__file__).parent / "csrc" / "kvdepot_kernels.cu"
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 KVD_OK, KVD_EINVAL, KVD_EALIGN, KVD_ECUDA = 0, 1, 2, 3
 
@@ -75,7 +75,12 @@ class Kernels:
         lib.kvd_copy_blocks.restype = ctypes.c_int
         lib.kvd_copy_blocks.argtypes = [
             ctypes.POINTER(KvdGroupDesc), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.kvd_memcpy_batch.restype = ctypes.c_int
+        lib.kvd_memcpy_batch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_void_p]
+        lib.kvd_notify.restype = ctypes.c_int
+        lib.kvd_notify.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
         lib.kvd_last_cuda_error.restype = ctypes.c_char_p
         lib.kvd_ipc_open_mem.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
         lib.kvd_ipc_close_mem.argtypes = [ctypes.c_void_p, ctypes.c_int]
@@ -116,20 +121,37 @@ class Kernels:
         arr = (ctypes.c_uint64 * len(layer_ptrs))(*layer_ptrs)
         return self.lib.kvd_vec_bytes(ctypes.byref(desc), arr, len(layer_ptrs), staging_ptr)
 
-    def copy_blocks(self, desc: KvdGroupDesc, layer_ptrs_dev: int, block_ids_dev: int, first_slot: int,
-                    num_slots: int, staging_ptr: int, to_staging: bool, vec_bytes: int, stream: int,
+    def copy_blocks(self, desc: KvdGroupDesc, layer_ptrs_dev: int, block_ids: Sequence[int], first_slot: int,
+                    num_slots: int, staging_ptr: int, to_staging: bool, vec_bytes: int, device: int, stream: int,
                     threads_per_cta: int = 256) -> None:
         """Launch one gather (``to_staging``) or scatter on ``stream`` (asynchronous).
+
+        ``block_ids``: host-side ids, one per slot from slot 0; they travel in the launch
+        parameters (no device copy). ``device``: the ordinal ``stream`` belongs to.
 
         Raises:
             KernelError: invalid arguments, misalignment for ``vec_bytes``, or a launch error.
         """
-        rc = self.lib.kvd_copy_blocks(ctypes.byref(desc), layer_ptrs_dev, block_ids_dev, first_slot, num_slots,
-                                      staging_ptr, int(to_staging), vec_bytes, threads_per_cta, stream)
+        ids = array.array("i", block_ids)
+        rc = self.lib.kvd_copy_blocks(ctypes.byref(desc), layer_ptrs_dev, ids.buffer_info()[0], first_slot, num_slots,
+                                      staging_ptr, int(to_staging), vec_bytes, threads_per_cta, device, stream)
         if rc != KVD_OK:
             what = {KVD_EINVAL: "invalid arguments", KVD_EALIGN: f"misaligned for {vec_bytes}-byte words",
                     KVD_ECUDA: f"CUDA error: {self.lib.kvd_last_cuda_error().decode()}"}.get(rc, f"code {rc}")
             raise KernelError(f"kvd_copy_blocks: {what}")
+
+    def memcpy_batch(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], stream: int) -> None:
+        """``cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream)`` for every i."""
+        n = len(dsts)
+        d = array.array("Q", dsts)
+        s_ = array.array("Q", srcs)
+        z = array.array("Q", sizes)
+        self._check(self.lib.kvd_memcpy_batch(d.buffer_info()[0], s_.buffer_info()[0], z.buffer_info()[0], n, stream),
+                    "cudaMemcpyAsync")
+
+    def notify(self, stream: int, fd: int, token: int) -> None:
+        """Write the 8-byte ``token`` to ``fd`` once the work on ``stream`` so far completed."""
+        self._check(self.lib.kvd_notify(stream, fd, token), "cudaLaunchHostFunc")
 
 
 def _cache_dir(arch: str) -> Path:

@@ -49,7 +49,7 @@ class DaemonConfig:
     pin_ttl_s: float = 120.0  # (--pin-ttl-s) lookup pins expire after this long
     liveness_interval_s: float = 1.0  # how often dead engines / expired pins are reclaimed
     transfer_threads: int = 2  # (--transfer-threads) copy worker threads
-    staging_batch_bytes: int = 128 << 20  # (--staging-batch-bytes) device staging per batch (CUDA path)
+    staging_batch_bytes: int = 64 << 20  # (--staging-batch-bytes) device staging per slot (2 per direction per GPU)
     pin_l1: bool | None = None  # (--pin-l1/--no-pin-l1) page-lock L1 for DMA; None = if a GPU is visible
 
 

@@ -22,6 +22,9 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <string.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 extern "C" {
 
@@ -51,15 +54,21 @@ enum {
 
 static thread_local cudaError_t g_last_cuda_error = cudaSuccess;
 
+// Block ids travel inside the launch's parameters (no host->device copy, no pinned buffer to
+// recycle): up to KVD_INLINE_IDS per launch; kvd_copy_blocks splits longer lists.
+#define KVD_INLINE_IDS 900
+struct KvdInlineIds {
+  int32_t v[KVD_INLINE_IDS];
+};
+
 template <typename Word>
-__global__ void kvd_copy_kernel(KvdGroupDesc d, const uint64_t* __restrict__ layer_ptrs,
-                                const int32_t* __restrict__ block_ids, int64_t first_slot,
-                                uint8_t* __restrict__ staging, int to_staging) {
+__global__ void kvd_copy_kernel(KvdGroupDesc d, const uint64_t* __restrict__ layer_ptrs, KvdInlineIds ids,
+                                int64_t first_slot, uint8_t* __restrict__ staging, int to_staging) {
   const int64_t slot = first_slot + blockIdx.x;
   const int64_t layer = blockIdx.y;
   const int64_t j = slot / d.blocks_per_chunk;
   const int64_t i = slot - j * d.blocks_per_chunk;
-  const int64_t b = block_ids[slot];
+  const int64_t b = ids.v[blockIdx.x];
   const int hk_count = (int)(d.num_heads * d.num_kv);
   const int words_per_row = (int)(d.row_bytes / sizeof(Word));
   const int rows = (int)d.block_size * hk_count;
@@ -106,15 +115,16 @@ int kvd_vec_bytes(const KvdGroupDesc* d, const uint64_t* layer_ptrs_host, int64_
 
 // Copy num_slots block slots (starting at first_slot) of one layer group between engine memory
 // and staging. to_staging = 1: gather (engine -> staging); 0: scatter (staging -> engine).
-// layer_ptrs and block_ids are DEVICE arrays (num_layers pointers; one int32 block id per slot
-// from slot 0). vec_bytes must come from kvd_vec_bytes. Returns KVD_OK or an error code.
+// layer_ptrs is a DEVICE array of num_layers pointers; block_ids is a HOST array with one int32
+// block id per slot from slot 0 (only [first_slot, first_slot + num_slots) are read), passed to
+// the kernel by value. vec_bytes must come from kvd_vec_bytes. device: the CUDA ordinal the
+// stream belongs to. Returns KVD_OK or an error code.
 int kvd_copy_blocks(const KvdGroupDesc* d, const uint64_t* layer_ptrs, const int32_t* block_ids,
                     int64_t first_slot, int64_t num_slots, void* staging, int to_staging, int vec_bytes,
-                    int threads_per_cta, cudaStream_t stream) {
+                    int threads_per_cta, int device, cudaStream_t stream) {
   if (d == nullptr || layer_ptrs == nullptr || block_ids == nullptr || staging == nullptr) return KVD_EINVAL;
   if (d->num_layers <= 0 || d->num_layers > 65535 || d->block_size <= 0 || d->num_heads <= 0 ||
-      d->num_kv <= 0 || d->row_bytes <= 0 || d->blocks_per_chunk <= 0 || first_slot < 0 || num_slots < 0 ||
-      num_slots > 0x7fffffff)
+      d->num_kv <= 0 || d->row_bytes <= 0 || d->blocks_per_chunk <= 0 || first_slot < 0 || num_slots < 0)
     return KVD_EINVAL;
   if (d->block_size * d->num_heads * d->num_kv * d->row_bytes > 0x7fffffff) return KVD_EINVAL;
   if (num_slots == 0) return KVD_OK;
@@ -124,18 +134,82 @@ int kvd_copy_blocks(const KvdGroupDesc* d, const uint64_t* layer_ptrs, const int
   if (vec_bytes != 1 && vec_bytes != 2 && vec_bytes != 4 && vec_bytes != 8 && vec_bytes != 16) return KVD_EINVAL;
   for (int64_t c : checks)
     if (c % vec_bytes) return KVD_EALIGN;
-  dim3 grid((unsigned)num_slots, (unsigned)d->num_layers);
-  uint8_t* st = static_cast<uint8_t*>(staging);
-  switch (vec_bytes) {
-    case 16: kvd_copy_kernel<uint4><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, block_ids, first_slot, st, to_staging); break;
-    case 8: kvd_copy_kernel<uint2><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, block_ids, first_slot, st, to_staging); break;
-    case 4: kvd_copy_kernel<uint32_t><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, block_ids, first_slot, st, to_staging); break;
-    case 2: kvd_copy_kernel<uint16_t><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, block_ids, first_slot, st, to_staging); break;
-    default: kvd_copy_kernel<uint8_t><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, block_ids, first_slot, st, to_staging); break;
+  int cur = -1;
+  if (cudaGetDevice(&cur) != cudaSuccess || cur != device) {
+    cudaError_t e = cudaSetDevice(device);
+    if (e != cudaSuccess) {
+      g_last_cuda_error = e;
+      return KVD_ECUDA;
+    }
   }
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    g_last_cuda_error = err;
+  uint8_t* st = static_cast<uint8_t*>(staging);
+  KvdInlineIds ids;
+  for (int64_t s0 = first_slot; s0 < first_slot + num_slots; s0 += KVD_INLINE_IDS) {
+    int64_t n = first_slot + num_slots - s0;
+    if (n > KVD_INLINE_IDS) n = KVD_INLINE_IDS;
+    memcpy(ids.v, block_ids + s0, n * sizeof(int32_t));
+    dim3 grid((unsigned)n, (unsigned)d->num_layers);
+    switch (vec_bytes) {
+      case 16: kvd_copy_kernel<uint4><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
+      case 8: kvd_copy_kernel<uint2><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
+      case 4: kvd_copy_kernel<uint32_t><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
+      case 2: kvd_copy_kernel<uint16_t><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
+      default: kvd_copy_kernel<uint8_t><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
+    }
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) {
+      g_last_cuda_error = err;
+      return KVD_ECUDA;
+    }
+  }
+  return KVD_OK;
+}
+
+// n async copies (any direction: UVA) on one stream: dsts[i] <- srcs[i], sizes[i] bytes.
+int kvd_memcpy_batch(void* const* dsts, const void* const* srcs, const uint64_t* sizes, int64_t n,
+                     cudaStream_t stream) {
+  for (int64_t i = 0; i < n; ++i) {
+    cudaError_t e = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream);
+    if (e != cudaSuccess) {
+      g_last_cuda_error = e;
+      return KVD_ECUDA;
+    }
+  }
+  return KVD_OK;
+}
+
+struct KvdNote {
+  int fd;
+  uint64_t token;
+};
+
+static void CUDART_CB kvd_write_note(void* arg) {
+  KvdNote* note = static_cast<KvdNote*>(arg);
+  const char* p = reinterpret_cast<const char*>(&note->token);
+  size_t left = sizeof(note->token);
+  while (left > 0) {  // 8 bytes into a pipe are written at once; loop only on EINTR
+    ssize_t w = write(note->fd, p, left);
+    if (w > 0) {
+      p += w;
+      left -= (size_t)w;
+    } else if (w < 0 && errno != EINTR) {
+      break;
+    }
+  }
+  free(note);
+}
+
+// When all work enqueued on `stream` so far has completed, write the 8-byte `token` to `fd`
+// (a pipe the daemon's event loop watches): completion without a thread blocked in Python.
+int kvd_notify(cudaStream_t stream, int fd, uint64_t token) {
+  KvdNote* note = static_cast<KvdNote*>(malloc(sizeof(KvdNote)));
+  if (note == nullptr) return KVD_EINVAL;
+  note->fd = fd;
+  note->token = token;
+  cudaError_t e = cudaLaunchHostFunc(stream, kvd_write_note, note);
+  if (e != cudaSuccess) {
+    free(note);
+    g_last_cuda_error = e;
     return KVD_ECUDA;
   }
   return KVD_OK;
@@ -177,6 +251,6 @@ int kvd_host_unregister(void* ptr) { return kvd_check(cudaHostUnregister(ptr)); 
 
 int kvd_ipc_handle_bytes(void) { return (int)sizeof(cudaIpcMemHandle_t); }
 
-int kvd_abi_version(void) { return 1; }
+int kvd_abi_version(void) { return 2; }
 
 }  // extern "C"

@@ -1,0 +1,35 @@
+"""Static check of the package: GPU-only code paths never run in CI (no GPU there), so an
+undefined name in them must be caught without running them."""
+
+import pathlib
+
+import pytest
+
+pyflakes_api = pytest.importorskip("pyflakes.api")
+from pyflakes.reporter import Reporter  # noqa: E402
+
+PKG = pathlib.Path(__file__).resolve().parents[2] / "kvdepot"
+
+
+class _Collect(Reporter):
+    def __init__(self):
+        self.problems = []
+
+    def unexpectedError(self, filename, msg):
+        self.problems.append(f"{filename}: {msg}")
+
+    def syntaxError(self, filename, msg, lineno, offset, text):
+        self.problems.append(f"{filename}:{lineno}: {msg}")
+
+    def flake(self, message):
+        text = str(message)
+        if "imported but unused" in text or "unable to detect undefined names" in text:
+            return
+        self.problems.append(text)
+
+
+def test_no_undefined_names_or_syntax_errors_in_the_package():
+    rep = _Collect()
+    for path in sorted(PKG.rglob("*.py")):
+        pyflakes_api.checkPath(str(path), rep)
+    assert not rep.problems, "\n".join(rep.problems)
