@@ -214,12 +214,14 @@ class KVDepotClient:
     def _record_event(self, stream) -> bytes:
         import torch
 
-        ev = self._own_events.get(stream.device)
-        if ev is None:
+        got = self._own_events.get(stream.device)
+        if got is None:
             with torch.cuda.device(stream.device):
-                ev = self._own_events[stream.device] = torch.cuda.Event(interprocess=True)
-        ev.record(stream)
-        return bytes(ev.ipc_handle())
+                ev = torch.cuda.Event(interprocess=True)
+            # the handle of an event never changes: ask for it once (cudaIpcGetEventHandle is not free)
+            got = self._own_events[stream.device] = (ev, bytes(ev.ipc_handle()))
+        got[0].record(stream)
+        return got[1]
 
     def _open_event(self, handle: bytes, device):
         import torch

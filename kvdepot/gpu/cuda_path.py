@@ -117,9 +117,17 @@ class _Lane:
         with torch.cuda.device(device):
             self.kernel_stream = torch.cuda.Stream()
             self.dma_stream = torch.cuda.Stream()
+            # completion host functions run here, so a host function's latency never stalls
+            # the DMA or kernel stream that the next request's copies are queued on
+            self.notify_stream = torch.cuda.Stream()
+        self._notify_after = torch.cuda.Event()
         self.slot_bytes = slot_bytes
         self.staging = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.SLOTS)]
-        self.slot_free: list[torch.cuda.Event | None] = [None] * self.SLOTS
+        # events are created once and re-recorded: a wait captures the record current at the
+        # time it is enqueued, so re-recording never affects waits already enqueued
+        self.slot_free = [torch.cuda.Event() for _ in range(self.SLOTS)]
+        self._slot_used = [False] * self.SLOTS
+        self._handoff = torch.cuda.Event()
         self._next = 0
 
     def take(self, nbytes: int, producer: torch.cuda.Stream) -> tuple[int, torch.Tensor]:
@@ -131,15 +139,18 @@ class _Lane:
             old.record_stream(self.kernel_stream)  # freed only after pending work on it
             old.record_stream(self.dma_stream)
             self.staging[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        ev = self.slot_free[i]
-        if ev is not None:
-            producer.wait_event(ev)
+        if self._slot_used[i]:
+            producer.wait_event(self.slot_free[i])
         return i, self.staging[i]
 
+    def handoff(self, producer: torch.cuda.Stream, consumer: torch.cuda.Stream) -> None:
+        """Make ``consumer`` wait for the work enqueued on ``producer`` so far."""
+        self._handoff.record(producer)
+        consumer.wait_event(self._handoff)
+
     def release(self, i: int, consumer: torch.cuda.Stream) -> None:
-        ev = torch.cuda.Event()
-        ev.record(consumer)
-        self.slot_free[i] = ev
+        self.slot_free[i].record(consumer)
+        self._slot_used[i] = True
 
 
 class CudaDevicePath:
@@ -182,10 +193,12 @@ class CudaDevicePath:
             out.append([b for j in chunks for b in ids[j * n:(j + 1) * n]])
         return out
 
-    def _finish(self, stream: torch.cuda.Stream, done: Callable[[BaseException | None], None]) -> None:
+    def _finish(self, lane: _Lane, stream: torch.cuda.Stream, done: Callable[[BaseException | None], None]) -> None:
         token = self.completions.expect(done)
         try:
-            self.kernels.notify(stream.cuda_stream, self.completions.write_fd, token)
+            lane._notify_after.record(stream)
+            lane.notify_stream.wait_event(lane._notify_after)
+            self.kernels.notify(lane.notify_stream.cuda_stream, self.completions.write_fd, token)
         except BaseException:
             self.completions.forget(token)
             raise
@@ -205,13 +218,13 @@ class CudaDevicePath:
         for batch in self._batches(chunks, ob):
             slot, st = lane.take(len(batch) * ob, ks)
             engine.copy(st, self._ids_for(lay, block_ids, batch), len(batch), True, ks)
-            ds.wait_stream(ks)
+            lane.handoff(ks, ds)
             base = st.data_ptr()
             self.kernels.memcpy_batch([host_objects[k + i].data_ptr() for i in range(len(batch))],
                                       [base + i * ob for i in range(len(batch))], [ob] * len(batch), ds.cuda_stream)
             k += len(batch)
             lane.release(slot, ds)
-        self._finish(ds, done)
+        self._finish(lane, ds, done)
 
     def retrieve(self, engine: CudaTransferEngine, block_ids: Sequence[Sequence[int]], host_objects: Sequence[torch.Tensor],
                  skip_tokens: int, out_event: torch.cuda.Event, done: Callable[[BaseException | None], None]) -> None:
@@ -229,12 +242,12 @@ class CudaDevicePath:
             base = st.data_ptr()
             self.kernels.memcpy_batch([base + i * ob for i in range(len(batch))],
                                       [host_objects[j].data_ptr() for j in batch], [ob] * len(batch), ds.cuda_stream)
-            ks.wait_stream(ds)
+            lane.handoff(ds, ks)
             skip = max(skip_tokens - batch[0] * cs_tokens, 0)
             engine.copy(st, self._ids_for(lay, block_ids, batch), len(batch), False, ks, skip_tokens=skip)
             lane.release(slot, ks)
         out_event.record(ks)
-        self._finish(ks, done)
+        self._finish(lane, ks, done)
 
 
 class CudaRuntime:

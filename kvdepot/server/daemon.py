@@ -37,6 +37,16 @@ from kvdepot.server.pool import HostPool
 
 log = logging.getLogger("kvdepot.daemon")
 
+# KVDEPOT_TRACE_FILE=path: record (rid, stage, perf_counter_ns) of every request and write them
+# as JSON lines at shutdown (latency investigations; off by default, no cost when off)
+_TRACE_FILE = os.environ.get("KVDEPOT_TRACE_FILE")
+_TRACE: list | None = [] if _TRACE_FILE else None
+
+
+def trace_point(rid: int, stage: str) -> None:
+    if _TRACE is not None:
+        _TRACE.append((rid, stage, time.perf_counter_ns()))
+
 
 @dataclasses.dataclass
 class DaemonConfig:
@@ -78,6 +88,7 @@ class Registration:
     retrieve_event: object = None
     retrieve_event_handle: bytes = b""  # its cudaIpcEventHandle_t (asked once: the call is not free)
     on_release: object = None  # callable closing the CUDA mappings
+    metric_children: dict = dataclasses.field(default_factory=dict)  # op -> bound metric children
 
     def release_memory(self) -> None:
         self.engine = None
@@ -141,6 +152,7 @@ class Daemon:
         self._tasks: set[asyncio.Task] = set()
         self.stats = {"lookup_requested_tokens": 0, "lookup_hit_tokens": 0, "stored_chunks": 0, "retrieved_chunks": 0}
         self.metrics.tier_capacity_bytes.labels("l1").set(self.pool.capacity_bytes)
+        self._bind_tier_gauges()
         self._sock: zmq.asyncio.Socket | None = None
 
     # ------------------------------------------------------------------ main loop
@@ -189,6 +201,12 @@ class Daemon:
                     os.unlink(path)
             for reg in list(self.registrations.values()):
                 reg.release_memory()
+            if _TRACE is not None:
+                import json as _json
+
+                with open(_TRACE_FILE, "w") as f:
+                    for row in _TRACE:
+                        f.write(_json.dumps(row) + "\n")
             log.info("kvdepot stopped")
 
     def stop(self) -> None:
@@ -198,6 +216,8 @@ class Daemon:
         sock = self._sock
         while True:
             frames = await sock.recv_multipart(copy=False)
+            if _TRACE is not None:
+                _TRACE.append((-1, "recv", time.perf_counter_ns()))
             try:
                 self._dispatch(frames)
             except Exception:  # noqa: BLE001 - one message must never end the loop (the daemon would go silent)
@@ -234,6 +254,8 @@ class Daemon:
                 self._send(identity, codec.encode(reply))
 
     async def _run_async(self, handler, identity: bytes, req: m.Msg) -> None:
+        if _TRACE is not None:
+            _TRACE.append((req.rid, "start", time.perf_counter_ns()))
         try:
             reply = await handler(self, identity, req)
         except asyncio.CancelledError:
@@ -242,6 +264,8 @@ class Daemon:
             self._reply_error(identity, req.rid, exc)
         else:
             self._send(identity, codec.encode(reply))
+        if _TRACE is not None:
+            _TRACE.append((req.rid, "sent", time.perf_counter_ns()))
 
     def _send(self, identity: bytes, frame: bytes) -> None:
         try:
@@ -311,9 +335,20 @@ class Daemon:
     def _free_entry(self, e: Entry) -> None:
         self.pool.free(e.offset)
 
-    def _update_tier_gauges(self) -> None:
-        self.metrics.tier_used_bytes.labels("l1").set(self.pool.used_bytes)
-        self.metrics.tier_objects.labels("l1").set(len(self.index))
+    def _bind_tier_gauges(self) -> None:
+        """Tier gauges are read at scrape time (nothing to update per request)."""
+        self.metrics.tier_used_bytes.labels("l1").set_function(lambda: self.pool.used_bytes)
+        self.metrics.tier_objects.labels("l1").set_function(lambda: len(self.index))
+
+    def _op_metrics(self, reg: Registration, op: str):
+        """(bytes counter, tokens counter, seconds histogram) children for ``reg``'s model and
+        ``op``, looked up once per registration (``labels()`` is not free on the hot path)."""
+        got = reg.metric_children.get(op)
+        if got is None:
+            got = reg.metric_children[op] = (self.metrics.bytes.labels(reg.model, op),
+                                             self.metrics.tokens.labels(reg.model, op),
+                                             self.metrics.transfer_seconds.labels(op))
+        return got
 
     def _finish_transfer(self, reg: Registration) -> None:
         reg.active -= 1
@@ -455,7 +490,6 @@ class Daemon:
 
     def _on_end(self, identity: bytes, req: m.EndRequest) -> m.Msg:
         self._unpin(identity, req.request)
-        self._update_tier_gauges()
         return m.OkReply(rid=req.rid)
 
     async def _on_store(self, identity: bytes, req: m.Store) -> m.Msg:
@@ -513,17 +547,16 @@ class Daemon:
                 dt = time.perf_counter() - t0
                 for _, e in new:
                     self.index.commit(e)
-                self.metrics.transfer_seconds.labels("store").observe(dt)
-                nbytes = len(new) * lay.object_bytes
-                self.metrics.bytes.labels(reg.model, "store").inc(nbytes)
-                self.metrics.tokens.labels(reg.model, "store").inc(len(new) * lay.chunk_size)
+                mb, mt, ms = self._op_metrics(reg, "store")
+                ms.observe(dt)
+                mb.inc(len(new) * lay.object_bytes)
+                mt.inc(len(new) * lay.chunk_size)
                 reg.stored_chunks += len(new)
                 self.stats["stored_chunks"] += len(new)
         finally:
             for e in held:
                 self.index.release(e)
             self.index.touch_chain(list(req.keys))
-            self._update_tier_gauges()
         return m.StoreReply(rid=req.rid, stored=len(new), present=present, skipped=skipped)
 
     async def _store_copy(self, reg: Registration, req: m.Store, new: list[tuple[int, Entry]]) -> None:
@@ -531,9 +564,16 @@ class Daemon:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._gather, reg, req.block_ids, new)
             return
         fut = asyncio.get_running_loop().create_future()
+        trace_point(req.rid, "enqueue")
+
+        def done(err):
+            trace_point(req.rid, "gpu_done")
+            fut.done() or fut.set_result(err)
+
         self._cuda.path(reg.cuda_device).store(
             reg.engine, req.block_ids, [j for j, _ in new], [self.pool.buffer(e.offset, e.size_bytes) for _, e in new],
-            req.event, lambda err: fut.done() or fut.set_result(err))
+            req.event, done)
+        trace_point(req.rid, "enqueued")
         err = await fut
         if err is not None:
             raise RequestError(ErrorCode.ENGINE_MEMORY, f"CUDA store failed: {err}")
@@ -577,16 +617,16 @@ class Daemon:
                 finally:
                     self._finish_transfer(reg)
                 dt = time.perf_counter() - t0
-                self.metrics.transfer_seconds.labels("retrieve").observe(dt)
-                self.metrics.bytes.labels(reg.model, "retrieve").inc(len(entries) * lay.object_bytes)
-                self.metrics.tokens.labels(reg.model, "retrieve").inc(len(entries) * lay.chunk_size)
+                mb, mt, ms = self._op_metrics(reg, "retrieve")
+                ms.observe(dt)
+                mb.inc(len(entries) * lay.object_bytes)
+                mt.inc(len(entries) * lay.chunk_size)
                 reg.retrieved_chunks += len(entries)
                 self.stats["retrieved_chunks"] += len(entries)
         finally:
             for e in entries:
                 self.index.release(e)
             self.index.touch_chain([e.key for e in entries])
-            self._update_tier_gauges()
         return m.RetrieveReply(rid=req.rid, retrieved=len(entries))
 
     def _retrieve_cuda(self, reg: Registration, req: m.Retrieve, entries: list[Entry]) -> m.Msg:
@@ -600,15 +640,16 @@ class Daemon:
         t0 = time.perf_counter()
 
         def done(err: BaseException | None) -> None:
+            trace_point(req.rid, "gpu_done")
             self._finish_transfer(reg)
             for e in entries:
                 self.index.release(e)
-            self._update_tier_gauges()
             if err is not None:
                 log.error("CUDA retrieve for %s failed on the GPU: %s", reg.id, err)
                 return
-            self.metrics.transfer_seconds.labels("retrieve").observe(time.perf_counter() - t0)
+            self._op_metrics(reg, "retrieve")[2].observe(time.perf_counter() - t0)
 
+        trace_point(req.rid, "enqueue")
         try:
             self._cuda.path(reg.cuda_device).retrieve(
                 reg.engine, req.block_ids, [self.pool.buffer(e.offset, e.size_bytes) for e in entries],
@@ -616,8 +657,9 @@ class Daemon:
         except BaseException:
             done(None)
             raise
-        self.metrics.bytes.labels(reg.model, "retrieve").inc(len(entries) * lay.object_bytes)
-        self.metrics.tokens.labels(reg.model, "retrieve").inc(len(entries) * lay.chunk_size)
+        mb, mt, _ = self._op_metrics(reg, "retrieve")
+        mb.inc(len(entries) * lay.object_bytes)
+        mt.inc(len(entries) * lay.chunk_size)
         reg.retrieved_chunks += len(entries)
         self.stats["retrieved_chunks"] += len(entries)
         self.index.touch_chain([e.key for e in entries])
@@ -640,7 +682,6 @@ class Daemon:
                     and (req.cache_salt is None or e.cache_salt == req.cache_salt))
 
         n, b = self.index.drop_where(match)
-        self._update_tier_gauges()
         log.info("flushed %d objects (%d bytes)", n, b)
         return m.FlushReply(rid=req.rid, objects=n, bytes=b)
 
@@ -693,7 +734,6 @@ class Daemon:
         for ident, pid in list(self.client_pids.items()):
             if not _pid_alive(pid):
                 del self.client_pids[ident]
-        self._update_tier_gauges()
 
 
 def _endpoint_answers(endpoint: str, timeout_s: float = 0.5) -> bool:
