@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvdepot import trace
 from kvdepot.gpu.cuda_engine import CudaTransferEngine
 from kvdepot.gpu.kernels import KernelError, Kernels, load_kernels
 from kvdepot.gpu.layout import EngineLayout
@@ -214,17 +215,22 @@ class CudaDevicePath:
         ks, ds = lane.kernel_stream, lane.dma_stream
         if engine_event:
             ks.wait_event(self._engine_event(engine_event))
+        trace.point(-2, "s_event")
         k = 0
         for batch in self._batches(chunks, ob):
             slot, st = lane.take(len(batch) * ob, ks)
+            trace.point(-2, "s_take")
             engine.copy(st, self._ids_for(lay, block_ids, batch), len(batch), True, ks)
+            trace.point(-2, "s_kernel")
             lane.handoff(ks, ds)
             base = st.data_ptr()
             self.kernels.memcpy_batch([host_objects[k + i].data_ptr() for i in range(len(batch))],
                                       [base + i * ob for i in range(len(batch))], [ob] * len(batch), ds.cuda_stream)
+            trace.point(-2, "s_memcpy")
             k += len(batch)
             lane.release(slot, ds)
         self._finish(lane, ds, done)
+        trace.point(-2, "s_notify")
 
     def retrieve(self, engine: CudaTransferEngine, block_ids: Sequence[Sequence[int]], host_objects: Sequence[torch.Tensor],
                  skip_tokens: int, out_event: torch.cuda.Event, done: Callable[[BaseException | None], None]) -> None:

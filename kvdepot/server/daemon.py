@@ -21,9 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import zmq
-import zmq.asyncio
 
 import kvdepot
+from kvdepot import trace
 from kvdepot.gpu.cpu_engine import CpuTransferEngine
 from kvdepot.gpu.layout import EngineLayout, group_layers
 from kvdepot.gpu.shm import open_shm, shm_path
@@ -37,15 +37,8 @@ from kvdepot.server.pool import HostPool
 
 log = logging.getLogger("kvdepot.daemon")
 
-# KVDEPOT_TRACE_FILE=path: record (rid, stage, perf_counter_ns) of every request and write them
-# as JSON lines at shutdown (latency investigations; off by default, no cost when off)
-_TRACE_FILE = os.environ.get("KVDEPOT_TRACE_FILE")
-_TRACE: list | None = [] if _TRACE_FILE else None
-
-
-def trace_point(rid: int, stage: str) -> None:
-    if _TRACE is not None:
-        _TRACE.append((rid, stage, time.perf_counter_ns()))
+_TRACE = trace.POINTS  # None unless KVDEPOT_TRACE_FILE is set (see kvdepot/trace.py)
+trace_point = trace.point
 
 
 @dataclasses.dataclass
@@ -153,7 +146,7 @@ class Daemon:
         self.stats = {"lookup_requested_tokens": 0, "lookup_hit_tokens": 0, "stored_chunks": 0, "retrieved_chunks": 0}
         self.metrics.tier_capacity_bytes.labels("l1").set(self.pool.capacity_bytes)
         self._bind_tier_gauges()
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: zmq.Socket | None = None
 
     # ------------------------------------------------------------------ main loop
 
@@ -164,8 +157,14 @@ class Daemon:
             if path and os.path.exists(path) and _endpoint_answers(ep):
                 raise OSError(errno.EADDRINUSE,
                               f"another kvdepot daemon is serving at {ep}; stop it or pass another --endpoint")
-        ctx = zmq.asyncio.Context()
+        # a plain (blocking-API) socket driven by the loop through its edge-triggered FD: no
+        # zmq.asyncio futures per message (they cost more than the rest of a small request)
+        ctx = zmq.Context()
         self._sock = make_socket(ctx, zmq.ROUTER, self.config.endpoints, bind=True)
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._drain_scheduled = False
+        loop.add_reader(self._sock.getsockopt(zmq.FD), self._on_readable)
         if self.config.metrics_port:
             self.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
         pin = self.config.pin_l1
@@ -176,7 +175,7 @@ class Daemon:
         else:
             self.pool.start_prefault()
         sweeper = asyncio.create_task(self._sweep_loop())
-        receiver = asyncio.create_task(self._recv_loop())
+        self._schedule_drain()  # messages may have queued before the reader was added
         log.info("kvdepot %s serving on %s (boot %s, L1 %d bytes, transfer engine %s)", kvdepot.__version__,
                  ", ".join(self.config.endpoints), self.boot_id, self.pool.capacity_bytes, CpuTransferEngine.name)
         if on_ready:
@@ -184,11 +183,11 @@ class Daemon:
         try:
             await self._stop.wait()
         finally:
-            receiver.cancel()
+            loop.remove_reader(self._sock.getsockopt(zmq.FD))
             sweeper.cancel()
             for t in list(self._tasks):
                 t.cancel()
-            await asyncio.gather(receiver, sweeper, *self._tasks, return_exceptions=True)
+            await asyncio.gather(sweeper, *self._tasks, return_exceptions=True)
             self._sock.close(0)
             ctx.term()
             self._executor.shutdown(wait=True)
@@ -201,27 +200,40 @@ class Daemon:
                     os.unlink(path)
             for reg in list(self.registrations.values()):
                 reg.release_memory()
-            if _TRACE is not None:
-                import json as _json
-
-                with open(_TRACE_FILE, "w") as f:
-                    for row in _TRACE:
-                        f.write(_json.dumps(row) + "\n")
+            trace.dump()
             log.info("kvdepot stopped")
 
     def stop(self) -> None:
         self._stop.set()
 
-    async def _recv_loop(self) -> None:
+    _DRAIN_BATCH = 64  # messages handled per loop turn before yielding to other callbacks
+
+    def _schedule_drain(self) -> None:
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._on_readable)
+
+    def _on_readable(self) -> None:
+        """Handle every message queued on the socket. The ZMQ FD is edge-triggered: it signals
+        a change of the socket's state, so the queue is drained until EVENTS says empty."""
+        self._drain_scheduled = False
         sock = self._sock
-        while True:
-            frames = await sock.recv_multipart(copy=False)
+        if sock is None or sock.closed:
+            return
+        for _ in range(self._DRAIN_BATCH):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
             if _TRACE is not None:
                 _TRACE.append((-1, "recv", time.perf_counter_ns()))
             try:
                 self._dispatch(frames)
             except Exception:  # noqa: BLE001 - one message must never end the loop (the daemon would go silent)
                 log.exception("dropped a message that failed outside its handler")
+        self._schedule_drain()  # more queued: continue on the next loop turn
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
@@ -268,6 +280,8 @@ class Daemon:
             _TRACE.append((req.rid, "sent", time.perf_counter_ns()))
 
     def _send(self, identity: bytes, frame: bytes) -> None:
+        # a send can consume the FD's edge for messages that arrived meanwhile: look again
+        self._schedule_drain()
         try:
             self._sock.send_multipart([identity, frame], flags=zmq.NOBLOCK)
         except zmq.Again:
