@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import inspect
 import dataclasses
 import logging
 import os
@@ -142,7 +141,6 @@ class Daemon:
         self._reg_seq = 0
         self._executor = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvdepot-xfer")
         self._stop = asyncio.Event()
-        self._tasks: set[asyncio.Task] = set()
         self.stats = {"lookup_requested_tokens": 0, "lookup_hit_tokens": 0, "stored_chunks": 0, "retrieved_chunks": 0}
         self.metrics.tier_capacity_bytes.labels("l1").set(self.pool.capacity_bytes)
         self._bind_tier_gauges()
@@ -185,9 +183,7 @@ class Daemon:
         finally:
             loop.remove_reader(self._sock.getsockopt(zmq.FD))
             sweeper.cancel()
-            for t in list(self._tasks):
-                t.cancel()
-            await asyncio.gather(sweeper, *self._tasks, return_exceptions=True)
+            await asyncio.gather(sweeper, return_exceptions=True)
             self._sock.close(0)
             ctx.term()
             self._executor.shutdown(wait=True)
@@ -253,31 +249,18 @@ class Daemon:
         if handler is None:  # a request type this daemon build does not serve
             self._reply_error(identity, req.rid, RequestError(ErrorCode.UNSUPPORTED, type(req).__name__))
             return
-        if inspect.iscoroutinefunction(handler):
-            task = asyncio.create_task(self._run_async(handler, identity, req))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        else:
-            try:
-                reply = handler(self, identity, req)
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
-                self._reply_error(identity, req.rid, exc)
-            else:
-                self._send(identity, codec.encode(reply))
-
-    async def _run_async(self, handler, identity: bytes, req: m.Msg) -> None:
-        if _TRACE is not None:
-            _TRACE.append((req.rid, "start", time.perf_counter_ns()))
+        trace_point(req.rid, "start")
         try:
-            reply = await handler(self, identity, req)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001
+            reply = handler(self, identity, req)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
             self._reply_error(identity, req.rid, exc)
         else:
-            self._send(identity, codec.encode(reply))
-        if _TRACE is not None:
-            _TRACE.append((req.rid, "sent", time.perf_counter_ns()))
+            if reply is not None:  # None: the handler replies from a completion callback
+                self._reply(identity, reply)
+
+    def _reply(self, identity: bytes, reply: m.Msg) -> None:
+        self._send(identity, codec.encode(reply))
+        trace_point(reply.rid, "sent")
 
     def _send(self, identity: bytes, frame: bytes) -> None:
         # a send can consume the FD's edge for messages that arrived meanwhile: look again
@@ -506,7 +489,9 @@ class Daemon:
         self._unpin(identity, req.request)
         return m.OkReply(rid=req.rid)
 
-    async def _on_store(self, identity: bytes, req: m.Store) -> m.Msg:
+    def _on_store(self, identity: bytes, req: m.Store) -> m.Msg | None:
+        """Plan the store on the loop (index, allocation), start the copies, and reply from
+        their completion callback (no task per request)."""
         reg = self._registration(req.registration)
         lay = reg.layout
         n = len(req.keys)
@@ -544,60 +529,70 @@ class Daemon:
         skipped = n - present - len(new)
         if reason:
             self.metrics.store_skipped_chunks.labels(reason).inc(skipped)
-        try:
-            if new:
-                reg.active += 1
-                t0 = time.perf_counter()
-                try:
-                    await self._store_copy(reg, req, new)
-                except BaseException as exc:
+        reply = m.StoreReply(rid=req.rid, stored=len(new), present=present, skipped=skipped)
+
+        def release_held() -> None:
+            for e in held:
+                self.index.release(e)
+            self.index.touch_chain(list(req.keys))
+
+        if not new:
+            release_held()
+            return reply
+        reg.active += 1
+        t0 = time.perf_counter()
+
+        def finish(err: BaseException | None) -> None:  # on the loop, once the copies ended
+            trace_point(req.rid, "gpu_done")
+            self._finish_transfer(reg)
+            try:
+                if err is not None:
                     for _, e in reversed(new):
                         self.index.abort(e)
-                    if isinstance(exc, (RequestError, asyncio.CancelledError)):
-                        raise
-                    raise RequestError(ErrorCode.ENGINE_MEMORY, f"store copy failed: {exc}") from exc
-                finally:
-                    self._finish_transfer(reg)
-                dt = time.perf_counter() - t0
+                    if not isinstance(err, RequestError):
+                        err = RequestError(ErrorCode.ENGINE_MEMORY, f"store copy failed: {err}")
+                    self._reply_error(identity, req.rid, err)
+                    return
                 for _, e in new:
                     self.index.commit(e)
                 mb, mt, ms = self._op_metrics(reg, "store")
-                ms.observe(dt)
+                ms.observe(time.perf_counter() - t0)
                 mb.inc(len(new) * lay.object_bytes)
                 mt.inc(len(new) * lay.chunk_size)
                 reg.stored_chunks += len(new)
                 self.stats["stored_chunks"] += len(new)
-        finally:
-            for e in held:
-                self.index.release(e)
-            self.index.touch_chain(list(req.keys))
-        return m.StoreReply(rid=req.rid, stored=len(new), present=present, skipped=skipped)
+                self._reply(identity, reply)
+            finally:
+                release_held()
 
-    async def _store_copy(self, reg: Registration, req: m.Store, new: list[tuple[int, Entry]]) -> None:
-        if reg.cuda_device is None:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._gather, reg, req.block_ids, new)
-            return
-        fut = asyncio.get_running_loop().create_future()
         trace_point(req.rid, "enqueue")
-
-        def done(err):
-            trace_point(req.rid, "gpu_done")
-            fut.done() or fut.set_result(err)
-
-        self._cuda.path(reg.cuda_device).store(
-            reg.engine, req.block_ids, [j for j, _ in new], [self.pool.buffer(e.offset, e.size_bytes) for _, e in new],
-            req.event, done)
+        try:
+            if reg.cuda_device is None:
+                self._in_executor(finish, self._gather, reg, req.block_ids, new)
+            else:
+                self._cuda.path(reg.cuda_device).store(
+                    reg.engine, req.block_ids, [j for j, _ in new],
+                    [self.pool.buffer(e.offset, e.size_bytes) for _, e in new], req.event, finish)
+        except BaseException as exc:  # nothing was enqueued: roll back now
+            finish(exc)
         trace_point(req.rid, "enqueued")
-        err = await fut
-        if err is not None:
-            raise RequestError(ErrorCode.ENGINE_MEMORY, f"CUDA store failed: {err}")
+        return None
+
+    def _in_executor(self, finish: Callable[[BaseException | None], None], fn, *args) -> None:
+        """Run ``fn(*args)`` in the copy threads; ``finish(error or None)`` runs on the loop."""
+        fut = self._loop.run_in_executor(self._executor, fn, *args)
+
+        def done(f: asyncio.Future) -> None:
+            finish(asyncio.CancelledError() if f.cancelled() else f.exception())
+
+        fut.add_done_callback(done)
 
     def _gather(self, reg: Registration, block_ids, new: list[tuple[int, Entry]]) -> None:
         eng = reg.engine
         for j, e in new:
             eng.gather(self.pool.buffer(e.offset, e.size_bytes), self._chunk_block_ids(reg, block_ids, j))
 
-    async def _on_retrieve(self, identity: bytes, req: m.Retrieve) -> m.Msg:
+    def _on_retrieve(self, identity: bytes, req: m.Retrieve) -> m.Msg | None:
         reg = self._registration(req.registration)
         lay = reg.layout
         n = len(req.keys)
@@ -617,31 +612,34 @@ class Daemon:
             entries.append(e)
         if reg.cuda_device is not None:
             return self._retrieve_cuda(reg, req, entries)
-        try:
-            if entries:
-                reg.active += 1
-                t0 = time.perf_counter()
-                try:
-                    await asyncio.get_running_loop().run_in_executor(
-                        self._executor, self._scatter, reg, req.block_ids, req.skip_tokens, entries)
-                except (RequestError, asyncio.CancelledError):
-                    raise
-                except Exception as exc:
-                    raise RequestError(ErrorCode.ENGINE_MEMORY, f"retrieve copy failed: {exc}") from exc
-                finally:
-                    self._finish_transfer(reg)
-                dt = time.perf_counter() - t0
-                mb, mt, ms = self._op_metrics(reg, "retrieve")
-                ms.observe(dt)
-                mb.inc(len(entries) * lay.object_bytes)
-                mt.inc(len(entries) * lay.chunk_size)
-                reg.retrieved_chunks += len(entries)
-                self.stats["retrieved_chunks"] += len(entries)
-        finally:
+        if not entries:
+            return m.RetrieveReply(rid=req.rid, retrieved=0)
+        reg.active += 1
+        t0 = time.perf_counter()
+
+        def finish(err: BaseException | None) -> None:
+            self._finish_transfer(reg)
             for e in entries:
                 self.index.release(e)
             self.index.touch_chain([e.key for e in entries])
-        return m.RetrieveReply(rid=req.rid, retrieved=len(entries))
+            if err is not None:
+                if not isinstance(err, RequestError):
+                    err = RequestError(ErrorCode.ENGINE_MEMORY, f"retrieve copy failed: {err}")
+                self._reply_error(identity, req.rid, err)
+                return
+            mb, mt, ms = self._op_metrics(reg, "retrieve")
+            ms.observe(time.perf_counter() - t0)
+            mb.inc(len(entries) * lay.object_bytes)
+            mt.inc(len(entries) * lay.chunk_size)
+            reg.retrieved_chunks += len(entries)
+            self.stats["retrieved_chunks"] += len(entries)
+            self._reply(identity, m.RetrieveReply(rid=req.rid, retrieved=len(entries)))
+
+        try:
+            self._in_executor(finish, self._scatter, reg, req.block_ids, req.skip_tokens, entries)
+        except BaseException as exc:
+            finish(exc)
+        return None
 
     def _retrieve_cuda(self, reg: Registration, req: m.Retrieve, entries: list[Entry]) -> m.Msg:
         """Enqueue the copies and reply at once with the interprocess event the engine waits on;
