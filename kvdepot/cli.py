@@ -121,6 +121,19 @@ def cmd_ping(args) -> int:
     return 0
 
 
+def cmd_build_kernels(args) -> int:
+    from pathlib import Path
+
+    from kvdepot.gpu.kernels import _cache_dir, build_kernels
+
+    out = Path(args.out) if args.out else _cache_dir(args.arch) / "libkvdepot_kernels.so"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    build_kernels(out, args.arch)
+    print(f"built {out} for sm_{args.arch}; it links only the CUDA runtime (static). "
+          f"Point KVDEPOT_KERNELS_SO at it, or leave it in the per-user cache.")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from kvdepot.demo.run import main as demo_main
 
@@ -170,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     pg = sub.add_parser("ping", help="check that a daemon answers")
     common(pg)
     pg.set_defaults(func=cmd_ping)
+
+    bk = sub.add_parser("build-kernels", help="compile the CUDA transfer kernels with nvcc (ahead of first use)")
+    bk.add_argument("--arch", default="90", help="compute capability without the dot (90 = H100/H200)")
+    bk.add_argument("--out", default=None, help="output .so (default: the per-user kernel cache)")
+    bk.set_defaults(func=cmd_build_kernels)
 
     dm = sub.add_parser("demo", help="two engine processes share a real model's prompt KV through the daemon")
     common(dm)
