@@ -236,15 +236,7 @@ class DaemonProc:
 # ---------------------------------------------------------------------------- timing helpers
 
 
-def timed(fn, iters: int) -> float:
-    """Median seconds of ``fn`` (which must synchronize) over ``iters`` runs after one warm-up."""
-    fn()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+from kernel_transfer import timed  # noqa: E402  (same directory: median of synchronizing runs)
 
 
 class _Work:

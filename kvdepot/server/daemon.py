@@ -347,6 +347,19 @@ class Daemon:
                                              self.metrics.transfer_seconds.labels(op))
         return got
 
+    def _count_transfer(self, reg: Registration, op: str, num_chunks: int, seconds: float | None = None) -> None:
+        """Metrics and describe() counters of ``num_chunks`` chunks moved by ``op``."""
+        mb, mt, ms = self._op_metrics(reg, op)
+        if seconds is not None:
+            ms.observe(seconds)
+        mb.inc(num_chunks * reg.layout.object_bytes)
+        mt.inc(num_chunks * reg.layout.chunk_size)
+        if op == "store":
+            reg.stored_chunks += num_chunks
+        else:
+            reg.retrieved_chunks += num_chunks
+        self.stats["stored_chunks" if op == "store" else "retrieved_chunks"] += num_chunks
+
     def _finish_transfer(self, reg: Registration) -> None:
         reg.active -= 1
         if reg.closed and reg.active == 0:
@@ -555,12 +568,7 @@ class Daemon:
                     return
                 for _, e in new:
                     self.index.commit(e)
-                mb, mt, ms = self._op_metrics(reg, "store")
-                ms.observe(time.perf_counter() - t0)
-                mb.inc(len(new) * lay.object_bytes)
-                mt.inc(len(new) * lay.chunk_size)
-                reg.stored_chunks += len(new)
-                self.stats["stored_chunks"] += len(new)
+                self._count_transfer(reg, "store", len(new), time.perf_counter() - t0)
                 self._reply(identity, reply)
             finally:
                 release_held()
@@ -627,12 +635,7 @@ class Daemon:
                     err = RequestError(ErrorCode.ENGINE_MEMORY, f"retrieve copy failed: {err}")
                 self._reply_error(identity, req.rid, err)
                 return
-            mb, mt, ms = self._op_metrics(reg, "retrieve")
-            ms.observe(time.perf_counter() - t0)
-            mb.inc(len(entries) * lay.object_bytes)
-            mt.inc(len(entries) * lay.chunk_size)
-            reg.retrieved_chunks += len(entries)
-            self.stats["retrieved_chunks"] += len(entries)
+            self._count_transfer(reg, "retrieve", len(entries), time.perf_counter() - t0)
             self._reply(identity, m.RetrieveReply(rid=req.rid, retrieved=len(entries)))
 
         try:
@@ -644,7 +647,6 @@ class Daemon:
     def _retrieve_cuda(self, reg: Registration, req: m.Retrieve, entries: list[Entry]) -> m.Msg:
         """Enqueue the copies and reply at once with the interprocess event the engine waits on;
         the entries stay acquired until the GPU finished reading them."""
-        lay = reg.layout
         if not entries:
             self.index.touch_chain([])
             return m.RetrieveReply(rid=req.rid, retrieved=0)
@@ -669,11 +671,7 @@ class Daemon:
         except BaseException:
             done(None)
             raise
-        mb, mt, _ = self._op_metrics(reg, "retrieve")
-        mb.inc(len(entries) * lay.object_bytes)
-        mt.inc(len(entries) * lay.chunk_size)
-        reg.retrieved_chunks += len(entries)
-        self.stats["retrieved_chunks"] += len(entries)
+        self._count_transfer(reg, "retrieve", len(entries))
         self.index.touch_chain([e.key for e in entries])
         return m.RetrieveReply(rid=req.rid, retrieved=len(entries), event=reg.retrieve_event_handle)
 
