@@ -1,0 +1,114 @@
+"""Settings of the vLLM connector: the keys of ``--kv-transfer-config``'s
+``kv_connector_extra_config`` (all optional).
+
+======================  ===========  ==================================================================
+key                     default      meaning
+======================  ===========  ==================================================================
+``endpoint``            see below    daemon address; default ``$KVDEPOT_ENDPOINT``, else
+                                     ``ipc://<tmpdir>/kvdepot-<uid>.sock`` (what ``kvdepot serve`` binds)
+``chunk_size``          256          tokens per cached chunk; a multiple of the least common multiple of
+                                     every KV-cache group's tokens per block
+``model_id``            derived      the model identity in chunk keys (default: model name or path,
+                                     revision, quantization and KV-cache dtype); set it when engines
+                                     load the same weights from different paths
+``store``               true         store computed chunks into the daemon
+``load``                true         load cached chunks from the daemon
+``store_generated``     false        also store whole chunks of generated (decode) tokens, not only of
+                                     the prompt
+``lookup_timeout_s``    1.0          scheduler: how long a request waits for its lookup answer before
+                                     it is scheduled without cached KV
+``rpc_timeout_s``       5.0          worker: reply timeout of a register / store / retrieve
+``retry_interval_s``    1.0          after a failure: how often the daemon is probed (ping) until it
+                                     answers again
+``hold_max_s``          30.0         worker: longest time a request's blocks are kept after a store or
+                                     retrieve timed out, waiting for the daemon's late answer
+======================  ===========  ==================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvdepot.protocol.transport import default_endpoint
+
+EXTRA_CONFIG = "kv_connector_extra_config"  # where these keys live in --kv-transfer-config
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """Validated ``kv_connector_extra_config``."""
+
+    endpoint: str
+    chunk_size: int = 256
+    model_id: str = ""
+    store: bool = True
+    load: bool = True
+    store_generated: bool = False
+    lookup_timeout_s: float = 1.0
+    rpc_timeout_s: float = 5.0
+    retry_interval_s: float = 1.0
+    hold_max_s: float = 30.0
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Parse ``kv_connector_extra_config``.
+
+        Raises:
+            ValueError: an unknown key or a value of the wrong type or range (naming the key).
+        """
+        extra = dict(extra or {})
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - set(fields))
+        if unknown:
+            raise ValueError(f"{EXTRA_CONFIG}: unknown key(s) {unknown}; known keys: {sorted(fields)}")
+        values: dict[str, Any] = {"endpoint": extra.pop("endpoint", None) or default_endpoint()}
+        for name, raw in extra.items():
+            default = fields[name].default
+            try:
+                if isinstance(default, bool):
+                    if not isinstance(raw, bool):
+                        raise TypeError
+                    value = raw
+                elif isinstance(default, int):
+                    if isinstance(raw, bool) or int(raw) != raw:
+                        raise TypeError
+                    value = int(raw)
+                elif isinstance(default, float):
+                    value = float(raw)
+                else:
+                    value = str(raw)
+            except (TypeError, ValueError):
+                raise ValueError(f"{EXTRA_CONFIG}.{name}: {raw!r} is not a {type(default).__name__}") from None
+            values[name] = value
+        cfg = cls(**values)
+        if not cfg.endpoint.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"{EXTRA_CONFIG}.endpoint: {cfg.endpoint!r}; use ipc://PATH or tcp://HOST:PORT "
+                             "(the address `kvdepot serve --endpoint` binds)")
+        if cfg.chunk_size <= 0:
+            raise ValueError(f"{EXTRA_CONFIG}.chunk_size: {cfg.chunk_size} must be > 0")
+        for name in ("lookup_timeout_s", "rpc_timeout_s", "retry_interval_s", "hold_max_s"):
+            if getattr(cfg, name) <= 0:
+                raise ValueError(f"{EXTRA_CONFIG}.{name}: must be > 0")
+        return cfg
+
+
+def check_chunk_size(chunk_size: int, block_sizes: Sequence[int]) -> None:
+    """Refuse a chunk size that is not a multiple of every group's tokens per block.
+
+    Raises:
+        ValueError: naming ``kv_connector_extra_config.chunk_size`` and the nearest valid values.
+    """
+    if not block_sizes:
+        return
+    lcm = math.lcm(*block_sizes)
+    if chunk_size % lcm:
+        lower = chunk_size // lcm * lcm
+        upper = lower + lcm
+        options = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ValueError(
+            f"{EXTRA_CONFIG}.chunk_size={chunk_size} is not a multiple of {lcm}, the least common multiple of "
+            f"the KV-cache groups' tokens per block {sorted(set(block_sizes))}; set "
+            f"\"chunk_size\": {options} in --kv-transfer-config's {EXTRA_CONFIG}")

@@ -1,0 +1,141 @@
+"""Chunk / block arithmetic and the scheduler -> worker metadata of the vLLM connector.
+
+Tokens, chunks and blocks (C = chunk_size, a multiple of every group's block size b_g)::
+
+    tokens   0         C         2C        3C
+             |---------|---------|---------|------ ...
+    chunk    [   0     ][   1    ][   2    ]         chunk i = tokens [i*C, (i+1)*C)
+    gid 0    [b][b][b][b][b][b]...                   b_0 = C/4: blocks 4i .. 4i+3 hold chunk i
+    gid 1    [ B  ][ B  ][ B  ]...                   b_1 = C/2: blocks 2i .. 2i+1 hold chunk i
+
+A load of a request whose own prefix cache already holds ``local`` tokens and to which the
+connector promised tokens up to ``end``::
+
+    local = 1.5C, end = 3C
+    tokens   0         C    local    2C        3C
+             |---------|----|====|---------|
+    chunks                [   1    ][   2    ]       first_chunk = local // C = 1, 2 chunks
+    skip_tokens = local - first_chunk * C = 0.5C     (the daemon writes none of those blocks)
+
+vLLM hands the connector block ids per vLLM gid for the whole request; `chunk_block_ids`
+slices the ones of a chunk range for one group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def chunk_block_ids(block_ids: Sequence[int], block_size: int, chunk_size: int, first_chunk: int,
+                    end_chunk: int) -> list[int] | None:
+    """Block ids holding chunks ``[first_chunk, end_chunk)`` of one group, in token order;
+    None if ``block_ids`` (the request's table) does not reach that far."""
+    assert chunk_size % block_size == 0, f"chunk_size {chunk_size} not a multiple of block size {block_size}"
+    per = chunk_size // block_size
+    lo, hi = first_chunk * per, end_chunk * per
+    if hi > len(block_ids):
+        return None
+    return list(block_ids[lo:hi])
+
+
+def blocks_covering(block_ids: Sequence[int], block_size: int, start_token: int, end_token: int) -> list[int]:
+    """Block ids (of one group) holding any token of ``[start_token, end_token)``."""
+    if end_token <= start_token:
+        return []
+    return list(block_ids[start_token // block_size : cdiv(end_token, block_size)])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """Which chunks to retrieve for ``[local, end)``.
+
+    first_chunk / num_chunks: whole chunks retrieved (``num_chunks`` may be 0).
+    skip_tokens: leading tokens of ``first_chunk`` vLLM already holds (never written).
+    loadable_end: ``(first_chunk + num_chunks) * C``; tokens in ``[loadable_end, end)`` cannot be
+        loaded (no whole chunk covers them) and are reported as failed.
+    """
+
+    first_chunk: int
+    num_chunks: int
+    skip_tokens: int
+    loadable_end: int
+
+
+def plan_load(local: int, end: int, chunk_size: int) -> LoadPlan:
+    """Chunks to retrieve so that tokens ``[local, end)`` are written and ``[0, local)`` not."""
+    assert 0 <= local < end, (local, end)
+    first = local // chunk_size
+    last = end // chunk_size
+    n = max(last - first, 0)
+    return LoadPlan(first, n, local - first * chunk_size, (first + n) * chunk_size if n else local)
+
+
+# ---------------------------------------------------------------------- metadata
+
+
+@dataclasses.dataclass(slots=True)
+class LoadJob:
+    """Retrieve cached chunks into a request's newly allocated blocks (asynchronous load: the
+    request waits in WAITING_FOR_REMOTE_KVS until the worker reports it in finished_recving).
+
+    keys: per shard (tensor-parallel rank), the keys of chunks ``[first_chunk, first_chunk + n)``.
+    block_ids: per daemon gid, the manager block ids of those chunks (may contain vLLM's null
+        block for groups that no longer need a block; the worker guards it).
+    skip_tokens: see `LoadPlan`.
+    local_tokens / end_tokens: vLLM's own hit and the end of the promised range.
+    fail_block_ids: single-group models: per daemon gid, the block ids covering tokens
+        ``[local_tokens, end_tokens)`` (reported as invalid from the first chunk not retrieved on).
+    """
+
+    req_id: str
+    keys: list[list[bytes]]
+    first_chunk: int
+    skip_tokens: int
+    block_ids: list[list[int]]
+    local_tokens: int
+    end_tokens: int
+    fail_block_ids: list[list[int]]
+
+
+@dataclasses.dataclass(slots=True)
+class StoreJob:
+    """Store whole chunks ``[first_chunk, first_chunk + n)`` of a request (its blocks were
+    written by this step's forward or earlier ones).
+
+    keys / parents: per shard; ``parents[s]`` is the key of the chunk before (b"" for chunk 0).
+    block_ids: per daemon gid, manager block ids of those chunks (null blocks of
+        sliding-window groups are read, never written: their bytes are never loaded back).
+    """
+
+    req_id: str
+    keys: list[list[bytes]]
+    parents: list[bytes]
+    first_chunk: int
+    block_ids: list[list[int]]
+    cache_salt: str
+
+
+@dataclasses.dataclass
+class KVDepotMetadata(KVConnectorMetadata):
+    """What the scheduler-side connector tells every worker for one step.
+
+    release: finished requests whose blocks vLLM keeps until every worker reported them in
+        finished_sending (a worker does once no store or retrieve of the request may still
+        be running in the daemon).
+    fingerprint: the layout fingerprint the scheduler seeded the keys with; a worker whose
+        registration disagrees neither loads nor stores.
+    null_block_id: vLLM's null block (``BlockPool.null_block``).
+    """
+
+    loads: list[LoadJob] = dataclasses.field(default_factory=list)
+    stores: list[StoreJob] = dataclasses.field(default_factory=list)
+    release: list[str] = dataclasses.field(default_factory=list)
+    fingerprint: str = ""
+    null_block_id: int = 0

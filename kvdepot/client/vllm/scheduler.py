@@ -1,0 +1,343 @@
+"""Scheduler side of the vLLM connector (runs in vLLM's engine-core process).
+
+Per request:
+
+1. ``on_new_request`` / first ``get_num_new_matched_tokens``: hash the prompt into chunk keys
+   (one chain per tensor-parallel shard, seeded by model, layout fingerprint, shard and the
+   request's ``cache_salt``) and send a `Lookup` pinning the hit chunks under the request id.
+   Nothing waits for the reply: until it arrives the answer is ``(None, False)`` ("ask again next
+   step"); after ``lookup_timeout_s`` without one it is 0 (recompute) and the daemon is
+   considered down (no lookups, answer 0, a ping every ``retry_interval_s``).
+2. The hit is ``min(hit_chunks * chunk_size, prompt length)``; the connector offers the tokens
+   beyond vLLM's own prefix-cache hit (``num_computed_tokens``) as an *asynchronous* load: vLLM
+   allocates blocks and parks the request in WAITING_FOR_REMOTE_KVS; the worker retrieves in
+   that step and reports it in finished_recving (failures as invalid blocks for single-group
+   models, as failed_recving for hybrid ones, which vLLM supports only that way). A full-prompt
+   hit is fine: vLLM recomputes the last token of an asynchronously loaded prompt itself.
+3. ``build_connector_meta``: the pending loads, and for every request scheduled this step the
+   whole chunks whose tokens this step's forward completes (stored from the current block table,
+   ``SchedulerOutput.kv_connector_block_state``).
+4. ``request_finished(_all_groups)``: `EndRequest` releases the pins; a request that had any
+   load or store keeps its blocks until the workers report it in finished_sending (so a late
+   store/retrieve of a slow daemon never touches reallocated blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from typing import Any
+
+from kvdepot.client.hashing import chunk_keys, namespace_seed, shard_name
+from kvdepot.client.vllm.channel import DaemonChannel
+from kvdepot.client.vllm.config import ConnectorConfig
+from kvdepot.client.vllm.layout import TransferGroup
+from kvdepot.client.vllm.plan import KVDepotMetadata, LoadJob, StoreJob, blocks_covering, chunk_block_ids, plan_load
+from kvdepot.protocol import messages as m
+
+log = logging.getLogger("kvdepot.vllm")
+
+
+@dataclasses.dataclass(slots=True)
+class _Req:
+    """Scheduler-side state of one request."""
+
+    request: Any  # vllm.v1.request.Request
+    seed_salt: str  # cache_salt plus LoRA / reset epoch: part of the key namespace
+    cache_salt: str  # the request's cache_salt as is (Store.cache_salt, what `kvdepot flush` matches)
+    keys: list[list[bytes]]  # per shard: keys of the whole chunks hashed so far
+    hashed_tokens: int  # tokens covered by ``keys`` (a multiple of chunk_size)
+    lookup_rid: int | None = None  # outstanding Lookup
+    hit_chunks: int | None = None  # the answer (None: not known yet)
+    pinned: bool = False  # a Lookup with pin_request was sent (EndRequest releases it)
+    local_tokens: int = 0  # vLLM's own hit, as last given to get_num_new_matched_tokens
+    next_store_chunk: int = 0  # chunks [0, next_store_chunk) are cached or being stored
+    store_stopped: bool = False
+    load_failed: bool = False  # a load of it failed: vLLM recomputes, the connector offers no more
+    had_ops: bool = False  # a load or store of this request was sent to the workers
+
+
+class SchedulerSide:
+    """State and logic of the SCHEDULER-role connector."""
+
+    def __init__(self, cfg: ConnectorConfig, vllm_config, kv_cache_config, groups: list[TransferGroup],
+                 fingerprint: str, model_id: str, disabled_reason: str) -> None:
+        self.cfg = cfg
+        self.groups = groups
+        self.fingerprint = fingerprint
+        self.model_id = model_id
+        self.enabled = not disabled_reason
+        self.single_group = len(kv_cache_config.kv_cache_groups) == 1
+        self.lcm = math.lcm(*(g.block_size for g in groups)) if groups else 1
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        self.shards = [shard_name(r, tp) for r in range(tp)]
+        self.channel = DaemonChannel(cfg.endpoint, f"vllm-scheduler-{os.getpid()}", cfg.retry_interval_s)
+        self._reqs: dict[str, _Req] = {}
+        self._ineligible: set[str] = set()
+        self._pending_loads: list[tuple[str, tuple[list[int], ...], int, int]] = []  # (req, block ids, local, end)
+        self._release: list[str] = []
+        self._loading: dict[str, set[int]] = {}  # request -> block ids of its load in flight
+        self._null_block_id = 0
+        self._epoch = 0
+        self._kv_cache_manager = None
+
+    # ------------------------------------------------------------------ helpers
+
+    def bind_kv_cache_manager(self, manager) -> None:
+        self._kv_cache_manager = manager
+        null = getattr(getattr(manager, "block_pool", None), "null_block", None)
+        if null is not None:
+            self._null_block_id = null.block_id
+
+    def _seed_salt(self, request) -> tuple[str, str]:
+        cache_salt = request.cache_salt or ""
+        salt = cache_salt
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            salt += f"\x00lora={lora.lora_name}"  # an adapter changes the KV of the same tokens
+        if self._epoch:
+            salt += f"\x00reset={self._epoch}"
+        return salt, cache_salt
+
+    def _state(self, request) -> _Req | None:
+        """The request's state, created (keys hashed) on first sight; None if not cached."""
+        rid = request.request_id
+        st = self._reqs.get(rid)
+        if st is not None or not self.enabled or rid in self._ineligible:
+            return st
+        if (request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None
+                or getattr(request, "mm_features", None) or getattr(request, "resumable", False)):
+            # placeholder tokens of images / embeddings do not identify the KV: never share it
+            self._ineligible.add(rid)
+            return None
+        salt, cache_salt = self._seed_salt(request)
+        st = _Req(request, salt, cache_salt, [[] for _ in self.shards], 0)
+        self._hash(st, len(request.prompt_token_ids))
+        self._reqs[rid] = st
+        return st
+
+    def _hash(self, st: _Req, num_tokens: int) -> None:
+        """Extend ``st.keys`` to the whole chunks of the first ``num_tokens`` tokens."""
+        c = self.cfg.chunk_size
+        end = num_tokens // c * c
+        if end <= st.hashed_tokens:
+            return
+        tokens = (st.request.prompt_token_ids if end <= len(st.request.prompt_token_ids)
+                  else st.request.all_token_ids)[st.hashed_tokens:end]
+        for s, shard in enumerate(self.shards):
+            chain = st.keys[s]
+            seed = chain[-1] if chain else namespace_seed(self.model_id, self.fingerprint, shard, st.seed_salt)
+            chain.extend(chunk_keys(seed, tokens, c))
+        st.hashed_tokens = end
+
+    def _send_lookup(self, st: _Req) -> None:
+        if not self.channel.probe():
+            st.hit_chunks = 0  # daemon down: recompute, no waiting
+            return
+        n = len(st.keys[0])
+        if n == 0:
+            st.hit_chunks = 0
+            return
+        rid = self.channel.send(m.Lookup(rid=0, keys=[list(k) for k in st.keys], chunk_size=self.cfg.chunk_size,
+                                         num_tokens=st.request.num_prompt_tokens, model=self.model_id,
+                                         pin_request=st.request.request_id))
+        if rid is None:
+            st.hit_chunks = 0
+        else:
+            st.lookup_rid = rid
+            st.pinned = True
+
+    def _lookup_answer(self, st: _Req) -> int | None:
+        """Hit chunks, or None while the answer is pending (never waits)."""
+        if st.hit_chunks is not None:
+            return st.hit_chunks
+        if st.lookup_rid is None:
+            self._send_lookup(st)
+            if st.hit_chunks is not None:
+                return st.hit_chunks
+        self.channel.poll(0)
+        reply = self.channel.take(st.lookup_rid)
+        if reply is None:
+            if (self.channel.up and self.channel.waiting(st.lookup_rid)
+                    and self.channel.age_s(st.lookup_rid) < self.cfg.lookup_timeout_s):
+                return None
+            log.warning("kvdepot: no lookup answer within %.1f s; request %s is computed without cached KV",
+                        self.cfg.lookup_timeout_s, st.request.request_id)
+            self.channel.forget(st.lookup_rid)
+            self.channel.mark_down()
+            st.hit_chunks = 0
+        elif isinstance(reply, m.LookupReply):
+            st.hit_chunks = reply.hit_chunks
+            st.next_store_chunk = max(st.next_store_chunk, reply.hit_chunks)  # those are cached already
+        else:
+            log.warning("kvdepot: lookup of request %s failed: %s", st.request.request_id,
+                        getattr(reply, "message", reply))
+            st.hit_chunks = 0
+        st.lookup_rid = None
+        return st.hit_chunks
+
+    # ------------------------------------------------------------------ vLLM calls
+
+    def on_new_request(self, request) -> None:
+        st = self._state(request)
+        if st is not None and self.cfg.load and st.hit_chunks is None and st.lookup_rid is None:
+            self._send_lookup(st)  # the answer is usually back before the first schedule() sees it
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._state(request)
+        if st is None or not self.cfg.load or st.load_failed:
+            return 0, False
+        hit = self._lookup_answer(st)
+        if hit is None:
+            return None, False
+        st.local_tokens = num_computed_tokens
+        total = min(hit * self.cfg.chunk_size, request.num_prompt_tokens)
+        if total <= num_computed_tokens or num_computed_tokens % self.lcm:
+            # nothing beyond vLLM's own hit; or that hit ends inside some group's block, so the
+            # daemon could not leave exactly vLLM's blocks untouched
+            return 0, False
+        return total - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        self._pending_loads.append((request.request_id, blocks.get_block_ids(), st.local_tokens,
+                                    st.local_tokens + num_external_tokens))
+
+    def build_connector_meta(self, scheduler_output) -> KVDepotMetadata:
+        meta = KVDepotMetadata(fingerprint=self.fingerprint, null_block_id=self._null_block_id)
+        self.channel.poll(0)
+        for rid in scheduler_output.preempted_req_ids or ():
+            st = self._reqs.get(rid)
+            if st is not None:  # its blocks are gone; ask the daemon again when it is rescheduled
+                if st.lookup_rid is not None:
+                    self.channel.forget(st.lookup_rid)
+                st.lookup_rid = st.hit_chunks = None
+        for req_id, block_ids, local, end in self._pending_loads:
+            job = self._load_job(req_id, block_ids, local, end)
+            if job is not None:
+                meta.loads.append(job)
+        self._pending_loads = []
+        if self.cfg.store and self.enabled:
+            state = getattr(scheduler_output, "kv_connector_block_state", None)
+            for req_id, n in scheduler_output.num_scheduled_tokens.items():
+                job = self._store_job(req_id, n, state)
+                if job is not None:
+                    meta.stores.append(job)
+        meta.release, self._release = self._release, []
+        return meta
+
+    def _load_job(self, req_id: str, block_ids, local: int, end: int) -> LoadJob | None:
+        st = self._reqs.get(req_id)
+        if st is None:
+            return None
+        c = self.cfg.chunk_size
+        p = plan_load(local, end, c)
+        ids, fail_ids = [], []
+        for g in self.groups:
+            table = block_ids[g.vllm_gid]
+            got = chunk_block_ids(table, g.block_size, c, p.first_chunk, p.first_chunk + p.num_chunks)
+            ids.append(got if got is not None else [])
+            fail_ids.append(blocks_covering(table, g.block_size, local, end) if self.single_group else [])
+        st.had_ops = True
+        self._loading[req_id] = {b for table in block_ids for b in table}
+        return LoadJob(req_id=req_id, keys=[chain[p.first_chunk:p.first_chunk + p.num_chunks] for chain in st.keys],
+                       first_chunk=p.first_chunk, skip_tokens=p.skip_tokens, block_ids=ids, local_tokens=local,
+                       end_tokens=end, fail_block_ids=fail_ids)
+
+    def _store_job(self, req_id: str, num_scheduled: int, block_state) -> StoreJob | None:
+        st = self._reqs.get(req_id)
+        if st is None or st.store_stopped:
+            return None
+        req = st.request
+        done = req.num_computed_tokens + num_scheduled  # tokens whose KV exists after this step
+        limit = min(done, req.num_tokens) if self.cfg.store_generated else min(done, req.num_prompt_tokens)
+        c = self.cfg.chunk_size
+        end_chunk = limit // c
+        if end_chunk <= st.next_store_chunk:
+            return None
+        if self.cfg.store_generated:
+            self._hash(st, limit)
+        end_chunk = min(end_chunk, len(st.keys[0]))
+        first = st.next_store_chunk
+        if end_chunk <= first:
+            return None
+        table = block_state.get_block_ids(req_id) if block_state is not None else None
+        if table is None and self._kv_cache_manager is not None:
+            table = self._kv_cache_manager.get_block_ids(req_id)
+        if table is None:
+            return None
+        ids = []
+        for g in self.groups:
+            got = chunk_block_ids(table[g.vllm_gid], g.block_size, c, first, end_chunk)
+            if got is None or (not g.has_null_blocks and self._null_block_id in got):
+                log.warning("kvdepot: request %s: no blocks for chunks %d..%d of KV-cache group %d; "
+                            "its later chunks are not stored", req_id, first, end_chunk - 1, g.vllm_gid)
+                st.store_stopped = True
+                return None
+            ids.append(got)
+        st.next_store_chunk = end_chunk
+        st.had_ops = True
+        return StoreJob(req_id=req_id, keys=[chain[first:end_chunk] for chain in st.keys],
+                        parents=[chain[first - 1] if first else b"" for chain in st.keys], first_chunk=first,
+                        block_ids=ids, cache_salt=st.cache_salt)
+
+    def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._ineligible.discard(rid)
+        self._loading.pop(rid, None)
+        st = self._reqs.pop(rid, None)
+        if st is None:
+            return False, None
+        if st.lookup_rid is not None:
+            self.channel.forget(st.lookup_rid)
+        if st.pinned:
+            end = self.channel.send(m.EndRequest(rid=0, request=rid))
+            if end is not None:
+                self.channel.forget(end)  # fire and forget: pins also expire by TTL
+        from vllm.v1.request import RequestStatus
+
+        # a request aborted while its load runs is freed by vLLM on finished_recving
+        delay = st.had_ops and request.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+        if delay:
+            self._release.append(rid)
+        return delay, None
+
+    def update_connector_output(self, connector_output) -> None:
+        failed = set(connector_output.failed_recving or ())
+        invalid = connector_output.invalid_block_ids or set()
+        if invalid:
+            failed.update(rid for rid, blocks in self._loading.items() if not blocks.isdisjoint(invalid))
+        for rid in failed:
+            st = self._reqs.get(rid)
+            if st is not None:  # vLLM recomputes it; offering the same hit again would loop
+                st.load_failed = True
+        for rid in connector_output.finished_recving or ():
+            self._loading.pop(rid, None)
+
+    def reset_cache(self) -> bool:
+        """After a weight update: drop this model's chunks in the daemon and move this engine's
+        keys to a fresh namespace (so a failed flush can never serve the old KV)."""
+        self._epoch += 1
+        for st in self._reqs.values():
+            if st.lookup_rid is not None:
+                self.channel.forget(st.lookup_rid)
+            st.seed_salt, _ = self._seed_salt(st.request)
+            st.keys, st.hashed_tokens = [[] for _ in self.shards], 0
+            self._hash(st, len(st.request.prompt_token_ids))
+            st.lookup_rid = st.hit_chunks = None
+            st.next_store_chunk = 0
+        try:
+            self.channel.call(m.Flush(rid=0, model=self.model_id), self.cfg.lookup_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the new namespace already protects correctness
+            log.warning("kvdepot: flush of model %s failed: %s", self.model_id, exc)
+            return False
+        return True
+
+    def shutdown(self) -> None:
+        self.channel.close()

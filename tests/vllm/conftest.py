@@ -1,0 +1,105 @@
+"""Fixtures of the vLLM connector tests: a real `kvdepot serve` subprocess that can be stopped
+and restarted on the same endpoint (new boot id), and the import-time warnings of vLLM.
+
+The whole directory is skipped when vLLM is not installed (every test module starts with
+``pytest.importorskip("vllm")``); vLLM 0.33 is installed with ``--no-deps`` plus its import-time
+modules, and imports on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+READY_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 15.0
+
+# Warnings vLLM 0.33 (and the torch modules it imports) emit at import or config time on a CPU
+# machine without vLLM's compiled extension. Filtered by exact message, nothing broader.
+VLLM_IMPORT_WARNINGS = (
+    r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning",
+    r"ignore:`torch\.jit\.script` is deprecated:DeprecationWarning",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+    for item in items:
+        if Path(str(item.fspath)).parent == here:
+            for w in VLLM_IMPORT_WARNINGS:
+                item.add_marker(pytest.mark.filterwarnings(w))
+
+
+class Daemon:
+    """A `kvdepot serve` subprocess on a fixed ipc endpoint; `stop` / `start` restart it (the
+    endpoint stays, the boot id changes)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        sock_dir = Path(tempfile.mkdtemp(prefix="kvdv-", dir="/tmp"))  # ipc paths must stay short
+        self.sock_path = sock_dir / "kvdepot.sock"
+        self.endpoint = f"ipc://{self.sock_path}"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> Daemon:
+        self.starts += 1
+        out_path = self.workdir / f"daemon{self.starts}.out"
+        self.log_path = self.workdir / f"daemon{self.starts}.log"
+        cmd = [sys.executable, "-m", "kvdepot", "serve", "--endpoint", self.endpoint, "--l1-bytes", "256m"]
+        with open(out_path, "wb") as out, open(self.log_path, "wb") as err:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while "kvdepot ready on" not in out_path.read_text(errors="replace"):
+            if self.proc.poll() is not None:
+                pytest.fail(f"daemon exited with {self.proc.returncode}; log:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                pytest.fail(f"daemon not ready within {READY_TIMEOUT_S} s; log:\n{self.log()}")
+            time.sleep(0.02)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """SIGTERM and a clean exit (status 0, no traceback logged)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                pytest.fail(f"daemon did not stop within {STOP_TIMEOUT_S} s; log:\n{self.log()}")
+        log = self.log()
+        self.proc = None
+        assert "Traceback" not in log, f"daemon logged a traceback:\n{log}"
+
+    def pause(self) -> None:
+        """SIGSTOP: the daemon stays bound but answers nothing (a hung daemon)."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    """A fresh daemon for one test; ``.endpoint``, ``.stop()``, ``.start()`` (restart)."""
+    d = Daemon(tmp_path).start()
+    try:
+        yield d
+    finally:
+        if d.proc is not None and d.proc.poll() is None:
+            d.resume()
+        d.stop()

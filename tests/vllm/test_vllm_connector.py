@@ -1,0 +1,497 @@
+"""The kvdepot vLLM connector against vLLM 0.33's real scheduler, KV-cache planning, connector
+factory and worker-side call sequence, with real bytes moving through a `kvdepot serve`
+daemon over shared memory (see ``vllm_harness`` for which parts are vLLM's code).
+
+Every forward pass of the toy model checks each KV byte it attends to against the KV the toy
+model defines for that prefix, and its sampled token depends on those bytes: a wrong load fails
+the test, and equal outputs mean equal tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm_harness as H  # noqa: E402
+from kvdepot.client import KVDepotClient  # noqa: E402
+from kvdepot.protocol import messages as m  # noqa: E402
+
+CHUNK = 64
+FAST = {"rpc_timeout_s": 0.5, "hold_max_s": 1.0}  # failure tests: short timeouts
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return H.model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def shared_daemon(tmp_path_factory):
+    """One daemon for the tests that never stop or pause it (each test has its own model id)."""
+    from conftest import Daemon
+
+    d = Daemon(tmp_path_factory.mktemp("daemon")).start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def cfg(request, model):
+    """``cfg(endpoint, **make_vllm_config kwargs)`` with this test's own model id (chunk keys of
+    different tests never meet in a shared daemon)."""
+    model_id = request.node.name
+
+    def make(endpoint: str, extra: dict | None = None, **kw):
+        kw.setdefault("chunk_size", CHUNK)
+        return H.make_vllm_config(model, endpoint, extra={"model_id": model_id, **(extra or {})}, **kw)
+
+    return make
+
+
+@pytest.fixture
+def engines():
+    made: list[H.Engine] = []
+
+    def make(cfg, specs=None, **kw) -> H.Engine:
+        e = H.Engine(cfg, specs if specs is not None else H.dense_specs(), **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def stored_chunks(endpoint: str, engine: H.Engine) -> int:
+    """Chunks the daemon stored for ``engine``'s registration."""
+    reg = engine.worker_conn.worker.registration_id
+    with KVDepotClient(endpoint, timeout_s=5) as c:
+        return next(e.stored_chunks for e in c.describe().engines if e.registration == reg)
+
+
+def first_output(engine: H.Engine, req_id: str, max_steps: int = 200) -> None:
+    """Step until ``req_id`` has sampled its first token."""
+    for _ in range(max_steps):
+        so = engine.step()
+        if engine.runs[req_id].outputs:
+            return
+        if not so.total_num_scheduled_tokens:
+            time.sleep(0.002)
+    raise AssertionError(f"{req_id} produced nothing in {max_steps} steps")
+
+
+# ---------------------------------------------------------------------- (a) + (b)
+
+
+def test_cold_request_stores_and_a_request_sharing_the_prefix_loads_the_same_bytes(shared_daemon, cfg, engines):
+    a = engines(cfg(shared_daemon.endpoint, layout="LBNHC"))
+    prompt = H.tokens(1, 200)  # 3 whole chunks + 8 tokens
+    ra = a.add(prompt, max_tokens=3)
+    first_output(a, ra)
+    reference = {name: a.kv_of(ra, name, range(3 * CHUNK)) for name in a.kv_caches}
+    a.run()
+    assert a.runs[ra].computed == 200 + 2  # cold: vLLM computed everything
+    w = a.worker_conn.worker
+    assert w.stats["stored_chunks"] == 3 and w.stats["store_failures"] == 0  # whole prompt chunks only
+    assert stored_chunks(shared_daemon.endpoint, a) == 3
+
+    # a second vLLM instance with another physical layout (HND) and other block ids
+    b = engines(cfg(shared_daemon.endpoint, layout="LBHNC"))
+    b.add(H.tokens(99, 40), max_tokens=1)  # occupy some blocks so B's ids differ from A's
+    b.run()
+    rb = b.add(prompt, max_tokens=3)
+    b.run()
+    run = b.runs[rb]
+    assert run.computed == 200 - 3 * CHUNK + 2, "B must load the 3 cached chunks and compute the rest"
+    assert run.outputs == a.runs[ra].outputs, "loaded KV must give exactly the tokens of a full computation"
+    assert b.worker_conn.worker.stats["loaded_chunks"] == 3
+    for (name, lo, hi), got in run.loaded_bytes.items():
+        assert (lo, hi) == (0, 200 - 8)
+        assert got.equal(reference[name]), f"layer {name}: loaded bytes differ from A's KV"
+    assert stored_chunks(shared_daemon.endpoint, a) == 3
+    assert stored_chunks(shared_daemon.endpoint, b) == 0  # nothing stored twice
+
+
+def test_call_sequence_vllm_makes(shared_daemon, cfg, engines):
+    """The connector calls vLLM's scheduler and worker mixin make, in their order, for a cold
+    request and for a request that loads."""
+    import recording_connector as rc
+
+    config = cfg(shared_daemon.endpoint, connector="RecordingKVDepotConnector", module="recording_connector")
+    rc.CALLS.clear()
+    e = engines(config)
+    prompt = H.tokens(2, 130)
+    r1 = e.add(prompt, max_tokens=1, req_id="cold")
+    e.run()
+    r2 = e.add(H.tokens(3, 5) + prompt, max_tokens=1, req_id="other")  # no shared prefix: lookup misses
+    e.run()
+    calls = [(role[0], name, arg) for role, name, arg in rc.CALLS]
+    sched = [c for c in calls if c[0] == "S"]
+    names = [c[1] for c in sched]
+    # cold request: lookup sent at arrival, answered before it is scheduled, stores planned
+    i = names.index("on_new_request")
+    assert sched[i][2] == r1
+    matched = [c[2] for c in sched if c[1] == "get_num_new_matched_tokens" and c[2][0] == r1]
+    assert all(res == (None, False) for _, _, res in matched[:-1]) and matched[-1][2] == (0, False)
+    assert ("S", "update_state_after_alloc", (r1, 0)) in sched
+    metas = [c[2] for c in sched if c[1] == "build_connector_meta"]
+    assert any(stores == [r1] for _, stores, _ in metas)
+    fin = [c for c in sched if c[1] == "request_finished_all_groups"]
+    assert fin[0][2] == (r1, True)  # blocks kept until the workers confirm no store is still running
+    assert any(release == [r1] for _, _, release in metas)
+    # worker: the mixin's order within a step
+    worker = [c[1] for c in calls if c[0] == "W"]
+    assert worker[:2] == ["get_mem_pool_context", "register_kv_caches"]
+    step = worker[worker.index("bind_connector_metadata"):]
+    step = step[:step.index("clear_connector_metadata") + 1]
+    assert step == ["bind_connector_metadata", "start_load_kv", "wait_for_save", "get_transfer_results",
+                    "get_block_ids_with_load_errors", "clear_connector_metadata"]
+    sending = [c[2][0] for c in calls if c[1] == "get_transfer_results" and c[2][0]]
+    assert [r1] in sending
+    assert r2 in e.runs
+
+
+def test_load_call_sequence(shared_daemon, cfg, engines):
+    import recording_connector as rc
+
+    e = engines(cfg(shared_daemon.endpoint, connector="RecordingKVDepotConnector", module="recording_connector"))
+    prompt = H.tokens(4, 150)
+    e.add(prompt, max_tokens=1, cache_salt="seq")
+    e.run()
+    # a second instance: its own prefix cache is empty, so everything cached comes from the daemon
+    f = engines(cfg(shared_daemon.endpoint, connector="RecordingKVDepotConnector", module="recording_connector"))
+    rc.CALLS.clear()
+    r = f.add(prompt, max_tokens=1, cache_salt="seq", req_id="warm")
+    f.run()
+    calls = [(role[0], name, arg) for role, name, arg in rc.CALLS]
+    matched = [c[2] for c in calls if c[1] == "get_num_new_matched_tokens"]
+    assert matched[-1] == (r, 0, (2 * CHUNK, True))  # async load of the two whole chunks
+    names = [(c[0], c[1]) for c in calls]
+    alloc = names.index(("S", "update_state_after_alloc"))
+    assert calls[alloc][2] == (r, 2 * CHUNK)
+    meta = names.index(("S", "build_connector_meta"), alloc)
+    assert calls[meta][2][0] == [r]  # the load job
+    # the same step on the worker: load after the (empty) forward, then reported finished
+    w = names.index(("W", "start_load_kv"), meta)
+    res = names.index(("W", "get_transfer_results"), w)
+    assert calls[res][2][1] == [r] and calls[res][2][2] == []
+    assert ("S", "update_connector_output") in names[res:]
+    assert f.runs[r].computed == 150 - 2 * CHUNK
+
+
+# ---------------------------------------------------------------------- (c) hybrid
+
+
+@pytest.mark.parametrize("budget", [2048, 60], ids=["one-step-prefill", "chunked-prefill"])
+def test_hybrid_model_two_groups_of_different_block_sizes(shared_daemon, cfg, engines, budget):
+    """Full attention (16 tokens per block) + sliding window 16 (32 tokens per block): per-gid
+    block ids per chunk, vLLM's null blocks in the sliding-window table (read by stores,
+    guarded on loads)."""
+    specs = H.hybrid_specs(sliding_window=16)
+    a = engines(cfg(shared_daemon.endpoint, max_num_batched_tokens=budget), specs)
+    assert [g.kv_cache_spec.block_size for g in a.groups] == [16, 32]
+    prompt = H.tokens(5, 300)
+    ra = a.add(prompt, max_tokens=3)
+    a.run()
+    assert a.worker_conn.worker.stats["stored_chunks"] == 4
+
+    b = engines(cfg(shared_daemon.endpoint, max_num_batched_tokens=budget), specs)
+    null_before = b.null_block_bytes()
+    rb = b.add(prompt, max_tokens=3)
+    b.run()
+    assert b.worker_conn.worker.stats["loaded_chunks"] == 4
+    assert b.worker_conn.worker.stats["null_block_guards"] == 1  # the sliding-window table held nulls
+    assert b.runs[rb].computed == 300 - 4 * CHUNK + 2
+    assert b.runs[rb].outputs == a.runs[ra].outputs
+    null_after = b.null_block_bytes()
+    assert all(null_after[k].equal(v) for k, v in null_before.items()), "a load wrote vLLM's null block"
+
+
+def test_hybrid_load_failure_is_recomputed(daemon, cfg, engines):
+    """Hybrid models report a failed load per request (failed_recving); vLLM recomputes."""
+    specs = H.hybrid_specs(sliding_window=16)
+    a = engines(cfg(daemon.endpoint, extra=FAST), specs)
+    prompt = H.tokens(6, 200)
+    ra = a.add(prompt, max_tokens=2)
+    a.run()
+    b = engines(cfg(daemon.endpoint, extra=FAST), specs)
+    rb = b.add(prompt, max_tokens=2)
+    _wait_for_lookup_answer(b, rb)
+    daemon.stop()  # the lookup said "hit"; the retrieve finds no daemon
+    t0 = time.monotonic()
+    b.run()
+    assert time.monotonic() - t0 < 10
+    assert b.runs[rb].outputs == a.runs[ra].outputs
+    assert b.runs[rb].computed == 200 + 1  # everything recomputed
+    assert b.worker_conn.worker.stats["load_failures"] == 1
+
+
+def _wait_for_lookup_answer(engine: H.Engine, req_id: str) -> None:
+    st = engine.sched_conn.scheduler._reqs[req_id]
+    ch = engine.sched_conn.scheduler.channel
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        ch.poll(0.01)
+        if st.lookup_rid is not None and st.lookup_rid in ch._replies:
+            return
+    raise AssertionError("no lookup answer")
+
+
+# ---------------------------------------------------------------------- (d) vLLM's own prefix cache
+
+
+def test_prefix_partly_in_vllms_prefix_cache_is_not_overwritten(shared_daemon, cfg, engines):
+    a = engines(cfg(shared_daemon.endpoint))
+    prompt = H.tokens(7, 230)  # 3 whole chunks cached in the daemon
+    ra = a.add(prompt, max_tokens=2)
+    a.run()
+
+    b = engines(cfg(shared_daemon.endpoint))
+    rc_ = b.add(prompt[:100] + H.tokens(8, 20), max_tokens=1)  # shares 100 tokens with the prompt
+    b.run()
+    # vLLM's prefix cache of B now holds the KV of prompt[:96] (6 full blocks); poison the part
+    # of it inside chunk 1 (tokens 64..95): a load that wrote it would restore the right bytes
+    table = b.runs[rc_].table[0]
+    poisoned = table[4:6]
+    saved = {name: t.view(H.torch.int8)[poisoned].clone() for name, t in b.kv_caches.items()}
+    for t in b.kv_caches.values():
+        t.view(H.torch.int8)[poisoned] = 77
+
+    rb = b.add(prompt, max_tokens=2)
+    st = b.sched_conn.scheduler
+    seen = []
+    orig = st._load_job
+
+    def spy(req_id, block_ids, local, end):
+        job = orig(req_id, block_ids, local, end)
+        seen.append(job)
+        return job
+
+    st._load_job = spy
+    for _ in range(200):  # step until the load ran (the step that plans it also executes it)
+        b.step()
+        if seen:
+            break
+        time.sleep(0.002)
+    job = seen[0]
+    assert (job.local_tokens, job.end_tokens) == (96, 3 * CHUNK)
+    assert (job.first_chunk, job.skip_tokens) == (1, 32)  # retrieve chunks 1, 2; skip 32 tokens of chunk 1
+    blocks_b = b.scheduler.kv_cache_manager.get_block_ids(rb)[0]
+    assert blocks_b[4:6] == poisoned, "B must reuse vLLM's cached blocks for its local hit"
+    for name, t in b.kv_caches.items():
+        assert bool((t.view(H.torch.int8)[poisoned] == 77).all()), f"the load overwrote cached blocks ({name})"
+        t.view(H.torch.int8)[poisoned] = saved[name]
+    b.run()
+    assert b.runs[rb].computed == 230 - 3 * CHUNK + 1
+    assert b.runs[rb].outputs == a.runs[ra].outputs
+
+
+# ---------------------------------------------------------------------- (e) daemon down, slow, restarted
+
+
+def test_daemon_down_then_restarted(daemon, cfg, engines):
+    e = engines(cfg(daemon.endpoint, extra=FAST))
+    w = e.worker_conn.worker
+    first_reg = w.registration_id
+    assert first_reg
+    prompt = H.tokens(9, 200)
+    r0 = e.add(prompt, max_tokens=2)
+    e.run()
+    expected = e.runs[r0].outputs
+
+    daemon.stop()
+    # a fresh instance (empty prefix cache) keeps serving by recomputing, without hanging
+    f = engines(cfg(daemon.endpoint, extra=FAST))
+    t0 = time.monotonic()
+    r1 = f.add(prompt, max_tokens=2)
+    f.run()
+    assert time.monotonic() - t0 < 5
+    assert f.runs[r1].outputs == expected and f.runs[r1].computed == 200 + 1
+    assert f.worker_conn.worker.registration_id is None  # registration failed: nothing stored or loaded
+
+    daemon.start()  # same endpoint, new boot id, empty cache
+    for _ in range(400):  # idle engine steps: the worker probes the daemon and registers
+        f.step()
+        if f.worker_conn.worker.registration_id:
+            break
+        time.sleep(0.005)
+    r2 = f.add(H.tokens(10, 3) + prompt, max_tokens=2)  # new prefix: not in vLLM's prefix cache
+    f.run()
+    assert f.worker_conn.worker.registration_id, "the worker must register with the restarted daemon"
+    assert f.worker_conn.worker.stats["stored_chunks"] >= 3
+    # the first instance notices the restart (UNKNOWN_REGISTRATION / new boot id) and re-registers
+    r3 = e.add(H.tokens(10, 3) + prompt, max_tokens=2)
+    e.run()
+    assert w.registration_id and w.registration_id != first_reg
+    assert e.runs[r3].computed == 203 - 3 * CHUNK + 1, "a chunk stored by the other instance must load"
+    assert e.runs[r3].outputs == f.runs[r2].outputs
+
+
+def test_failed_load_is_reported_as_failed_blocks_and_recomputed(daemon, cfg, engines):
+    a = engines(cfg(daemon.endpoint, extra=FAST))
+    prompt = H.tokens(11, 250)
+    ra = a.add(prompt, max_tokens=2)
+    a.run()
+    b = engines(cfg(daemon.endpoint, extra=FAST))
+    rb = b.add(prompt, max_tokens=2)
+    _wait_for_lookup_answer(b, rb)
+    daemon.stop()
+    errors = []
+    orig = b.worker_conn.get_block_ids_with_load_errors
+
+    def spy():
+        got = orig()
+        errors.append(got)
+        return got
+
+    b.worker_conn.get_block_ids_with_load_errors = spy
+    t0 = time.monotonic()
+    b.run()
+    assert time.monotonic() - t0 < 10
+    failed = set().union(*errors)
+    assert len(failed) == 3 * CHUNK // 16, "every block of the promised chunks is reported failed"
+    assert b.runs[rb].outputs == a.runs[ra].outputs
+    assert b.runs[rb].computed == 250 + 1
+
+
+def test_slow_daemon_load_times_out_and_blocks_wait_for_its_late_answer(daemon, cfg, engines):
+    a = engines(cfg(daemon.endpoint, extra=FAST))
+    prompt = H.tokens(12, 140)
+    ra = a.add(prompt, max_tokens=2)
+    a.run()
+    b = engines(cfg(daemon.endpoint, extra=FAST))
+    rb = b.add(prompt, max_tokens=2)
+    _wait_for_lookup_answer(b, rb)
+    daemon.pause()  # hung: bound, answers nothing
+    try:
+        t0 = time.monotonic()
+        for _ in range(100):
+            b.step()
+            if b.worker_conn.worker._withheld:
+                break
+        assert time.monotonic() - t0 < 5, "a hung daemon must cost at most one rpc timeout"
+        assert rb in b.worker_conn.worker._withheld  # its blocks wait for the late answer
+        from vllm.v1.request import RequestStatus
+
+        assert b.scheduler.requests[rb].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    finally:
+        daemon.resume()
+    b.run()
+    assert not b.worker_conn.worker._withheld
+    assert b.runs[rb].outputs == a.runs[ra].outputs
+
+
+def test_scheduler_never_blocks_on_a_hung_daemon(daemon, cfg, engines):
+    e = engines(cfg(daemon.endpoint, extra=FAST))
+    daemon.pause()
+    try:
+        sched = e.sched_conn
+        req = H.Request("hung", H.tokens(13, 100), H.SamplingParams(max_tokens=1), None)
+        answers, worst = [], 0.0
+        t_end = time.monotonic() + 2.0
+        while time.monotonic() < t_end:
+            t0 = time.monotonic()
+            answers.append(sched.get_num_new_matched_tokens(req, 0))
+            worst = max(worst, time.monotonic() - t0)
+            if answers[-1][0] is not None:
+                break
+            time.sleep(0.01)
+        assert answers[0] == (None, False)  # pending: vLLM skips the request this step
+        assert answers[-1] == (0, False)  # after lookup_timeout_s: recompute
+        assert worst < 0.05, f"get_num_new_matched_tokens blocked for {worst:.3f} s"
+        # while down, new requests are answered at once
+        t0 = time.monotonic()
+        req2 = H.Request("hung2", H.tokens(14, 100), H.SamplingParams(max_tokens=1), None)
+        assert sched.get_num_new_matched_tokens(req2, 0) == (0, False)
+        assert time.monotonic() - t0 < 0.05
+        sched.request_finished_all_groups(req, ([],))
+        sched.request_finished_all_groups(req2, ([],))
+    finally:
+        daemon.resume()
+
+
+# ---------------------------------------------------------------------- keys
+
+
+def test_cache_salt_isolates_tenants(shared_daemon, cfg, engines):
+    a = engines(cfg(shared_daemon.endpoint))
+    prompt = H.tokens(15, 140)
+    a.add(prompt, max_tokens=1, cache_salt="tenant-a")
+    a.run()
+    b = engines(cfg(shared_daemon.endpoint))
+    other = b.add(prompt, max_tokens=1, cache_salt="tenant-b")
+    b.run()
+    assert b.runs[other].computed == 140, "another tenant must not see tenant-a's KV"
+    c = engines(cfg(shared_daemon.endpoint))
+    same = c.add(prompt, max_tokens=1, cache_salt="tenant-a")
+    c.run()
+    assert c.runs[same].computed == 140 - 2 * CHUNK
+
+
+def test_generated_tokens_stored_only_when_configured(shared_daemon, cfg, engines):
+    prompt = H.tokens(16, 100)  # 1 whole prompt chunk; 100 + 60 generated tokens reach 2 chunks
+    e = engines(cfg(shared_daemon.endpoint, extra={"model_id": "gen-off"}))
+    e.add(prompt, max_tokens=60)
+    e.run()
+    assert e.worker_conn.worker.stats["stored_chunks"] == 1
+    f = engines(cfg(shared_daemon.endpoint,
+                                   extra={"model_id": "gen-on", "store_generated": True}))
+    r = f.add(prompt, max_tokens=60)
+    f.run()
+    assert f.worker_conn.worker.stats["stored_chunks"] == 2
+    # a follow-up turn (prompt = previous prompt + answer) loads both chunks
+    g = engines(cfg(shared_daemon.endpoint,
+                                   extra={"model_id": "gen-on", "store_generated": True}))
+    follow = g.add(f.runs[r].tokens[:150], max_tokens=1)
+    g.run()
+    assert g.runs[follow].computed == 150 - 2 * CHUNK
+
+
+def test_full_prompt_hit_recomputes_only_the_last_token(shared_daemon, cfg, engines):
+    a = engines(cfg(shared_daemon.endpoint))
+    prompt = H.tokens(18, 2 * CHUNK)  # exactly two chunks
+    ra = a.add(prompt, max_tokens=2)
+    a.run()
+    b = engines(cfg(shared_daemon.endpoint))
+    rb = b.add(prompt, max_tokens=2)
+    b.run()
+    assert b.runs[rb].computed == 1 + 1  # vLLM recomputes the last prompt token, then one decode step
+    assert b.runs[rb].outputs == a.runs[ra].outputs
+
+
+def test_reset_cache_after_a_weight_update_drops_the_models_chunks(shared_daemon, cfg, engines):
+    a = engines(cfg(shared_daemon.endpoint))
+    prompt = H.tokens(19, 140)
+    a.add(prompt, max_tokens=1)
+    a.run()
+    assert a.scheduler.reset_prefix_cache(reset_connector=True)  # vLLM's call after new weights
+    r = a.add(prompt, max_tokens=1)
+    a.run()
+    assert a.runs[r].computed == 140, "neither vLLM's nor kvdepot's old KV may be used"
+    b = engines(cfg(shared_daemon.endpoint))
+    rb = b.add(prompt, max_tokens=1)
+    b.run()
+    assert b.runs[rb].computed == 140, "the daemon no longer holds the model's chunks"
+
+
+def test_messages_on_the_wire_are_protocol_messages(shared_daemon, cfg, engines):
+    """Loads and stores use the daemon's Store / Retrieve with per-gid block ids, parent and
+    skip_tokens (a spy on the worker's channel)."""
+    a = engines(cfg(shared_daemon.endpoint))
+    sent = []
+    ch = a.worker_conn.worker.channel
+    orig = ch.send
+
+    def spy(req):
+        sent.append(req)
+        return orig(req)
+
+    ch.send = spy
+    a.add(H.tokens(17, 200), max_tokens=1)
+    a.run()
+    stores = [s for s in sent if isinstance(s, m.Store)]
+    assert len(stores) == 1 and len(stores[0].keys) == 3 and stores[0].parent == b""
+    assert [len(ids) for ids in stores[0].block_ids] == [3 * CHUNK // 16]

@@ -1,0 +1,168 @@
+"""Unit tests of the vLLM connector's parts that need no daemon: configuration, chunk / block
+arithmetic, the vLLM config -> registration mapping, and the channel's behaviour with no daemon."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm_harness as H  # noqa: E402
+from kvdepot.client.vllm.channel import DaemonChannel  # noqa: E402
+from kvdepot.client.vllm.config import ConnectorConfig, check_chunk_size  # noqa: E402
+from kvdepot.client.vllm.layout import (  # noqa: E402
+    ShmSegments,
+    build_registration,
+    find_shm_segment,
+    predict_fingerprint,
+    transfer_groups,
+)
+from kvdepot.client.vllm.plan import blocks_covering, chunk_block_ids, plan_load  # noqa: E402
+from kvdepot.gpu.layout import group_layers  # noqa: E402
+from kvdepot.protocol import messages as m  # noqa: E402
+from kvdepot.protocol.errors import ErrorCode, KVDepotError  # noqa: E402
+
+NO_DAEMON = "ipc:///tmp/kvdepot-no-daemon-here.sock"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return H.model_dir(tmp_path_factory.mktemp("model"))
+
+
+# ---------------------------------------------------------------------- configuration
+
+
+def test_extra_config_defaults_and_validation(monkeypatch):
+    monkeypatch.setenv("KVDEPOT_ENDPOINT", "ipc:///run/kvd.sock")
+    cfg = ConnectorConfig.from_extra({})
+    assert cfg.endpoint == "ipc:///run/kvd.sock" and cfg.chunk_size == 256 and cfg.store and cfg.load
+    assert ConnectorConfig.from_extra({"chunk_size": 512, "lookup_timeout_s": 2}).lookup_timeout_s == 2.0
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['chunksize'\]"):
+        ConnectorConfig.from_extra({"chunksize": 256})
+    with pytest.raises(ValueError, match="kv_connector_extra_config.chunk_size"):
+        ConnectorConfig.from_extra({"chunk_size": "big"})
+    with pytest.raises(ValueError, match="kv_connector_extra_config.store: 'yes' is not a bool"):
+        ConnectorConfig.from_extra({"store": "yes"})
+    with pytest.raises(ValueError, match="ipc://PATH or tcp://HOST:PORT"):
+        ConnectorConfig.from_extra({"endpoint": "/run/kvd.sock"})
+    with pytest.raises(ValueError, match="rpc_timeout_s: must be > 0"):
+        ConnectorConfig.from_extra({"rpc_timeout_s": 0})
+
+
+def test_chunk_size_must_be_a_multiple_of_every_groups_block_size():
+    check_chunk_size(256, [16, 32])
+    with pytest.raises(ValueError) as e:
+        check_chunk_size(48, [16, 32])
+    msg = str(e.value)
+    assert "kv_connector_extra_config.chunk_size=48" in msg and "multiple of 32" in msg
+    assert '"chunk_size": 32 or 64' in msg
+
+
+def test_connector_refuses_to_start_with_a_bad_chunk_size_or_fail_policy(model):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    cfg = H.make_vllm_config(model, NO_DAEMON, chunk_size=48)
+    kcc, sched_cfg, _, _ = H.plan_kv_cache(cfg, H.hybrid_specs(), 256)
+    with pytest.raises(ValueError, match="chunk_size=48 is not a multiple of 32"):
+        KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, sched_cfg)
+    cfg = H.make_vllm_config(model, NO_DAEMON, policy="fail")
+    kcc, sched_cfg, _, _ = H.plan_kv_cache(cfg, H.dense_specs(), 256)
+    with pytest.raises(ValueError, match='"kv_load_failure_policy": "recompute"'):
+        KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, sched_cfg)
+
+
+# ---------------------------------------------------------------------- chunk / block arithmetic
+
+
+def test_plan_load_never_writes_vllms_own_blocks():
+    p = plan_load(local=96, end=192, chunk_size=64)
+    assert (p.first_chunk, p.num_chunks, p.skip_tokens, p.loadable_end) == (1, 2, 32, 192)
+    p = plan_load(local=0, end=192, chunk_size=64)
+    assert (p.first_chunk, p.num_chunks, p.skip_tokens) == (0, 3, 0)
+    p = plan_load(local=128, end=200, chunk_size=64)  # end inside a chunk: the tail cannot load
+    assert (p.first_chunk, p.num_chunks, p.skip_tokens, p.loadable_end) == (2, 1, 0, 192)
+    p = plan_load(local=130, end=150, chunk_size=64)  # no whole chunk at all
+    assert p.num_chunks == 0 and p.loadable_end == 130
+
+
+def test_per_gid_block_slices_per_chunk():
+    gid0 = list(range(100, 116))  # 16 tokens per block: 4 blocks per 64-token chunk
+    gid1 = list(range(200, 208))  # 32 tokens per block: 2 blocks per chunk
+    assert chunk_block_ids(gid0, 16, 64, 1, 3) == list(range(104, 112))
+    assert chunk_block_ids(gid1, 32, 64, 1, 3) == [202, 203, 204, 205]
+    assert chunk_block_ids(gid1, 32, 64, 3, 5) is None  # table too short
+    assert blocks_covering(gid0, 16, 96, 130) == [106, 107, 108]
+
+
+# ---------------------------------------------------------------------- vLLM config -> registration
+
+
+def test_transfer_groups_of_dense_hybrid_and_recurrent_models(model):
+    cfg = H.make_vllm_config(model, NO_DAEMON)
+    kcc, _, _, _ = H.plan_kv_cache(cfg, H.hybrid_specs(), 256)
+    groups, why = transfer_groups(kcc)
+    assert not why
+    assert [(g.daemon_gid, g.block_size, g.has_null_blocks) for g in groups] == [(0, 16, False), (1, 32, True)]
+
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    mamba = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["l0"], MambaSpec(block_size=16, shapes=((4, 4),), dtypes=(torch.float32,)))])
+    groups, why = transfer_groups(mamba)
+    assert not groups and "MambaSpec" in why
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "BLNHC", "BLHNC"])
+def test_registration_of_vllm_views_matches_the_schedulers_fingerprint(model, layout):
+    """The worker describes vLLM's real per-layer views (over one shared-memory allocation);
+    the daemon's layout code accepts them and gives the fingerprint the scheduler predicted."""
+    cfg = H.make_vllm_config(model, NO_DAEMON, layout=layout)
+    kcc, sched_cfg, _, _ = H.plan_kv_cache(cfg, H.hybrid_specs(), 256)
+    groups, _ = transfer_groups(kcc)
+    segs = ShmSegments()
+    try:
+        with segs.allocation_context():
+            caches = H.allocate_kv_cache(kcc, cfg.cache_config.get_resolved_kv_cache_layout())
+        assert len(segs.made) == 1 and find_shm_segment(next(iter(caches.values()))) is not None
+        reg = build_registration(caches, kcc, groups)
+        assert reg.device == "cpu" and [s.kind for s in reg.storages] == ["shm"]
+        assert [(g.gid, g.tokens_per_block) for g in reg.groups] == [(0, 16), (1, 32)]
+        lay = group_layers(reg.layers, reg.groups, 64, [s.size_bytes for s in reg.storages])
+        sched_groups, _ = transfer_groups(sched_cfg)
+        assert lay.fingerprint == predict_fingerprint(sched_cfg, sched_groups, 64, layout)
+        assert lay.fingerprint == predict_fingerprint(kcc, groups, 64, layout)
+    finally:
+        segs.close()
+    assert not segs.made
+
+
+def test_cpu_views_outside_shared_memory_are_refused(model):
+    cfg = H.make_vllm_config(model, NO_DAEMON)
+    kcc, _, _, _ = H.plan_kv_cache(cfg, H.dense_specs(), 256)
+    caches = H.allocate_kv_cache(kcc, cfg.cache_config.get_resolved_kv_cache_layout())  # plain memory
+    with pytest.raises(ValueError, match="must live in shared memory"):
+        build_registration(caches, kcc, transfer_groups(kcc)[0])
+
+
+# ---------------------------------------------------------------------- channel without a daemon
+
+
+def test_channel_without_a_daemon_times_out_then_fails_fast():
+    ch = DaemonChannel(NO_DAEMON, "test", retry_interval_s=0.1)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(KVDepotError) as e:
+            ch.call(m.Ping(rid=0), timeout_s=0.2)
+        assert e.value.code == ErrorCode.TIMEOUT and time.monotonic() - t0 < 1.0
+        assert not ch.up
+        t0 = time.monotonic()
+        assert ch.send(m.Ping(rid=0)) is None  # down: nothing is sent, nothing waits
+        assert ch.call_tracked(m.Ping(rid=0), 5.0) == (None, None)
+        assert not ch.probe() and time.monotonic() - t0 < 0.05
+    finally:
+        ch.close()
