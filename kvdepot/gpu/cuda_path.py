@@ -1,10 +1,11 @@
 """The daemon's CUDA data path: open engines' memory by IPC handle, and move chunks between
 engine blocks and pinned L1 objects through device staging, without blocking the event loop.
 
-Per device and direction there is a *lane*: a kernel stream, a DMA stream and two staging
-slots. STORE, per batch of chunks::
+Per device and direction there is a *lane* (``KvdLane`` in ``csrc/kvdepot_kernels.cu``): a
+kernel stream, a DMA stream, two device staging slots and a completion watcher thread. STORE, per batch of
+chunks::
 
-    kernel stream: wait(engine's interprocess event) -> wait(slot free) -> gather kernel
+    kernel stream: wait(engine's interprocess event) -> wait(slot free) -> gather launches
     DMA stream:    wait(gathered) -> D2H staging -> each L1 object -> mark slot free
 
 RETRIEVE is the mirror on its own lane (H2D, then scatter), and the daemon records the
@@ -12,16 +13,20 @@ registration's interprocess event after the scatter; the engine waits on it befo
 its blocks, so the reply goes out as soon as the work is enqueued. With two slots per lane,
 gathering batch i+1 overlaps the PCIe copy of batch i, and the two directions overlap.
 
-Everything on the hot path is a raw call into the kernel library (launch with the block ids
-in the kernel parameters, batched ``cudaMemcpyAsync``), not torch stream contexts. Completion
-is signalled by a host function the GPU runs after the job (``cudaLaunchHostFunc``) writing an
-8-byte token into a pipe the event loop watches: no thread is blocked on the GPU, and the
-loop never waits.
+A whole request is enqueued by ONE call into the kernel library (`kvd_store` /
+`kvd_retrieve`): event waits, every launch (block ids travel in the kernel parameters), the
+copies, slot recycling and the completion watch. So the event loop's cost per request is a
+ctypes call, whatever the number of layers, groups or chunks. Completion: the lane's watcher
+thread (in the library, outside the GIL) polls the request's last event and writes an 8-byte
+token into a pipe the event loop watches, within ~10 us of the GPU finishing; the event loop
+never waits on the GPU.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
+import ctypes
 import logging
 import os
 import struct
@@ -29,9 +34,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvdepot import trace
-from kvdepot.gpu.cuda_engine import CudaTransferEngine
-from kvdepot.gpu.kernels import KernelError, Kernels, load_kernels
+from kvdepot.gpu.kernels import KernelError, Kernels, KvdGroupDesc, load_kernels
 from kvdepot.gpu.layout import EngineLayout
 from kvdepot.protocol.errors import ErrorCode, RequestError
 from kvdepot.protocol.messages import StorageSpec
@@ -39,6 +42,8 @@ from kvdepot.protocol.messages import StorageSpec
 log = logging.getLogger("kvdepot.cuda")
 
 DEFAULT_BATCH_BYTES = 64 << 20  # staging bytes per slot (2 slots per direction per GPU)
+_MAX_OPEN_EVENTS = 1024  # engines' interprocess events kept open per GPU
+_GPU_ERROR_BIT = 1 << 63  # set in a completion token when the GPU reported an error
 
 
 def device_index_by_uuid(uuid: str) -> int:
@@ -57,7 +62,9 @@ def device_index_by_uuid(uuid: str) -> int:
 
 
 class CompletionPipe:
-    """Tokens written by GPU host functions into a pipe; the event loop runs their callbacks."""
+    """8-byte completion tokens written into a pipe by the kernel library (lane watchers, or
+    `Kernels.notify` host functions); the event loop runs their callbacks. A token with bit 63
+    set reports a GPU error: its callback gets a `KernelError`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.read_fd, self.write_fd = os.pipe2(os.O_CLOEXEC)
@@ -77,6 +84,10 @@ class CompletionPipe:
     def forget(self, token: int) -> None:
         self._callbacks.pop(token, None)
 
+    def replace(self, token: int, callback: Callable[[BaseException | None], None]) -> None:
+        """Run ``callback`` instead when ``token`` arrives."""
+        self._callbacks[token] = callback
+
     def _drain(self) -> None:
         try:
             data = self._partial + os.read(self.read_fd, 1 << 16)
@@ -85,10 +96,14 @@ class CompletionPipe:
         n = len(data) // 8 * 8
         self._partial = data[n:]
         for (token,) in struct.iter_unpack("<Q", data[:n]):
+            err = None
+            if token & _GPU_ERROR_BIT:
+                token &= ~_GPU_ERROR_BIT
+                err = KernelError("a CUDA error occurred while the transfer ran on the GPU")
             cb = self._callbacks.pop(token, None)
             if cb is not None:
                 try:
-                    cb(None)
+                    cb(err)
                 except Exception:  # noqa: BLE001 - one bad callback must not stop completions
                     log.exception("completion callback failed")
 
@@ -108,152 +123,147 @@ class CudaOpenedStorage:
         self.device = device
 
 
-class _Lane:
-    """One direction's streams and double-buffered staging on one GPU."""
+class NativeEngine:
+    """One CUDA registration's layer groups inside the kernel library (``kvd_engine_create``).
 
-    SLOTS = 2
+    Args:
+        kernels: the loaded library.
+        device: CUDA ordinal of the engine's GPU.
+        layout: the registration's `EngineLayout`.
+        storage_ptrs: device pointer of each storage (index = `LayerSpec.storage`), as opened.
+    """
 
-    def __init__(self, device: torch.device, slot_bytes: int) -> None:
+    def __init__(self, kernels: Kernels, device: int, layout: EngineLayout, storage_ptrs: Sequence[int]) -> None:
+        self.kernels = kernels
         self.device = device
-        with torch.cuda.device(device):
-            self.kernel_stream = torch.cuda.Stream()
-            self.dma_stream = torch.cuda.Stream()
-            # completion host functions run here, so a host function's latency never stalls
-            # the DMA or kernel stream that the next request's copies are queued on
-            self.notify_stream = torch.cuda.Stream()
-        self._notify_after = torch.cuda.Event()
-        self.slot_bytes = slot_bytes
-        self.staging = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.SLOTS)]
-        # events are created once and re-recorded: a wait captures the record current at the
-        # time it is enqueued, so re-recording never affects waits already enqueued
-        self.slot_free = [torch.cuda.Event() for _ in range(self.SLOTS)]
-        self._slot_used = [False] * self.SLOTS
-        self._handoff = torch.cuda.Event()
-        self._next = 0
+        self.layout = layout
+        descs = [KvdGroupDesc.from_group(g, layout.object_bytes, layout.chunk_size) for g in layout.groups]
+        layer_ptrs = [[storage_ptrs[s] + off for s, off in g.offsets] for g in layout.groups]
+        try:
+            self.handle = kernels.engine_create(device, descs, layer_ptrs, layout.chunk_size, layout.object_bytes)
+        except KernelError as exc:
+            raise RequestError(ErrorCode.LAYOUT, f"the kernels cannot use this layout: {exc}") from None
+        # block ids go to the library flat, one list per layer group in layout order (several
+        # layer groups may share a KV-cache group's ids)
+        self._gids = [g.gid for g in layout.groups]
 
-    def take(self, nbytes: int, producer: torch.cuda.Stream) -> tuple[int, torch.Tensor]:
-        """Next slot (at least ``nbytes``), with ``producer`` made to wait until it is free."""
-        i = self._next
-        self._next = (i + 1) % self.SLOTS
-        if nbytes > self.staging[i].numel():
-            old = self.staging[i]
-            old.record_stream(self.kernel_stream)  # freed only after pending work on it
-            old.record_stream(self.dma_stream)
-            self.staging[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        if self._slot_used[i]:
-            producer.wait_event(self.slot_free[i])
-        return i, self.staging[i]
+    def flat_ids(self, block_ids: Sequence[Sequence[int]]) -> array.array:
+        """int32 block ids, ``block_ids[gid]`` for each layer group in order (see `kvd_store`)."""
+        gids = self._gids
+        if len(gids) == 1:
+            return array.array("i", block_ids[gids[0]])
+        out = array.array("i")
+        for gid in gids:
+            out.extend(block_ids[gid])
+        return out
 
-    def handoff(self, producer: torch.cuda.Stream, consumer: torch.cuda.Stream) -> None:
-        """Make ``consumer`` wait for the work enqueued on ``producer`` so far."""
-        self._handoff.record(producer)
-        consumer.wait_event(self._handoff)
-
-    def release(self, i: int, consumer: torch.cuda.Stream) -> None:
-        self.slot_free[i].record(consumer)
-        self._slot_used[i] = True
+    def close(self) -> None:
+        if self.handle:
+            self.kernels.engine_destroy(self.handle)
+            self.handle = 0
 
 
 class CudaDevicePath:
-    """Lanes and transfer enqueueing for one GPU."""
+    """The two lanes (store, retrieve) of one GPU and the engines' events opened on it."""
+
+    SLOTS = 2
 
     def __init__(self, device: int, kernels: Kernels, completions: CompletionPipe,
                  batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
-        self.device = torch.device("cuda", device)
+        self.device = device
         self.kernels = kernels
         self.completions = completions
-        self.batch_bytes = batch_bytes
-        self.store_lane = _Lane(self.device, batch_bytes)
-        self.retrieve_lane = _Lane(self.device, batch_bytes)
-        self._engine_events: dict[bytes, torch.cuda.Event] = {}
+        self.store_lane = kernels.lane_create(device, batch_bytes, self.SLOTS)
+        try:
+            self.retrieve_lane = kernels.lane_create(device, batch_bytes, self.SLOTS)
+        except BaseException:
+            kernels.lane_destroy(self.store_lane)
+            raise
+        self._engine_events: dict[bytes, int] = {}
+        self._notified = ctypes.c_int(0)
+        self._notified_ptr = ctypes.addressof(self._notified)
+        lib = kernels.lib
+        self._kvd_store, self._kvd_retrieve = lib.kvd_store, lib.kvd_retrieve
+
+    def reserve(self, object_bytes: int) -> None:
+        """Make both lanes' slots hold at least one ``object_bytes`` object (at registration)."""
+        for lane in (self.store_lane, self.retrieve_lane):
+            if self.kernels.lane_slot_bytes(lane) < object_bytes:
+                self.kernels.lane_reserve(lane, object_bytes)
 
     def close(self) -> None:
-        pass
+        for lane in (self.store_lane, self.retrieve_lane):
+            self.kernels.lane_destroy(lane)  # waits for the lane's pending work first
+        for ev in self._engine_events.values():
+            self.kernels.event_destroy(ev)
+        self._engine_events.clear()
 
-    def _engine_event(self, handle: bytes) -> torch.cuda.Event:
+    def _engine_event(self, handle: bytes) -> int:
         ev = self._engine_events.get(handle)
         if ev is None:
             try:
-                ev = torch.cuda.Event.from_ipc_handle(self.device, handle)
-            except Exception as exc:  # noqa: BLE001
+                ev = self.kernels.event_open_ipc(handle, self.device)
+            except KernelError as exc:
                 raise RequestError(ErrorCode.ENGINE_MEMORY, f"cannot open the engine's CUDA event: {exc}") from None
-            if len(self._engine_events) > 4096:
+            if len(self._engine_events) >= _MAX_OPEN_EVENTS:
+                # destroying an event leaves the waits already enqueued on it intact
+                for old in self._engine_events.values():
+                    self.kernels.event_destroy(old)
                 self._engine_events.clear()
             self._engine_events[handle] = ev
         return ev
 
-    def _batches(self, chunk_indices: Sequence[int], object_bytes: int) -> list[list[int]]:
-        per = max(1, self.batch_bytes // object_bytes)
-        return [list(chunk_indices[i:i + per]) for i in range(0, len(chunk_indices), per)]
-
-    @staticmethod
-    def _ids_for(layout: EngineLayout, block_ids: Sequence[Sequence[int]], chunks: Sequence[int]) -> list[list[int]]:
-        out = []
-        for gid, ids in enumerate(block_ids):
-            n = layout.blocks_per_chunk(gid)
-            out.append([b for j in chunks for b in ids[j * n:(j + 1) * n]])
-        return out
-
-    def _finish(self, lane: _Lane, stream: torch.cuda.Stream, done: Callable[[BaseException | None], None]) -> None:
-        token = self.completions.expect(done)
+    def _after_call(self, rc: int, what: str, lane: int, token: int,
+                    done: Callable[[BaseException | None], None]) -> None:
+        """An enqueue returned ``rc`` != 0: report it through ``done`` once nothing of the
+        request can still be running on the GPU."""
+        err = KernelError(f"{what}: {self.kernels.error_text(rc)}")
+        if self._notified.value:  # the note is queued behind whatever was enqueued
+            self.completions.replace(token, lambda _e: done(err))
+            return
+        self.completions.forget(token)
         try:
-            lane._notify_after.record(stream)
-            lane.notify_stream.wait_event(lane._notify_after)
-            self.kernels.notify(lane.notify_stream.cuda_stream, self.completions.write_fd, token)
-        except BaseException:
-            self.completions.forget(token)
-            raise
+            self.kernels.lane_synchronize(lane)  # rare: a failure before the note could be queued
+        except KernelError as exc:
+            log.error("CUDA lane unusable after %s: %s", what, exc)
+        self.completions.loop.call_soon(done, err)
 
-    def store(self, engine: CudaTransferEngine, block_ids: Sequence[Sequence[int]], chunks: Sequence[int],
-              host_objects: Sequence[torch.Tensor], engine_event: bytes, done: Callable[[BaseException | None], None]
-              ) -> None:
-        """Enqueue the gather of chunk indices ``chunks`` into ``host_objects`` (pinned uint8
-        tensors of object_bytes each); ``done(err)`` runs on the loop when the copies completed."""
-        lay = engine.layout
-        ob = lay.object_bytes
-        lane = self.store_lane
-        ks, ds = lane.kernel_stream, lane.dma_stream
-        if engine_event:
-            ks.wait_event(self._engine_event(engine_event))
-        trace.point(-2, "s_event")
-        k = 0
-        for batch in self._batches(chunks, ob):
-            slot, st = lane.take(len(batch) * ob, ks)
-            trace.point(-2, "s_take")
-            engine.copy(st, self._ids_for(lay, block_ids, batch), len(batch), True, ks)
-            trace.point(-2, "s_kernel")
-            lane.handoff(ks, ds)
-            base = st.data_ptr()
-            self.kernels.memcpy_batch([host_objects[k + i].data_ptr() for i in range(len(batch))],
-                                      [base + i * ob for i in range(len(batch))], [ob] * len(batch), ds.cuda_stream)
-            trace.point(-2, "s_memcpy")
-            k += len(batch)
-            lane.release(slot, ds)
-        self._finish(lane, ds, done)
-        trace.point(-2, "s_notify")
+    def store(self, engine: NativeEngine, block_ids: Sequence[Sequence[int]], total_chunks: int,
+              chunks: Sequence[int], host_ptrs: Sequence[int], engine_event: bytes,
+              done: Callable[[BaseException | None], None]) -> None:
+        """Enqueue the gather of the request's chunks ``chunks`` (indices < ``total_chunks``)
+        into the pinned host objects at ``host_ptrs`` (object_bytes each, not crossing a
+        registration); ``done(err)`` runs on the loop when the copies completed.
 
-    def retrieve(self, engine: CudaTransferEngine, block_ids: Sequence[Sequence[int]], host_objects: Sequence[torch.Tensor],
-                 skip_tokens: int, out_event: torch.cuda.Event, done: Callable[[BaseException | None], None]) -> None:
-        """Enqueue H2D + scatter of ``host_objects`` (chunk j = object j) into the engine's
-        blocks, then record ``out_event`` (interprocess) on the scatter stream. Chunks wholly
-        inside ``skip_tokens`` are not copied at all."""
-        lay = engine.layout
-        ob, cs_tokens = lay.object_bytes, lay.chunk_size
-        first = min(skip_tokens // cs_tokens, len(host_objects))
-        chunks = list(range(first, len(host_objects)))
-        lane = self.retrieve_lane
-        ks, ds = lane.kernel_stream, lane.dma_stream
-        for batch in self._batches(chunks, ob):
-            slot, st = lane.take(len(batch) * ob, ds)
-            base = st.data_ptr()
-            self.kernels.memcpy_batch([base + i * ob for i in range(len(batch))],
-                                      [host_objects[j].data_ptr() for j in batch], [ob] * len(batch), ds.cuda_stream)
-            lane.handoff(ds, ks)
-            skip = max(skip_tokens - batch[0] * cs_tokens, 0)
-            engine.copy(st, self._ids_for(lay, block_ids, batch), len(batch), False, ks, skip_tokens=skip)
-            lane.release(slot, ks)
-        out_event.record(ks)
-        self._finish(lane, ks, done)
+        Raises (nothing enqueued):
+            RequestError(ENGINE_MEMORY): the engine's event cannot be opened.
+        """
+        ev = self._engine_event(engine_event) if engine_event else None
+        ids = engine.flat_ids(block_ids)
+        ch = array.array("i", chunks)
+        hp = array.array("Q", host_ptrs)
+        token = self.completions.expect(done)
+        rc = self._kvd_store(self.store_lane, engine.handle, ev, ids.buffer_info()[0], total_chunks,
+                             ch.buffer_info()[0], len(ch), hp.buffer_info()[0], self.completions.write_fd, token,
+                             self._notified_ptr)
+        if rc:
+            self._after_call(rc, "kvd_store", self.store_lane, token, done)
+
+    def retrieve(self, engine: NativeEngine, block_ids: Sequence[Sequence[int]], total_chunks: int,
+                 host_ptrs: Sequence[int], skip_tokens: int, out_event: int,
+                 done: Callable[[BaseException | None], None]) -> None:
+        """Enqueue H2D + scatter of the host objects at ``host_ptrs`` (the request's leading
+        chunks, chunk j = object j) into the engine's blocks, then record ``out_event``
+        (interprocess) after the scatter. Blocks of the first ``skip_tokens`` tokens are not
+        touched; ``done(err)`` runs on the loop when the GPU finished reading the objects."""
+        ids = engine.flat_ids(block_ids)
+        hp = array.array("Q", host_ptrs)
+        token = self.completions.expect(done)
+        rc = self._kvd_retrieve(self.retrieve_lane, engine.handle, ids.buffer_info()[0], total_chunks, len(hp),
+                                hp.buffer_info()[0], skip_tokens, out_event, self.completions.write_fd, token,
+                                self._notified_ptr)
+        if rc:
+            self._after_call(rc, "kvd_retrieve", self.retrieve_lane, token, done)
 
 
 class CudaRuntime:
@@ -274,7 +284,11 @@ class CudaRuntime:
     def path(self, device: int) -> CudaDevicePath:
         p = self.paths.get(device)
         if p is None:
-            p = self.paths[device] = CudaDevicePath(device, self.kernels, self.completions, self.batch_bytes)
+            try:
+                p = CudaDevicePath(device, self.kernels, self.completions, self.batch_bytes)
+            except KernelError as exc:
+                raise RequestError(ErrorCode.ENGINE_MEMORY, f"cannot set up GPU {device}: {exc}") from None
+            self.paths[device] = p
         return p
 
     def open_storages(self, storages: Sequence[StorageSpec]) -> tuple[int, list[CudaOpenedStorage]]:
@@ -301,6 +315,37 @@ class CudaRuntime:
             self.close_storages(opened)
             raise
         return dev, opened
+
+    def open_engine(self, device: int, layout: EngineLayout, opened: Sequence[CudaOpenedStorage]
+                    ) -> tuple[NativeEngine, int, bytes]:
+        """The registration's engine in the library, with the lanes' staging grown to hold one
+        of its objects, and the interprocess event its retrieves record: (engine, event, event
+        handle bytes).
+
+        Raises:
+            RequestError(LAYOUT / ENGINE_MEMORY): the library refuses the layout, or CUDA fails.
+        """
+        path = self.path(device)
+        engine = NativeEngine(self.kernels, device, layout, [o.ptr for o in opened])
+        try:
+            path.reserve(layout.object_bytes)
+            event, handle = self.kernels.event_create_ipc(device)
+        except KernelError as exc:
+            engine.close()
+            raise RequestError(ErrorCode.ENGINE_MEMORY, f"CUDA set-up of the registration failed: {exc}") from None
+        except BaseException:
+            engine.close()
+            raise
+        return engine, event, handle
+
+    def release(self, engine: NativeEngine, event: int, opened: Sequence[CudaOpenedStorage]) -> None:
+        """Free a registration's CUDA state (no transfer of it may still be running)."""
+        engine.close()
+        try:
+            self.kernels.event_destroy(event)
+        except KernelError as exc:
+            log.warning("destroying a retrieve event failed: %s", exc)
+        self.close_storages(opened)
 
     def close_storages(self, opened: Sequence[CudaOpenedStorage]) -> None:
         for o in opened:

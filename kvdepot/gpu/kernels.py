@@ -37,7 +37,7 @@ log = logging.getLogger("kvdepot.kernels")
 ENV_SO = "KVDEPOT_KERNELS_SO"
 ENV_NO_JIT = "KVDEPOT_NO_JIT"
 _SRC = Path(__file__).parent / "csrc" / "kvdepot_kernels.cu"
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 KVD_OK, KVD_EINVAL, KVD_EALIGN, KVD_ECUDA = 0, 1, 2, 3
 
@@ -69,6 +69,11 @@ class Kernels:
         lib.kvd_abi_version.restype = ctypes.c_int
         if lib.kvd_abi_version() != ABI_VERSION:
             raise KernelError(f"{path}: ABI {lib.kvd_abi_version()} != {ABI_VERSION}; rebuild the kernels")
+        lib.kvd_source_hash.restype = ctypes.c_char_p
+        built_from = lib.kvd_source_hash().decode()
+        if built_from != source_hash():
+            raise KernelError(f"{path} was built from other source ({built_from}, this kvdepot has {source_hash()}); "
+                              "rebuild it with `kvdepot build-kernels`")
         lib.kvd_vec_bytes.restype = ctypes.c_int
         lib.kvd_vec_bytes.argtypes = [ctypes.POINTER(KvdGroupDesc), ctypes.POINTER(ctypes.c_uint64), ctypes.c_int64,
                                       ctypes.c_uint64]
@@ -86,7 +91,25 @@ class Kernels:
         lib.kvd_ipc_close_mem.argtypes = [ctypes.c_void_p, ctypes.c_int]
         lib.kvd_host_register.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         lib.kvd_host_unregister.argtypes = [ctypes.c_void_p]
+        vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.kvd_lane_create.argtypes = [i32, ctypes.c_uint64, i32, ctypes.POINTER(vp)]
+        lib.kvd_lane_reserve.argtypes = [vp, ctypes.c_uint64]
+        lib.kvd_lane_slot_bytes.argtypes = [vp]
+        lib.kvd_lane_slot_bytes.restype = ctypes.c_uint64
+        lib.kvd_lane_synchronize.argtypes = [vp]
+        lib.kvd_lane_destroy.argtypes = [vp]
+        lib.kvd_lane_destroy.restype = None
+        lib.kvd_engine_create.argtypes = [i32, ctypes.POINTER(KvdGroupDesc), i32, vp, i64, i64, ctypes.POINTER(vp)]
+        lib.kvd_engine_destroy.argtypes = [vp]
+        lib.kvd_engine_destroy.restype = None
+        # hot path: pointers go in as plain ints
+        lib.kvd_store.argtypes = [vp, vp, vp, vp, i64, vp, i64, vp, i32, ctypes.c_uint64, vp]
+        lib.kvd_retrieve.argtypes = [vp, vp, vp, i64, i64, vp, i64, vp, i32, ctypes.c_uint64, vp]
+        lib.kvd_event_create_ipc.argtypes = [i32, ctypes.POINTER(vp), ctypes.c_char_p]
+        lib.kvd_event_open_ipc.argtypes = [ctypes.c_char_p, i32, ctypes.POINTER(vp)]
+        lib.kvd_event_destroy.argtypes = [vp]
         self.ipc_handle_bytes = lib.kvd_ipc_handle_bytes()
+        self.ipc_event_handle_bytes = lib.kvd_ipc_event_handle_bytes()
         self.lib = lib
 
     def _check(self, rc: int, what: str) -> None:
@@ -149,15 +172,87 @@ class Kernels:
         self._check(self.lib.kvd_memcpy_batch(d.buffer_info()[0], s_.buffer_info()[0], z.buffer_info()[0], n, stream),
                     "cudaMemcpyAsync")
 
+    # ---------------------------------------------------------------- whole-request API (ABI 3)
+
+    def lane_create(self, device: int, slot_bytes: int, slots: int = 2) -> int:
+        """A lane (kernel, DMA and notify streams + ``slots`` device staging slots of
+        ``slot_bytes``) on ``device``; returns its handle. Free with `lane_destroy`."""
+        out = ctypes.c_void_p()
+        self._check(self.lib.kvd_lane_create(device, slot_bytes, slots, ctypes.byref(out)), "kvd_lane_create")
+        return int(out.value)
+
+    def lane_reserve(self, lane: int, slot_bytes: int) -> None:
+        """Grow the lane's slots to ``slot_bytes`` (waits for its pending work: not per request)."""
+        self._check(self.lib.kvd_lane_reserve(lane, slot_bytes), "kvd_lane_reserve")
+
+    def lane_slot_bytes(self, lane: int) -> int:
+        return int(self.lib.kvd_lane_slot_bytes(lane))
+
+    def lane_synchronize(self, lane: int) -> None:
+        """Block until the lane's enqueued work completed (error recovery and shutdown only)."""
+        self._check(self.lib.kvd_lane_synchronize(lane), "kvd_lane_synchronize")
+
+    def lane_destroy(self, lane: int) -> None:
+        self.lib.kvd_lane_destroy(lane)
+
+    def engine_create(self, device: int, descs: Sequence[KvdGroupDesc], layer_ptrs: Sequence[Sequence[int]],
+                      chunk_size: int, object_bytes: int) -> int:
+        """A registration's groups for `kvd_store` / `kvd_retrieve`: ``descs[g]`` and the device
+        pointer of each of its layers (``layer_ptrs[g]``). Returns the handle; free with
+        `engine_destroy` once no transfer uses it.
+
+        Raises:
+            KernelError: inconsistent descriptors (code 1) or a CUDA error.
+        """
+        arr = (KvdGroupDesc * len(descs))(*descs)
+        flat = array.array("Q", [p for ptrs in layer_ptrs for p in ptrs])
+        out = ctypes.c_void_p()
+        self._check(self.lib.kvd_engine_create(device, arr, len(descs), flat.buffer_info()[0], chunk_size,
+                                               object_bytes, ctypes.byref(out)), "kvd_engine_create")
+        return int(out.value)
+
+    def engine_destroy(self, engine: int) -> None:
+        self.lib.kvd_engine_destroy(engine)
+
+    def event_create_ipc(self, device: int) -> tuple[int, bytes]:
+        """An interprocess event (timing disabled) on ``device``: (handle, cudaIpcEventHandle_t bytes)."""
+        out = ctypes.c_void_p()
+        buf = ctypes.create_string_buffer(self.ipc_event_handle_bytes)
+        self._check(self.lib.kvd_event_create_ipc(device, ctypes.byref(out), buf), "cudaIpcGetEventHandle")
+        return int(out.value), buf.raw
+
+    def event_open_ipc(self, handle: bytes, device: int) -> int:
+        """Open another process's interprocess event.
+
+        Raises:
+            KernelError: wrong handle size, or the CUDA error.
+        """
+        if len(handle) != self.ipc_event_handle_bytes:
+            raise KernelError(f"event handle of {len(handle)} bytes, expected {self.ipc_event_handle_bytes}")
+        out = ctypes.c_void_p()
+        self._check(self.lib.kvd_event_open_ipc(handle, device, ctypes.byref(out)), "cudaIpcOpenEventHandle")
+        return int(out.value)
+
+    def event_destroy(self, event: int) -> None:
+        self._check(self.lib.kvd_event_destroy(event), "cudaEventDestroy")
+
+    def error_text(self, rc: int) -> str:
+        return {KVD_EINVAL: "invalid arguments", KVD_EALIGN: "misaligned",
+                KVD_ECUDA: f"CUDA error: {self.lib.kvd_last_cuda_error().decode()}"}.get(rc, f"code {rc}")
+
     def notify(self, stream: int, fd: int, token: int) -> None:
         """Write the 8-byte ``token`` to ``fd`` once the work on ``stream`` so far completed."""
         self._check(self.lib.kvd_notify(stream, fd, token), "cudaLaunchHostFunc")
 
 
+def source_hash() -> str:
+    """First 16 hex digits of the SHA-256 of the kernel source (what a library must be built from)."""
+    return hashlib.sha256(_SRC.read_bytes()).hexdigest()[:16]
+
+
 def _cache_dir(arch: str) -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvdepot" / "kernels"
-    digest = hashlib.sha256(_SRC.read_bytes()).hexdigest()[:16]
-    return base / f"{digest}-sm{arch}"
+    return base / f"{source_hash()}-sm{arch}"
 
 
 def build_kernels(out_path: Path, arch: str) -> None:
@@ -172,7 +267,8 @@ def build_kernels(out_path: Path, arch: str) -> None:
         raise FileNotFoundError("nvcc not found; set CUDA_HOME or KVDEPOT_KERNELS_SO")
     tmp = out_path.with_suffix(f".tmp{os.getpid()}")
     subprocess.run([nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", "-gencode",
-                    f"arch=compute_{arch},code=sm_{arch}", "-o", str(tmp), str(_SRC)], check=True)
+                    f"arch=compute_{arch},code=sm_{arch}", f'-DKVD_SOURCE_HASH="{source_hash()}"', "-o", str(tmp),
+                    str(_SRC)], check=True)
     os.replace(tmp, out_path)
 
 

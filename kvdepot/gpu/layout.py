@@ -264,6 +264,14 @@ class EngineLayout:
     groups: list[LayerGroup]
     object_bytes: int
     fingerprint: str
+    # per gid, the blocks every layer of the gid has (valid block ids are below it)
+    num_blocks: list[int] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        nb: dict[int, int] = {}
+        for g in self.groups:
+            nb[g.gid] = min(nb.get(g.gid, g.view.num_blocks), g.view.num_blocks)
+        self.num_blocks = [nb.get(gid, 0) for gid in range(len(self.tokens_per_block))]
 
     def blocks_per_chunk(self, gid: int) -> int:
         return self.chunk_size // self.tokens_per_block[gid]

@@ -298,16 +298,16 @@ class Daemon:
         if len(block_ids) != len(lay.tokens_per_block):
             raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                f"block_ids has {len(block_ids)} groups, registration has {len(lay.tokens_per_block)}")
-        num_blocks = {g.gid: g.view.num_blocks for g in lay.groups}
+        num_blocks = lay.num_blocks
         for gid, ids in enumerate(block_ids):
             need = num_chunks * lay.blocks_per_chunk(gid)
             if len(ids) != need:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                    f"gid {gid}: {len(ids)} block ids for {num_chunks} chunks, need {need}")
-            nb = num_blocks.get(gid, 0)
-            for b in ids:
-                if b >= nb:
-                    raise RequestError(ErrorCode.INVALID_ARGUMENT, f"gid {gid}: block id {b} out of range [0, {nb})")
+            nb = num_blocks[gid]
+            if ids and max(ids) >= nb:  # ids are >= 0 (the decoder checks)
+                raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                                   f"gid {gid}: block id {max(ids)} out of range [0, {nb})")
 
     @staticmethod
     def _chunk_block_ids(reg: Registration, block_ids: Sequence[Sequence[int]], j: int) -> list[Sequence[int]]:
@@ -389,26 +389,18 @@ class Daemon:
         return self._cuda
 
     def _register_cuda(self, req: m.Register, layout: EngineLayout) -> Registration:
-        import torch as _torch
-
-        from kvdepot.gpu.cuda_engine import CudaTransferEngine
-
         if any(s.kind != "cuda_ipc" for s in req.storages):
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "a CUDA registration's storages must all be cuda_ipc")
         rt = self._cuda_runtime()
         dev, opened = rt.open_storages(req.storages)
         try:
-            engine = CudaTransferEngine(layout, [o.ptr for o in opened], [s.size_bytes for s in req.storages],
-                                        _torch.device("cuda", dev))
-            with _torch.cuda.device(dev):
-                event = _torch.cuda.Event(interprocess=True)
-            rt.path(dev)
+            engine, event, handle = rt.open_engine(dev, layout, opened)
         except BaseException:
             rt.close_storages(opened)
             raise
         reg = Registration("", req.model, req.shard, req.pid, req.device, layout, None, engine, cuda_device=dev,
-                           cuda_storages=opened, retrieve_event=event, retrieve_event_handle=bytes(event.ipc_handle()),
-                           on_release=rt.close_storages)
+                           cuda_storages=opened, retrieve_event=event, retrieve_event_handle=handle,
+                           on_release=lambda storages: rt.release(engine, event, storages))
         return reg
 
     def _on_register(self, identity: bytes, req: m.Register) -> m.Msg:
@@ -578,9 +570,10 @@ class Daemon:
             if reg.cuda_device is None:
                 self._in_executor(finish, self._gather, reg, req.block_ids, new)
             else:
+                base = self.pool.base_ptr
                 self._cuda.path(reg.cuda_device).store(
-                    reg.engine, req.block_ids, [j for j, _ in new],
-                    [self.pool.buffer(e.offset, e.size_bytes) for _, e in new], req.event, finish)
+                    reg.engine, req.block_ids, n, [j for j, _ in new], [base + e.offset for _, e in new], req.event,
+                    finish)
         except BaseException as exc:  # nothing was enqueued: roll back now
             finish(exc)
         trace_point(req.rid, "enqueued")
@@ -664,11 +657,12 @@ class Daemon:
             self._op_metrics(reg, "retrieve")[2].observe(time.perf_counter() - t0)
 
         trace_point(req.rid, "enqueue")
+        base = self.pool.base_ptr
         try:
             self._cuda.path(reg.cuda_device).retrieve(
-                reg.engine, req.block_ids, [self.pool.buffer(e.offset, e.size_bytes) for e in entries],
-                req.skip_tokens, reg.retrieve_event, done)
-        except BaseException:
+                reg.engine, req.block_ids, len(req.keys), [base + e.offset for e in entries], req.skip_tokens,
+                reg.retrieve_event, done)
+        except BaseException:  # raised before anything was enqueued
             done(None)
             raise
         self._count_transfer(reg, "retrieve", len(entries))

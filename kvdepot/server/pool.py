@@ -133,6 +133,7 @@ class HostPool:
         n = self.allocator.capacity_bytes
         self._mmap = mmap.mmap(-1, max(n, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.arena = torch.frombuffer(self._mmap, dtype=torch.uint8)[:n]
+        self._base_ptr = self.arena.data_ptr()
         self.prefaulted_bytes = 0
         self.pinned_bytes = 0
         self._pinned_ranges: list[int] = []
@@ -212,6 +213,11 @@ class HostPool:
 
     def free(self, offset: int) -> None:
         self.allocator.free(offset)
+
+    @property
+    def base_ptr(self) -> int:
+        """Host address of arena offset 0."""
+        return self._base_ptr
 
     def buffer(self, offset: int, size_bytes: int) -> torch.Tensor:
         """uint8 view ``[size_bytes]`` of the arena at ``offset``."""

@@ -25,6 +25,15 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <unistd.h>
+#include <time.h>
+#include <sys/prctl.h>
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <new>
+#include <thread>
+#include <vector>
 
 extern "C" {
 
@@ -113,41 +122,29 @@ int kvd_vec_bytes(const KvdGroupDesc* d, const uint64_t* layer_ptrs_host, int64_
   return 1;
 }
 
-// Copy num_slots block slots (starting at first_slot) of one layer group between engine memory
-// and staging. to_staging = 1: gather (engine -> staging); 0: scatter (staging -> engine).
-// layer_ptrs is a DEVICE array of num_layers pointers; block_ids is a HOST array with one int32
-// block id per slot from slot 0 (only [first_slot, first_slot + num_slots) are read), passed to
-// the kernel by value. vec_bytes must come from kvd_vec_bytes. device: the CUDA ordinal the
-// stream belongs to. Returns KVD_OK or an error code.
-int kvd_copy_blocks(const KvdGroupDesc* d, const uint64_t* layer_ptrs, const int32_t* block_ids,
-                    int64_t first_slot, int64_t num_slots, void* staging, int to_staging, int vec_bytes,
-                    int threads_per_cta, int device, cudaStream_t stream) {
-  if (d == nullptr || layer_ptrs == nullptr || block_ids == nullptr || staging == nullptr) return KVD_EINVAL;
-  if (d->num_layers <= 0 || d->num_layers > 65535 || d->block_size <= 0 || d->num_heads <= 0 ||
-      d->num_kv <= 0 || d->row_bytes <= 0 || d->blocks_per_chunk <= 0 || first_slot < 0 || num_slots < 0)
-    return KVD_EINVAL;
-  if (d->block_size * d->num_heads * d->num_kv * d->row_bytes > 0x7fffffff) return KVD_EINVAL;
-  if (num_slots == 0) return KVD_OK;
-  if (threads_per_cta <= 0 || threads_per_cta > 1024) threads_per_cta = 256;
-  int64_t checks[] = {d->row_bytes, d->block_stride, d->token_stride, d->head_stride, d->kv_stride,
-                      d->object_offset, d->object_bytes, (int64_t)(uintptr_t)staging};
-  if (vec_bytes != 1 && vec_bytes != 2 && vec_bytes != 4 && vec_bytes != 8 && vec_bytes != 16) return KVD_EINVAL;
-  for (int64_t c : checks)
-    if (c % vec_bytes) return KVD_EALIGN;
-  int cur = -1;
-  if (cudaGetDevice(&cur) != cudaSuccess || cur != device) {
-    cudaError_t e = cudaSetDevice(device);
-    if (e != cudaSuccess) {
-      g_last_cuda_error = e;
-      return KVD_ECUDA;
-    }
+// Slot -> block id for a launch: ids are block_ids[chunk_map(slot / bpc) * bpc + slot % bpc],
+// with chunk_map the identity when `chunks` is null (the ids are already in slot order).
+struct KvdIdSource {
+  const int32_t* ids;     // host array
+  const int32_t* chunks;  // host array of source chunk indices per staging object, or null
+  int64_t chunk_base;     // added to the staging object index before mapping
+  int64_t bpc;
+  inline int32_t at(int64_t slot) const {
+    if (chunks == nullptr && chunk_base == 0) return ids[slot];
+    const int64_t j = slot / bpc, i = slot - j * bpc;
+    const int64_t src = chunks ? chunks[chunk_base + j] : chunk_base + j;
+    return ids[src * bpc + i];
   }
-  uint8_t* st = static_cast<uint8_t*>(staging);
+};
+
+static int launch_copy(const KvdGroupDesc* d, const uint64_t* layer_ptrs, const KvdIdSource& src,
+                       int64_t first_slot, int64_t num_slots, uint8_t* st, int to_staging, int vec_bytes,
+                       int threads_per_cta, cudaStream_t stream) {
   KvdInlineIds ids;
   for (int64_t s0 = first_slot; s0 < first_slot + num_slots; s0 += KVD_INLINE_IDS) {
     int64_t n = first_slot + num_slots - s0;
     if (n > KVD_INLINE_IDS) n = KVD_INLINE_IDS;
-    memcpy(ids.v, block_ids + s0, n * sizeof(int32_t));
+    for (int64_t k = 0; k < n; ++k) ids.v[k] = src.at(s0 + k);
     dim3 grid((unsigned)n, (unsigned)d->num_layers);
     switch (vec_bytes) {
       case 16: kvd_copy_kernel<uint4><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
@@ -163,6 +160,49 @@ int kvd_copy_blocks(const KvdGroupDesc* d, const uint64_t* layer_ptrs, const int
     }
   }
   return KVD_OK;
+}
+
+static bool desc_ok(const KvdGroupDesc* d) {
+  return d->num_layers > 0 && d->num_layers <= 65535 && d->block_size > 0 && d->num_heads > 0 && d->num_kv > 0 &&
+         d->row_bytes > 0 && d->blocks_per_chunk > 0 &&
+         d->block_size * d->num_heads * d->num_kv * d->row_bytes <= 0x7fffffff;
+}
+
+static int use_device(int device) {
+  int cur = -1;
+  if (cudaGetDevice(&cur) != cudaSuccess || cur != device) {
+    cudaError_t e = cudaSetDevice(device);
+    if (e != cudaSuccess) {
+      g_last_cuda_error = e;
+      return KVD_ECUDA;
+    }
+  }
+  return KVD_OK;
+}
+
+// Copy num_slots block slots (starting at first_slot) of one layer group between engine memory
+// and staging. to_staging = 1: gather (engine -> staging); 0: scatter (staging -> engine).
+// layer_ptrs is a DEVICE array of num_layers pointers; block_ids is a HOST array with one int32
+// block id per slot from slot 0 (only [first_slot, first_slot + num_slots) are read), passed to
+// the kernel by value. vec_bytes must come from kvd_vec_bytes. device: the CUDA ordinal the
+// stream belongs to. Returns KVD_OK or an error code.
+int kvd_copy_blocks(const KvdGroupDesc* d, const uint64_t* layer_ptrs, const int32_t* block_ids,
+                    int64_t first_slot, int64_t num_slots, void* staging, int to_staging, int vec_bytes,
+                    int threads_per_cta, int device, cudaStream_t stream) {
+  if (d == nullptr || layer_ptrs == nullptr || block_ids == nullptr || staging == nullptr) return KVD_EINVAL;
+  if (!desc_ok(d) || first_slot < 0 || num_slots < 0) return KVD_EINVAL;
+  if (num_slots == 0) return KVD_OK;
+  if (threads_per_cta <= 0 || threads_per_cta > 1024) threads_per_cta = 256;
+  int64_t checks[] = {d->row_bytes, d->block_stride, d->token_stride, d->head_stride, d->kv_stride,
+                      d->object_offset, d->object_bytes, (int64_t)(uintptr_t)staging};
+  if (vec_bytes != 1 && vec_bytes != 2 && vec_bytes != 4 && vec_bytes != 8 && vec_bytes != 16) return KVD_EINVAL;
+  for (int64_t c : checks)
+    if (c % vec_bytes) return KVD_EALIGN;
+  int rc = use_device(device);
+  if (rc) return rc;
+  KvdIdSource src{block_ids, nullptr, 0, d->blocks_per_chunk};
+  return launch_copy(d, layer_ptrs, src, first_slot, num_slots, static_cast<uint8_t*>(staging), to_staging,
+                     vec_bytes, threads_per_cta, stream);
 }
 
 // n async copies (any direction: UVA) on one stream: dsts[i] <- srcs[i], sizes[i] bytes.
@@ -183,12 +223,11 @@ struct KvdNote {
   uint64_t token;
 };
 
-static void CUDART_CB kvd_write_note(void* arg) {
-  KvdNote* note = static_cast<KvdNote*>(arg);
-  const char* p = reinterpret_cast<const char*>(&note->token);
-  size_t left = sizeof(note->token);
+static void write_token(int fd, uint64_t token) {
+  const char* p = reinterpret_cast<const char*>(&token);
+  size_t left = sizeof(token);
   while (left > 0) {  // 8 bytes into a pipe are written at once; loop only on EINTR
-    ssize_t w = write(note->fd, p, left);
+    ssize_t w = write(fd, p, left);
     if (w > 0) {
       p += w;
       left -= (size_t)w;
@@ -196,6 +235,11 @@ static void CUDART_CB kvd_write_note(void* arg) {
       break;
     }
   }
+}
+
+static void CUDART_CB kvd_write_note(void* arg) {
+  KvdNote* note = static_cast<KvdNote*>(arg);
+  write_token(note->fd, note->token);
   free(note);
 }
 
@@ -249,8 +293,433 @@ int kvd_host_register(void* ptr, size_t size_bytes) {
 
 int kvd_host_unregister(void* ptr) { return kvd_check(cudaHostUnregister(ptr)); }
 
+// ---------------------------------------------------------------------------------------------
+// Whole-request transfers (ABI 3). The daemon's event loop makes ONE call per STORE / RETRIEVE:
+// event waits, every batch's launches and copies, slot recycling and the completion note are
+// enqueued here, so the Python cost per request does not grow with layers, groups or chunks.
+//
+// A lane is one direction on one GPU: a kernel stream, a DMA stream, `nslots` device staging
+// slots and a watcher thread that reports each request's completion to the daemon's pipe
+// (polling the request's last event: ~10 us from GPU to pipe, where a cudaLaunchHostFunc
+// note measured ~30 us and cost more to enqueue). STORE per batch of chunks:
+//   kernel: [wait engine event] -> wait slot free -> gather launches -> record handoff
+//   dma:    wait handoff -> D2H staging -> each host object -> record slot free
+// RETRIEVE per batch: dma: wait slot free -> H2D -> record handoff; kernel: wait handoff ->
+// scatter launches -> record slot free; then the out event (the engine waits on it) on kernel.
+// Events are created once and re-recorded: a wait captures the record current when it is
+// enqueued, so re-recording never changes waits already enqueued.
+
+#define KVD_MAX_SLOTS 8
+
+// A completion to report: when `ev` has completed, write `token` (bit 63 set if the GPU
+// reported an error) to `fd`.
+struct KvdWatch {
+  cudaEvent_t ev;
+  int fd;
+  uint64_t token;
+};
+
+struct KvdLane {
+  int device = 0;
+  cudaStream_t ks = nullptr, ds = nullptr;
+  int nslots = 0, next = 0;
+  uint64_t slot_bytes = 0;
+  uint8_t* staging[KVD_MAX_SLOTS] = {};
+  cudaEvent_t slot_free[KVD_MAX_SLOTS] = {};
+  cudaEvent_t handoff[KVD_MAX_SLOTS] = {};
+  int slot_used[KVD_MAX_SLOTS] = {};
+  cudaEvent_t join = nullptr;  // joins the kernel stream into the DMA stream on error paths
+  // completion watcher: one thread per lane polls the oldest pending request's event (requests
+  // complete in order on a lane) and writes its token to the daemon's pipe; it sleeps on `cv`
+  // while nothing is pending
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<KvdWatch> pending;
+  std::vector<cudaEvent_t> spare_events;
+  bool stop = false;
+  std::thread watcher;
+};
+
+struct KvdEngine {
+  int device;
+  int ngroups;
+  int64_t chunk_size, object_bytes;
+  KvdGroupDesc* desc;         // [ngroups]
+  uint64_t** layer_ptrs_dev;  // [ngroups] device arrays of num_layers pointers
+  int* vec;                   // [ngroups] widest word, for 256-byte aligned staging
+};
+
+static const unsigned kEventFlags = cudaEventDisableTiming;
+
+static int64_t now_ns() {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+// Poll the oldest pending event: spin for the first 20 us (a request's tail), then sleep 5 us
+// between queries (timer slack 1 us), so a completion is seen within ~10 us at a small CPU cost.
+static void watcher_main(KvdLane* lane) {
+  cudaSetDevice(lane->device);
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+  std::unique_lock<std::mutex> lk(lane->mu);
+  for (;;) {
+    lane->cv.wait(lk, [lane] { return lane->stop || !lane->pending.empty(); });
+    if (lane->pending.empty()) return;  // stopping, and everything reported
+    KvdWatch w = lane->pending.front();
+    lk.unlock();
+    const int64_t t0 = now_ns();
+    cudaError_t e;
+    while ((e = cudaEventQuery(w.ev)) == cudaErrorNotReady) {
+      if (now_ns() - t0 > 20000) {
+        struct timespec d = {0, 5000};
+        nanosleep(&d, nullptr);
+      }
+    }
+    write_token(w.fd, e == cudaSuccess ? w.token : (w.token | (1ULL << 63)));
+    lk.lock();
+    lane->pending.pop_front();
+    lane->spare_events.push_back(w.ev);
+  }
+}
+
+// Report `token` to `fd` once the work enqueued so far on `last` completed.
+static int lane_watch(KvdLane* lane, cudaStream_t last, int fd, uint64_t token) {
+  cudaEvent_t ev = nullptr;
+  {
+    std::lock_guard<std::mutex> g(lane->mu);
+    if (!lane->spare_events.empty()) {
+      ev = lane->spare_events.back();
+      lane->spare_events.pop_back();
+    }
+  }
+  int rc = ev ? KVD_OK : kvd_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  if (rc) return rc;
+  rc = kvd_check(cudaEventRecord(ev, last));
+  std::lock_guard<std::mutex> g(lane->mu);
+  if (rc) {
+    lane->spare_events.push_back(ev);
+    return rc;
+  }
+  lane->pending.push_back(KvdWatch{ev, fd, token});
+  lane->cv.notify_one();
+  return KVD_OK;
+}
+
+void kvd_lane_destroy(KvdLane* lane) {
+  if (lane == nullptr) return;
+  cudaSetDevice(lane->device);
+  if (lane->ks) cudaStreamSynchronize(lane->ks);
+  if (lane->ds) cudaStreamSynchronize(lane->ds);
+  if (lane->watcher.joinable()) {
+    {
+      std::lock_guard<std::mutex> g(lane->mu);
+      lane->stop = true;
+    }
+    lane->cv.notify_one();
+    lane->watcher.join();  // reports what is still pending first
+  }
+  for (cudaEvent_t ev : lane->spare_events) cudaEventDestroy(ev);
+  for (int i = 0; i < lane->nslots; ++i) {
+    if (lane->staging[i]) cudaFree(lane->staging[i]);
+    if (lane->slot_free[i]) cudaEventDestroy(lane->slot_free[i]);
+    if (lane->handoff[i]) cudaEventDestroy(lane->handoff[i]);
+  }
+  if (lane->join) cudaEventDestroy(lane->join);
+  if (lane->ks) cudaStreamDestroy(lane->ks);
+  if (lane->ds) cudaStreamDestroy(lane->ds);
+  cudaGetLastError();
+  delete lane;
+}
+
+// A lane on `device` with `nslots` (1..8) staging slots of `slot_bytes` each.
+int kvd_lane_create(int device, uint64_t slot_bytes, int nslots, KvdLane** out) {
+  if (out == nullptr || nslots < 1 || nslots > KVD_MAX_SLOTS || slot_bytes == 0) return KVD_EINVAL;
+  int rc = kvd_check(cudaSetDevice(device));
+  if (rc) return rc;
+  KvdLane* lane = new (std::nothrow) KvdLane();
+  if (lane == nullptr) return KVD_EINVAL;
+  lane->device = device;
+  lane->nslots = nslots;
+  lane->slot_bytes = slot_bytes;
+  rc = kvd_check(cudaStreamCreateWithFlags(&lane->ks, cudaStreamNonBlocking));
+  if (!rc) rc = kvd_check(cudaStreamCreateWithFlags(&lane->ds, cudaStreamNonBlocking));
+  if (!rc) rc = kvd_check(cudaEventCreateWithFlags(&lane->join, kEventFlags));
+  for (int i = 0; !rc && i < nslots; ++i) {
+    rc = kvd_check(cudaMalloc(reinterpret_cast<void**>(&lane->staging[i]), slot_bytes));
+    if (!rc) rc = kvd_check(cudaEventCreateWithFlags(&lane->slot_free[i], kEventFlags));
+    if (!rc) rc = kvd_check(cudaEventCreateWithFlags(&lane->handoff[i], kEventFlags));
+  }
+  if (!rc) {
+    try {
+      lane->watcher = std::thread(watcher_main, lane);
+    } catch (...) {
+      rc = KVD_EINVAL;
+    }
+  }
+  if (rc) {
+    kvd_lane_destroy(lane);
+    return rc;
+  }
+  *out = lane;
+  return KVD_OK;
+}
+
+// Grow every slot to at least `slot_bytes` (waits for the lane's pending work: call it at
+// registration, not per request).
+int kvd_lane_reserve(KvdLane* lane, uint64_t slot_bytes) {
+  if (lane == nullptr) return KVD_EINVAL;
+  if (slot_bytes <= lane->slot_bytes) return KVD_OK;
+  int rc = kvd_check(cudaSetDevice(lane->device));
+  if (!rc) rc = kvd_check(cudaStreamSynchronize(lane->ks));
+  if (!rc) rc = kvd_check(cudaStreamSynchronize(lane->ds));
+  if (rc) return rc;
+  for (int i = 0; i < lane->nslots; ++i) {
+    uint8_t* p = nullptr;
+    rc = kvd_check(cudaMalloc(reinterpret_cast<void**>(&p), slot_bytes));
+    if (rc) return rc;  // slots grown so far stay grown; slot_bytes stays the old minimum
+    cudaFree(lane->staging[i]);
+    lane->staging[i] = p;
+  }
+  lane->slot_bytes = slot_bytes;
+  return KVD_OK;
+}
+
+uint64_t kvd_lane_slot_bytes(const KvdLane* lane) { return lane ? lane->slot_bytes : 0; }
+
+void kvd_engine_destroy(KvdEngine* e) {
+  if (e == nullptr) return;
+  cudaSetDevice(e->device);
+  for (int g = 0; g < e->ngroups; ++g)
+    if (e->layer_ptrs_dev && e->layer_ptrs_dev[g]) cudaFree(e->layer_ptrs_dev[g]);
+  cudaGetLastError();
+  free(e->desc);
+  free(e->layer_ptrs_dev);
+  free(e->vec);
+  free(e);
+}
+
+// One registration's groups on `device`: descs[ngroups] and, concatenated group after group,
+// the device pointer of each layer (descs[g].num_layers of them). chunk_size in tokens,
+// object_bytes of one chunk object (all groups).
+int kvd_engine_create(int device, const KvdGroupDesc* descs, int ngroups, const uint64_t* layer_ptrs_host,
+                      int64_t chunk_size, int64_t object_bytes, KvdEngine** out) {
+  if (out == nullptr || descs == nullptr || layer_ptrs_host == nullptr || ngroups < 1 || chunk_size <= 0 ||
+      object_bytes <= 0)
+    return KVD_EINVAL;
+  for (int g = 0; g < ngroups; ++g)
+    if (!desc_ok(&descs[g]) || descs[g].blocks_per_chunk * descs[g].block_size != chunk_size) return KVD_EINVAL;
+  int rc = kvd_check(cudaSetDevice(device));
+  if (rc) return rc;
+  KvdEngine* e = static_cast<KvdEngine*>(calloc(1, sizeof(KvdEngine)));
+  if (e == nullptr) return KVD_EINVAL;
+  e->device = device;
+  e->ngroups = ngroups;
+  e->chunk_size = chunk_size;
+  e->object_bytes = object_bytes;
+  e->desc = static_cast<KvdGroupDesc*>(malloc(sizeof(KvdGroupDesc) * ngroups));
+  e->layer_ptrs_dev = static_cast<uint64_t**>(calloc(ngroups, sizeof(uint64_t*)));
+  e->vec = static_cast<int*>(calloc(ngroups, sizeof(int)));
+  if (!e->desc || !e->layer_ptrs_dev || !e->vec) {
+    kvd_engine_destroy(e);
+    return KVD_EINVAL;
+  }
+  memcpy(e->desc, descs, sizeof(KvdGroupDesc) * ngroups);
+  const uint64_t* p = layer_ptrs_host;
+  for (int g = 0; g < ngroups; ++g) {
+    const int64_t L = descs[g].num_layers;
+    e->vec[g] = kvd_vec_bytes(&descs[g], p, L, 0);
+    rc = kvd_check(cudaMalloc(reinterpret_cast<void**>(&e->layer_ptrs_dev[g]), L * sizeof(uint64_t)));
+    if (!rc) rc = kvd_check(cudaMemcpy(e->layer_ptrs_dev[g], p, L * sizeof(uint64_t), cudaMemcpyHostToDevice));
+    if (rc) {
+      kvd_engine_destroy(e);
+      return rc;
+    }
+    p += L;
+  }
+  *out = e;
+  return KVD_OK;
+}
+
+// After an error part of a request may be pending on either stream: make the DMA stream wait
+// for the kernel stream, so a completion watched on the DMA stream covers both.
+static void lane_join(KvdLane* lane) {
+  if (cudaEventRecord(lane->join, lane->ks) == cudaSuccess) cudaStreamWaitEvent(lane->ds, lane->join, 0);
+  cudaGetLastError();
+}
+
+static int lane_take(KvdLane* lane, cudaStream_t producer) {
+  const int s = lane->next;
+  lane->next = (s + 1) % lane->nslots;
+  if (lane->slot_used[s] && kvd_check(cudaStreamWaitEvent(producer, lane->slot_free[s], 0))) return -1;
+  return s;
+}
+
+static int check_call(const KvdLane* lane, const KvdEngine* eng, const int32_t* ids, const uint64_t* host_ptrs) {
+  if (lane == nullptr || eng == nullptr || ids == nullptr || host_ptrs == nullptr) return KVD_EINVAL;
+  if (lane->device != eng->device || (uint64_t)eng->object_bytes > lane->slot_bytes) return KVD_EINVAL;
+  return KVD_OK;
+}
+
+// STORE: gather chunks chunks[0..nchunks) of a request of `total_chunks` chunks from the
+// engine's blocks into the pinned host objects host_ptrs[0..nchunks) (object_bytes each).
+// ids: per group, concatenated in gid order, total_chunks * blocks_per_chunk[g] block ids in
+// token order (range-checked by the caller). wait_event: the engine's event (or null) the
+// gather waits on. When everything completed (or failed on the GPU), `token` is written to `fd`.
+// *notified = 1 once that note is enqueued: then the caller must wait for it even when an
+// error is returned (some copies may be in flight); 0 means nothing will be written.
+int kvd_store(KvdLane* lane, const KvdEngine* eng, cudaEvent_t wait_event, const int32_t* ids,
+              int64_t total_chunks, const int32_t* chunks, int64_t nchunks, const uint64_t* host_ptrs, int fd,
+              uint64_t token, int* notified) {
+  if (notified == nullptr) return KVD_EINVAL;
+  *notified = 0;
+  int rc = check_call(lane, eng, ids, host_ptrs);
+  if (rc || chunks == nullptr || nchunks <= 0 || total_chunks <= 0) return rc ? rc : KVD_EINVAL;
+  for (int64_t k = 0; k < nchunks; ++k)
+    if (chunks[k] < 0 || chunks[k] >= total_chunks) return KVD_EINVAL;
+  rc = use_device(lane->device);
+  if (rc) return rc;
+  const int64_t ob = eng->object_bytes;
+  const int64_t per = (int64_t)(lane->slot_bytes / (uint64_t)ob);
+  if (wait_event != nullptr) rc = kvd_check(cudaStreamWaitEvent(lane->ks, wait_event, 0));
+  for (int64_t b0 = 0; !rc && b0 < nchunks; b0 += per) {
+    const int64_t nb = nchunks - b0 < per ? nchunks - b0 : per;
+    const int s = lane_take(lane, lane->ks);
+    if (s < 0) {
+      rc = KVD_ECUDA;
+      break;
+    }
+    uint8_t* st = lane->staging[s];
+    const int32_t* gids = ids;
+    for (int g = 0; !rc && g < eng->ngroups; ++g) {
+      const KvdGroupDesc* d = &eng->desc[g];
+      KvdIdSource src{gids, chunks, b0, d->blocks_per_chunk};
+      rc = launch_copy(d, eng->layer_ptrs_dev[g], src, 0, nb * d->blocks_per_chunk, st, 1, eng->vec[g], 256,
+                       lane->ks);
+      gids += total_chunks * d->blocks_per_chunk;
+    }
+    if (!rc) rc = kvd_check(cudaEventRecord(lane->handoff[s], lane->ks));
+    if (!rc) rc = kvd_check(cudaStreamWaitEvent(lane->ds, lane->handoff[s], 0));
+    for (int64_t k = 0; !rc && k < nb; ++k)
+      rc = kvd_check(cudaMemcpyAsync(reinterpret_cast<void*>(host_ptrs[b0 + k]), st + k * ob, ob,
+                                     cudaMemcpyDeviceToHost, lane->ds));
+    // mark the slot used even after an error: work may be pending on it
+    if (kvd_check(cudaEventRecord(lane->slot_free[s], lane->ds)) == KVD_OK) lane->slot_used[s] = 1;
+  }
+  if (rc) lane_join(lane);
+  const int nrc = lane_watch(lane, lane->ds, fd, token);  // the gather precedes the D2H on ds
+  if (nrc == KVD_OK) *notified = 1;
+  return rc ? rc : nrc;
+}
+
+// RETRIEVE: copy the pinned host objects host_ptrs[0..nchunks) (chunk j = object j, the request's
+// leading nchunks <= total_chunks chunks) into the engine's blocks (ids as in kvd_store), skipping the blocks of the
+// first skip_tokens tokens (a multiple of every group's block size: the caller checks), then
+// record out_event (or nothing if null) after the scatter. Completion note and *notified as in
+// kvd_store.
+int kvd_retrieve(KvdLane* lane, const KvdEngine* eng, const int32_t* ids, int64_t total_chunks, int64_t nchunks,
+                 const uint64_t* host_ptrs, int64_t skip_tokens, cudaEvent_t out_event, int fd, uint64_t token,
+                 int* notified) {
+  if (notified == nullptr) return KVD_EINVAL;
+  *notified = 0;
+  int rc = check_call(lane, eng, ids, host_ptrs);
+  if (rc || nchunks <= 0 || nchunks > total_chunks || skip_tokens < 0) return rc ? rc : KVD_EINVAL;
+  rc = use_device(lane->device);
+  if (rc) return rc;
+  const int64_t ob = eng->object_bytes, cs = eng->chunk_size;
+  const int64_t per = (int64_t)(lane->slot_bytes / (uint64_t)ob);
+  const int64_t first = skip_tokens / cs;
+  for (int64_t b0 = first; !rc && b0 < nchunks; b0 += per) {
+    const int64_t nb = nchunks - b0 < per ? nchunks - b0 : per;
+    const int s = lane_take(lane, lane->ds);
+    if (s < 0) {
+      rc = KVD_ECUDA;
+      break;
+    }
+    uint8_t* st = lane->staging[s];
+    for (int64_t k = 0; !rc && k < nb; ++k)
+      rc = kvd_check(cudaMemcpyAsync(st + k * ob, reinterpret_cast<const void*>(host_ptrs[b0 + k]), ob,
+                                     cudaMemcpyHostToDevice, lane->ds));
+    if (!rc) rc = kvd_check(cudaEventRecord(lane->handoff[s], lane->ds));
+    if (!rc) rc = kvd_check(cudaStreamWaitEvent(lane->ks, lane->handoff[s], 0));
+    const int64_t skip = skip_tokens - b0 * cs > 0 ? skip_tokens - b0 * cs : 0;
+    const int32_t* gids = ids;
+    for (int g = 0; !rc && g < eng->ngroups; ++g) {
+      const KvdGroupDesc* d = &eng->desc[g];
+      int64_t total = nb * d->blocks_per_chunk;
+      int64_t first_slot = skip / d->block_size;
+      if (first_slot > total) first_slot = total;
+      KvdIdSource src{gids, nullptr, b0, d->blocks_per_chunk};
+      rc = launch_copy(d, eng->layer_ptrs_dev[g], src, first_slot, total - first_slot, st, 0, eng->vec[g], 256,
+                       lane->ks);
+      gids += total_chunks * d->blocks_per_chunk;
+    }
+    if (kvd_check(cudaEventRecord(lane->slot_free[s], lane->ks)) == KVD_OK) lane->slot_used[s] = 1;
+  }
+  if (!rc && out_event != nullptr) rc = kvd_check(cudaEventRecord(out_event, lane->ks));
+  cudaStream_t last = lane->ks;  // the scatter follows the H2D on ks
+  if (rc) {
+    lane_join(lane);
+    last = lane->ds;
+  }
+  const int nrc = lane_watch(lane, last, fd, token);
+  if (nrc == KVD_OK) *notified = 1;
+  return rc ? rc : nrc;
+}
+
+// Interprocess events (cudaEventInterprocess | cudaEventDisableTiming).
+int kvd_event_create_ipc(int device, void** out_event, void* out_handle) {
+  if (out_event == nullptr || out_handle == nullptr) return KVD_EINVAL;
+  int rc = kvd_check(cudaSetDevice(device));
+  if (rc) return rc;
+  cudaEvent_t ev;
+  rc = kvd_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventInterprocess));
+  if (rc) return rc;
+  cudaIpcEventHandle_t h;
+  rc = kvd_check(cudaIpcGetEventHandle(&h, ev));
+  if (rc) {
+    cudaEventDestroy(ev);
+    return rc;
+  }
+  memcpy(out_handle, &h, sizeof(h));
+  *out_event = ev;
+  return KVD_OK;
+}
+
+int kvd_event_open_ipc(const void* handle, int device, void** out_event) {
+  if (handle == nullptr || out_event == nullptr) return KVD_EINVAL;
+  int rc = kvd_check(cudaSetDevice(device));
+  if (rc) return rc;
+  cudaIpcEventHandle_t h;
+  memcpy(&h, handle, sizeof(h));
+  cudaEvent_t ev;
+  rc = kvd_check(cudaIpcOpenEventHandle(&ev, h));
+  if (!rc) *out_event = ev;
+  return rc;
+}
+
+int kvd_event_destroy(void* ev) { return kvd_check(cudaEventDestroy(static_cast<cudaEvent_t>(ev))); }
+
+int kvd_ipc_event_handle_bytes(void) { return (int)sizeof(cudaIpcEventHandle_t); }
+
+// Block until the lane's enqueued work completed (shutdown and error recovery only).
+int kvd_lane_synchronize(KvdLane* lane) {
+  if (lane == nullptr) return KVD_EINVAL;
+  int rc = kvd_check(cudaSetDevice(lane->device));
+  if (!rc) rc = kvd_check(cudaStreamSynchronize(lane->ks));
+  if (!rc) rc = kvd_check(cudaStreamSynchronize(lane->ds));
+  return rc;
+}
+
 int kvd_ipc_handle_bytes(void) { return (int)sizeof(cudaIpcMemHandle_t); }
 
-int kvd_abi_version(void) { return 2; }
+int kvd_abi_version(void) { return 3; }
+
+// First 16 hex digits of the SHA-256 of this file, passed by the build (-DKVD_SOURCE_HASH=...);
+// the loader refuses a library built from other source (a stale build would misread arguments).
+#ifndef KVD_SOURCE_HASH
+#define KVD_SOURCE_HASH "unknown"
+#endif
+const char* kvd_source_hash(void) { return KVD_SOURCE_HASH; }
 
 }  // extern "C"
