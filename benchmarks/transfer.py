@@ -11,10 +11,11 @@ real interprocess events) and times requests from "request sent" to "data in pla
 Per (shape, chunk size) it measures, in the same run and on the same bytes:
 
 * roofline: one pinned ``cudaMemcpy`` of all the point's bytes D2H, H2D, and both at once;
-* store / retrieve streams: N distinct one-chunk requests from ``--outstanding`` threads, each
-  with its own client and CUDA stream (so that many requests are in flight); GB/s = object
-  bytes / wall time;
-* both at once: the same number of threads storing new chunks and retrieving stored ones;
+* store / retrieve streams: N distinct one-chunk requests, ``--outstanding`` of them in flight
+  per direction: by default one thread per direction pipelines them on one client
+  (``submit_store`` / ``submit_retrieve``, as an engine's worker would), or with
+  ``--client-mode threads`` one blocking request per thread; GB/s = object bytes / wall time;
+* both at once: one direction storing new chunks while the other retrieves stored ones;
 * lone request: median latency of one-chunk requests minus the bytes' time on the link
   (object bytes / roofline GB/s) = overhead, next to the median of a bare ZMQ ipc round trip
   (DEALER <-> ROUTER echo in a subprocess) and of the daemon's ping;
@@ -34,6 +35,7 @@ The daemon is started here (``--pin-l1``) unless ``--endpoint`` is given; set
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -312,6 +314,41 @@ def retrieve_task(client: KVDepotClient, reg, stream, work: _Work):
     return fn
 
 
+def store_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: int):
+    """One thread keeping ``depth`` STOREs in flight on one client (`submit_store`)."""
+
+    def fn() -> None:
+        q: collections.deque = collections.deque()
+        while True:
+            while len(q) < depth and (item := work.next()) is not None:
+                key, ids = item
+                q.append(client.submit_store(reg, [key], ids, after=stream))
+            if not q:
+                return
+            work.add_done(q.popleft().result().stored)
+
+    return fn
+
+
+def retrieve_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: int):
+    """One thread keeping ``depth`` RETRIEVEs in flight on one client (`submit_retrieve`); the
+    stream waits on each reply's event and is synchronized at the end."""
+
+    def fn() -> None:
+        q: collections.deque = collections.deque()
+        while True:
+            while len(q) < depth and (item := work.next()) is not None:
+                key, ids = item
+                q.append(client.submit_retrieve(reg, [key], ids))
+            if not q:
+                break
+            work.add_done(q.popleft().result(before=stream))
+        if stream is not None:
+            stream.synchronize()
+
+    return fn
+
+
 def fresh_keys(reg, n: int, chunk_size: int) -> list[bytes]:
     """Keys of ``n`` one-chunk prompts of random tokens (distinct chunks, parent b"")."""
     toks = torch.randint(0, 1 << 30, (n, chunk_size)).tolist()
@@ -560,7 +597,7 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
     assert ob == shape.token_bytes * chunk_size, (ob, shape.token_bytes, chunk_size)
     total = n * ob
     res: dict = {"shape": shape.name, "chunk_tokens": chunk_size, "object_bytes": ob, "chunks": n, "bytes": total,
-                 "outstanding": k}
+                 "outstanding": k, "client_mode": a.client_mode}
     try:
         main.flush()
         src = [blocks.chunk("src", j, chunk_size) for j in range(n)]
@@ -605,15 +642,23 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
         rt_clients, rt_streams = ctx.clients[k:2 * k], ctx.streams[k:2 * k]
         torch.cuda.synchronize()
 
+        def store_tasks(w: _Work) -> list:
+            if a.client_mode == "pipelined":
+                return [store_pipelined(st_clients[0], reg, st_streams[0], w, k)]
+            return [store_task(c, reg, s, w) for c, s in zip(st_clients, st_streams)]
+
+        def retrieve_tasks(w: _Work) -> list:
+            if a.client_mode == "pipelined":
+                return [retrieve_pipelined(rt_clients[0], reg, rt_streams[0], w, k)]
+            return [retrieve_task(c, reg, s, w) for c, s in zip(rt_clients, rt_streams)]
+
         def store_run(keys) -> tuple[float, int]:
             w = _Work(zip(keys, src))
-            dt = run_parallel([store_task(c, reg, s, w) for c, s in zip(st_clients, st_streams)])
-            return dt, w.done
+            return run_parallel(store_tasks(w)), w.done
 
         def retrieve_run(keys) -> tuple[float, int]:
             w = _Work(zip(keys, dst))
-            dt = run_parallel([retrieve_task(c, reg, s, w) for c, s in zip(rt_clients, rt_streams)])
-            return dt, w.done
+            return run_parallel(retrieve_tasks(w)), w.done
 
         warm = fresh_keys(reg, min(n, 2 * k), chunk_size)
         store_run(warm)
@@ -656,9 +701,7 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
         for _ in range(a.iters):
             new = fresh_keys(reg, n, chunk_size)
             ws, wr = _Work(zip(new, src)), _Work(zip(keys, dst))
-            tasks = [store_task(c, reg, s, ws) for c, s in zip(st_clients, st_streams)]
-            tasks += [retrieve_task(c, reg, s, wr) for c, s in zip(rt_clients, rt_streams)]
-            dt = run_parallel(tasks)
+            dt = run_parallel(store_tasks(ws) + retrieve_tasks(wr))
             both_ts.append((ws.done + wr.done) * ob / dt / 1e9)
         res["bidir_gbps_runs"] = both_ts
         res["bidir_gbps"] = statistics.median(both_ts)
@@ -824,7 +867,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-sizes", default="64,256,1024,2048")
     p.add_argument("--shapes", default="", help="comma-separated substrings of shape names to run (default all)")
     p.add_argument("--quick", action="store_true", help="only Llama-3.1-8B TP1 at chunks 64 and 256")
-    p.add_argument("--outstanding", type=int, default=4, help="client threads per direction (requests in flight)")
+    p.add_argument("--outstanding", type=int, default=4, help="requests in flight per direction")
+    p.add_argument("--client-mode", choices=("pipelined", "threads"), default="pipelined",
+                   help="pipelined: one thread per direction keeps --outstanding requests in flight on one client "
+                        "(submit_store / submit_retrieve); threads: --outstanding threads per direction, one "
+                        "blocking request each")
     p.add_argument("--bytes-per-point", type=float, default=2e9, help="bytes per stream measurement (about)")
     p.add_argument("--baseline-bytes", type=float, default=5e8, help="bytes per baseline measurement (about)")
     p.add_argument("--iters", type=int, default=5, help="repetitions of each stream / roofline measurement")

@@ -77,6 +77,8 @@ class KVDepotClient:
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         self._rid = itertools.count(1)
+        self._outstanding: set[int] = set()  # submitted, reply not yet returned by wait()
+        self._replies: dict[int, m.Msg] = {}  # replies that arrived before their wait()
         self._identity = f"kvd-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
         self._own_events: dict = {}  # device -> interprocess event this client records for stores
         self._peer_events: dict = {}  # handle -> the daemon's opened interprocess event
@@ -99,6 +101,8 @@ class KVDepotClient:
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+        self._outstanding.clear()
+        self._replies.clear()
 
     def call(self, req: m.Msg, timeout_s: float | None = None) -> m.Msg:
         """Send one request (its ``rid`` is assigned here) and return its reply.
@@ -106,22 +110,49 @@ class KVDepotClient:
         Raises:
             KVDepotError: error reply, or TIMEOUT.
         """
+        return self.wait(self.submit(req), timeout_s)
+
+    def submit(self, req: m.Msg) -> int:
+        """Send ``req`` without waiting (its ``rid`` is assigned here); returns the rid to give
+        `wait`. Several requests may be outstanding; the daemon answers each in turn."""
         req.rid = next(self._rid)
-        sock = self._socket()
-        sock.send(codec.encode(req))
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not sock.poll(left_ms):
-                self._reset()
-                raise KVDepotError(ErrorCode.TIMEOUT, f"no reply from {self.endpoint} within {self.timeout_s} s "
-                                                      f"to {type(req).__name__}; is `kvdepot serve` running?")
-            reply = codec.decode_reply(sock.recv())
-            if reply.rid != req.rid:
-                continue  # a late reply to an earlier, timed-out request
-            if isinstance(reply, m.ErrorReply):
-                raise KVDepotError(reply.code, reply.message)
-            return reply
+        self._socket().send(codec.encode(req))
+        self._outstanding.add(req.rid)
+        return req.rid
+
+    def wait(self, rid: int, timeout_s: float | None = None) -> m.Msg:
+        """The reply to the submitted request ``rid`` (replies to other outstanding requests that
+        arrive first are kept for their own `wait`).
+
+        Raises:
+            KVDepotError: the error reply; TIMEOUT if no reply came within ``timeout_s`` (default
+                the client's), after which every outstanding request of this client is lost
+                (the socket is rebuilt so that a late reply is never taken for a new request).
+        """
+        reply = self._replies.pop(rid, None)
+        if reply is None:
+            if rid not in self._outstanding:
+                raise KVDepotError(ErrorCode.TIMEOUT, f"request {rid} was lost when an earlier wait timed out")
+            sock = self._socket()
+            deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+            while True:
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0 or not sock.poll(left_ms):
+                    self._reset()
+                    raise KVDepotError(ErrorCode.TIMEOUT, f"no reply from {self.endpoint} within "
+                                                          f"{self.timeout_s if timeout_s is None else timeout_s} s; "
+                                                          "is `kvdepot serve` running?")
+                got = codec.decode_reply(sock.recv())
+                if got.rid == rid:
+                    reply = got
+                    break
+                if got.rid in self._outstanding:
+                    self._replies[got.rid] = got
+                # else: a late reply to a request lost in a timeout
+        self._outstanding.discard(rid)
+        if isinstance(reply, m.ErrorReply):
+            raise KVDepotError(reply.code, reply.message)
+        return reply
 
     def close(self) -> None:
         self._reset()
@@ -185,11 +216,18 @@ class KVDepotClient:
             client records its interprocess event there and the daemon's copy waits on it.
             Returns once the chunks are in the daemon's memory (the blocks may be reused).
         """
+        return self.submit_store(reg, keys, block_ids, parent, cache_salt, request, after).result()
+
+    def submit_store(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
+                     parent: bytes = b"", cache_salt: str = "", request: str = "", after=None) -> PendingStore:
+        """`store` without waiting: ``.result()`` of the returned handle gives the `StoreReply`.
+        The blocks must not be overwritten before then."""
         event = b""
         if after is not None:
             event = self._record_event(after)
-        return self.call(m.Store(rid=0, registration=reg.id, keys=list(keys), block_ids=[list(b) for b in block_ids],
-                                 parent=parent, cache_salt=cache_salt, request=request, event=event))
+        rid = self.submit(m.Store(rid=0, registration=reg.id, keys=list(keys), block_ids=[list(b) for b in block_ids],
+                                  parent=parent, cache_salt=cache_salt, request=request, event=event))
+        return PendingStore(self, rid)
 
     def retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
                  skip_tokens: int = 0, request: str = "", before=None) -> int:
@@ -199,8 +237,17 @@ class KVDepotClient:
             wait (on the GPU, not the CPU) for the daemon's copies. Without it, the call returns
             once the copies are enqueued and the caller must wait on ``last_retrieve_event``.
         """
-        r = self.call(m.Retrieve(rid=0, registration=reg.id, keys=list(keys),
-                                 block_ids=[list(b) for b in block_ids], skip_tokens=skip_tokens, request=request))
+        return self.submit_retrieve(reg, keys, block_ids, skip_tokens, request).result(before)
+
+    def submit_retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
+                        skip_tokens: int = 0, request: str = "") -> PendingRetrieve:
+        """`retrieve` without waiting: ``.result(before)`` of the returned handle gives the
+        number of chunks written (and makes ``before`` wait for them)."""
+        rid = self.submit(m.Retrieve(rid=0, registration=reg.id, keys=list(keys),
+                                     block_ids=[list(b) for b in block_ids], skip_tokens=skip_tokens, request=request))
+        return PendingRetrieve(self, rid)
+
+    def _retrieved(self, r: m.RetrieveReply, before) -> int:
         self.last_retrieve_event = None
         if r.event:
             ev = self._open_event(r.event, before.device if before is not None else None)
@@ -240,3 +287,26 @@ class KVDepotClient:
 
     def flush(self, model: str = "", cache_salt: str | None = None, tier: str = "") -> m.FlushReply:
         return self.call(m.Flush(rid=0, model=model, cache_salt=cache_salt, tier=tier))
+
+
+class PendingStore:
+    """A submitted STORE (`KVDepotClient.submit_store`)."""
+
+    def __init__(self, client: KVDepotClient, rid: int) -> None:
+        self.client, self.rid = client, rid
+
+    def result(self, timeout_s: float | None = None) -> m.StoreReply:
+        """Wait for the reply. Raises KVDepotError as `KVDepotClient.store`."""
+        return self.client.wait(self.rid, timeout_s)
+
+
+class PendingRetrieve:
+    """A submitted RETRIEVE (`KVDepotClient.submit_retrieve`)."""
+
+    def __init__(self, client: KVDepotClient, rid: int) -> None:
+        self.client, self.rid = client, rid
+
+    def result(self, before=None, timeout_s: float | None = None) -> int:
+        """Chunks written; ``before`` (a ``torch.cuda.Stream``) is made to wait for them. Raises
+        KVDepotError as `KVDepotClient.retrieve`."""
+        return self.client._retrieved(self.client.wait(self.rid, timeout_s), before)

@@ -1,0 +1,68 @@
+"""Several STOREs and RETRIEVEs outstanding on one client (`submit_store` / `submit_retrieve`),
+their replies collected in another order than they were sent, against a real daemon; and
+what a timeout does to the other outstanding requests."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvdepot.client import KVDepotClient
+from kvdepot.client.kvcache import KVGroupShape, ShmKVCache
+from kvdepot.protocol.errors import ErrorCode, KVDepotError
+
+CHUNK = 32
+GROUPS = [KVGroupShape(0, 3, 2, 64, 16, torch.bfloat16)]
+
+
+def _register(client, cache):
+    return client.register("pipelined-model", "tp0of1", CHUNK, cache.storage_specs(), cache.layer_specs(),
+                           cache.group_specs())
+
+
+def test_outstanding_requests_complete_out_of_order(daemon):
+    rng = random.Random(7)
+    n_req, bpc = 6, CHUNK // 16
+    with ShmKVCache(GROUPS, 40, "LBNHC") as a, ShmKVCache(GROUPS, 40, "LBHNC") as b, \
+            KVDepotClient(daemon.endpoint) as client:
+        a.storage.copy_(torch.randint(0, 256, (a.size_bytes,), dtype=torch.uint8))
+        reg_a, reg_b = _register(client, a), _register(client, b)
+        prompts = [[rng.randrange(30000) for _ in range(CHUNK)] for _ in range(n_req)]
+        keys = [reg_a.keys(p) for p in prompts]
+        assert keys == [reg_b.keys(p) for p in prompts]
+        ids_a = [rng.sample(range(40), bpc) for _ in range(n_req)]
+        free_b = rng.sample(range(40), n_req * bpc)  # requests must not share destination blocks
+        ids_b = [free_b[i * bpc:(i + 1) * bpc] for i in range(n_req)]
+
+        stores = [client.submit_store(reg_a, keys[i], [ids_a[i]]) for i in range(n_req)]
+        for i in (3, 0, 5, 1, 4, 2):  # another order than sent
+            r = stores[i].result()
+            assert (r.stored, r.present, r.skipped) == (1, 0, 0)
+
+        gets = [client.submit_retrieve(reg_b, keys[i], [ids_b[i]]) for i in range(n_req)]
+        assert [gets[i].result() for i in (5, 4, 3, 2, 1, 0)] == [1] * n_req
+
+        for i in range(n_req):
+            for layer in range(GROUPS[0].num_layers):
+                assert torch.equal(a.read_tokens(layer, ids_a[i], as_bytes=True),
+                                   b.read_tokens(layer, ids_b[i], as_bytes=True)), (i, layer)
+
+
+def test_a_timeout_loses_every_outstanding_request(daemon):
+    with ShmKVCache(GROUPS, 8, "LBNHC") as a, KVDepotClient(daemon.endpoint) as client:
+        reg = _register(client, a)
+        keys = reg.keys(list(range(CHUNK)))
+        first = client.submit_store(reg, keys, [[0, 1]])
+        second = client.submit_store(reg, keys, [[0, 1]])
+        with pytest.raises(KVDepotError) as exc:
+            first.result(timeout_s=0)  # gives up at once: the socket is rebuilt
+        assert exc.value.code == ErrorCode.TIMEOUT
+        with pytest.raises(KVDepotError) as exc:
+            second.result()
+        assert exc.value.code == ErrorCode.TIMEOUT and "lost" in str(exc.value)
+        # the client works again (whether the two stores reached the daemon before the socket
+        # was dropped is not defined)
+        assert client.ping() == client.boot_id
+        assert client.store(reg, reg.keys(list(range(CHUNK, 2 * CHUNK))), [[2, 3]]).stored == 1
