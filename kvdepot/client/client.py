@@ -80,7 +80,7 @@ class KVDepotClient:
         self._outstanding: set[int] = set()  # submitted, reply not yet returned by wait()
         self._replies: dict[int, m.Msg] = {}  # replies that arrived before their wait()
         self._identity = f"kvd-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
-        self._own_events: dict = {}  # device -> interprocess event this client records for stores
+        self._own_events: dict = {}  # cudaStream_t -> (interprocess event recorded there for stores, handle)
         self._peer_events: dict = {}  # handle -> the daemon's opened interprocess event
         self.last_retrieve_event = None
         self.boot_id: str | None = None
@@ -261,12 +261,15 @@ class KVDepotClient:
     def _record_event(self, stream) -> bytes:
         import torch
 
-        got = self._own_events.get(stream.device)
+        # one event per stream: the daemon's wait sees the event's latest record, which covers an
+        # earlier outstanding store's writes only if it was recorded later on the SAME stream
+        key = stream.cuda_stream
+        got = self._own_events.get(key)
         if got is None:
             with torch.cuda.device(stream.device):
                 ev = torch.cuda.Event(interprocess=True)
             # the handle of an event never changes: ask for it once (cudaIpcGetEventHandle is not free)
-            got = self._own_events[stream.device] = (ev, bytes(ev.ipc_handle()))
+            got = self._own_events[key] = (ev, bytes(ev.ipc_handle()))
         got[0].record(stream)
         return got[1]
 

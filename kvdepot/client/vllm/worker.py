@@ -351,11 +351,14 @@ def _record_ipc_event() -> bytes:
     """Record an interprocess CUDA event on the current stream (after this step's forward);
     the daemon's copy waits on it."""
     stream = torch.cuda.current_stream()
-    got = _events.get(("own", stream.device))
+    # one event per stream: a wait sees the event's latest record, which covers an earlier
+    # outstanding store only when recorded later on the same stream
+    key = ("own", stream.cuda_stream)
+    got = _events.get(key)
     if got is None:
         with torch.cuda.device(stream.device):
             ev = torch.cuda.Event(interprocess=True)
-        got = _events[("own", stream.device)] = (ev, bytes(ev.ipc_handle()))
+        got = _events[key] = (ev, bytes(ev.ipc_handle()))
     got[0].record(stream)
     return got[1]
 
