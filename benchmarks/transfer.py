@@ -331,8 +331,9 @@ def store_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: int)
 
 
 def retrieve_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: int):
-    """One thread keeping ``depth`` RETRIEVEs in flight on one client (`submit_retrieve`); the
-    stream waits on each reply's event and is synchronized at the end."""
+    """One thread keeping ``depth`` RETRIEVEs in flight on one client (`submit_retrieve`). As an
+    engine would, the stream waits once, on the last reply's event (a registration's retrieves
+    complete in order, so it covers every earlier one), and is then synchronized."""
 
     def fn() -> None:
         q: collections.deque = collections.deque()
@@ -342,8 +343,10 @@ def retrieve_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: i
                 q.append(client.submit_retrieve(reg, [key], ids))
             if not q:
                 break
-            work.add_done(q.popleft().result(before=stream))
+            work.add_done(q.popleft().result())
         if stream is not None:
+            if client.last_retrieve_event is not None:
+                stream.wait_event(client.last_retrieve_event)
             stream.synchronize()
 
     return fn

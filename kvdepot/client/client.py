@@ -242,7 +242,12 @@ class KVDepotClient:
     def submit_retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
                         skip_tokens: int = 0, request: str = "") -> PendingRetrieve:
         """`retrieve` without waiting: ``.result(before)`` of the returned handle gives the
-        number of chunks written (and makes ``before`` wait for them)."""
+        number of chunks written (and makes ``before`` wait for them).
+
+        A registration's retrieves complete in the order the daemon received them, and the
+        event of a later reply covers every earlier one: with several outstanding, an engine
+        may pass ``before`` only to the last ``result`` (each GPU wait on an interprocess
+        event costs the waiting stream tens of microseconds)."""
         rid = self.submit(m.Retrieve(rid=0, registration=reg.id, keys=list(keys),
                                      block_ids=[list(b) for b in block_ids], skip_tokens=skip_tokens, request=request))
         return PendingRetrieve(self, rid)
