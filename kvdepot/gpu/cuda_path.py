@@ -117,10 +117,11 @@ class CudaOpenedStorage:
     """One engine allocation opened by IPC handle: ``ptr`` = ``base_ptr`` + the storage's
     offset in the allocation."""
 
-    def __init__(self, base_ptr: int, ptr: int, device: int) -> None:
+    def __init__(self, base_ptr: int, ptr: int, device: int, size_bytes: int = 0) -> None:
         self.base_ptr = base_ptr
         self.ptr = ptr
         self.device = device
+        self.size_bytes = size_bytes
 
 
 class NativeEngine:
@@ -267,7 +268,11 @@ class CudaDevicePath:
 
 
 class CudaRuntime:
-    """All CUDA state of the daemon: device paths (created on first use) and IPC opening."""
+    """All CUDA state of the daemon: device paths (created on first use) and IPC opening.
+
+    Without the kernel library (none found and none could be built), transfers run on
+    `kvdepot.gpu.torch_path` instead: correct, slower, and logged once as a warning.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
         if not torch.cuda.is_available():
@@ -275,19 +280,32 @@ class CudaRuntime:
         self.loop = loop
         self.batch_bytes = batch_bytes
         self.kernels = load_kernels()
-        if self.kernels is None:
-            raise RequestError(ErrorCode.UNSUPPORTED,
-                               "CUDA engines need the kvdepot kernel library (install nvcc or set KVDEPOT_KERNELS_SO)")
         self.completions = CompletionPipe(loop)
-        self.paths: dict[int, CudaDevicePath] = {}
+        self.paths: dict[int, object] = {}  # CudaDevicePath, or TorchDevicePath without the library
+        if self.kernels is None:
+            from kvdepot.gpu.torch_path import CudartIpc
 
-    def path(self, device: int) -> CudaDevicePath:
+            log.warning("the CUDA transfer kernels are unavailable: CUDA engines are served by the torch fallback "
+                        "(correct, several times slower); install nvcc and run `kvdepot build-kernels`")
+            try:
+                self._ipc = CudartIpc()
+            except OSError as exc:
+                raise RequestError(ErrorCode.UNSUPPORTED, f"cannot serve CUDA engines: {exc}") from None
+        else:
+            self._ipc = self.kernels
+
+    def path(self, device: int):
         p = self.paths.get(device)
         if p is None:
-            try:
-                p = CudaDevicePath(device, self.kernels, self.completions, self.batch_bytes)
-            except KernelError as exc:
-                raise RequestError(ErrorCode.ENGINE_MEMORY, f"cannot set up GPU {device}: {exc}") from None
+            if self.kernels is None:
+                from kvdepot.gpu.torch_path import TorchDevicePath
+
+                p = TorchDevicePath(device, self.loop)
+            else:
+                try:
+                    p = CudaDevicePath(device, self.kernels, self.completions, self.batch_bytes)
+                except KernelError as exc:
+                    raise RequestError(ErrorCode.ENGINE_MEMORY, f"cannot set up GPU {device}: {exc}") from None
             self.paths[device] = p
         return p
 
@@ -296,8 +314,7 @@ class CudaRuntime:
         registration must be on one GPU.
 
         Raises:
-            RequestError(ENGINE_MEMORY / UNSUPPORTED): unknown GPU, mixed GPUs, a handle that
-                cannot be opened, or no kernel library to open handles with.
+            RequestError(ENGINE_MEMORY): unknown GPU, mixed GPUs, a handle that cannot be opened.
         """
         devices = {device_index_by_uuid(s.device_uuid) for s in storages}
         if len(devices) != 1:
@@ -307,25 +324,34 @@ class CudaRuntime:
         try:
             for s in storages:
                 try:
-                    base = self.kernels.ipc_open(s.handle, dev)
+                    base = self._ipc.ipc_open(s.handle, dev)
                 except KernelError as exc:
                     raise RequestError(ErrorCode.ENGINE_MEMORY, f"cannot open CUDA IPC handle: {exc}") from None
-                opened.append(CudaOpenedStorage(base, base + s.handle_offset_bytes, dev))
+                opened.append(CudaOpenedStorage(base, base + s.handle_offset_bytes, dev, s.size_bytes))
         except BaseException:
             self.close_storages(opened)
             raise
         return dev, opened
 
     def open_engine(self, device: int, layout: EngineLayout, opened: Sequence[CudaOpenedStorage]
-                    ) -> tuple[NativeEngine, int, bytes]:
-        """The registration's engine in the library, with the lanes' staging grown to hold one
-        of its objects, and the interprocess event its retrieves record: (engine, event, event
-        handle bytes).
+                    ) -> tuple[object, object, bytes]:
+        """The registration's engine (a `NativeEngine` in the library, with the lanes' staging
+        grown to hold one of its objects; a torch `CudaTransferEngine` without the library) and
+        the interprocess event its retrieves record: (engine, event, event handle bytes).
 
         Raises:
             RequestError(LAYOUT / ENGINE_MEMORY): the library refuses the layout, or CUDA fails.
         """
         path = self.path(device)
+        if self.kernels is None:
+            from kvdepot.gpu.cuda_engine import CudaTransferEngine
+
+            dev = torch.device("cuda", device)
+            engine = CudaTransferEngine(layout, [o.ptr for o in opened], [o.size_bytes for o in opened], dev,
+                                        use_kernels=False)
+            with torch.cuda.device(dev):
+                event = torch.cuda.Event(interprocess=True)
+            return engine, event, bytes(event.ipc_handle())
         engine = NativeEngine(self.kernels, device, layout, [o.ptr for o in opened])
         try:
             path.reserve(layout.object_bytes)
@@ -340,18 +366,19 @@ class CudaRuntime:
 
     def release(self, engine: NativeEngine, event: int, opened: Sequence[CudaOpenedStorage]) -> None:
         """Free a registration's CUDA state (no transfer of it may still be running)."""
-        engine.close()
-        try:
-            self.kernels.event_destroy(event)
-        except KernelError as exc:
-            log.warning("destroying a retrieve event failed: %s", exc)
+        if self.kernels is not None:
+            engine.close()
+            try:
+                self.kernels.event_destroy(event)
+            except KernelError as exc:
+                log.warning("destroying a retrieve event failed: %s", exc)
         self.close_storages(opened)
 
     def close_storages(self, opened: Sequence[CudaOpenedStorage]) -> None:
         for o in opened:
             try:
-                self.kernels.ipc_close(o.base_ptr, o.device)
-            except KernelError as exc:
+                self._ipc.ipc_close(o.base_ptr, o.device)
+            except (KernelError, RequestError) as exc:
                 log.warning("closing an IPC mapping failed: %s", exc)
 
     def close(self) -> None:

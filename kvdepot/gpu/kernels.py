@@ -6,8 +6,9 @@ ctypes with raw device pointers and a ``cudaStream_t``. Where the library comes 
 match wins:
 
 1. ``$KVDEPOT_KERNELS_SO``: a prebuilt library (e.g. built on a machine with nvcc, carried over);
-2. the per-user cache ``$XDG_CACHE_HOME/kvdepot/kernels/<source hash>-sm<arch>/``;
-3. built on first use with nvcc into that cache, under a file lock (the cache is re-checked
+2. ``kvdepot/gpu/_lib/libkvdepot_kernels.so``, built at install when nvcc was present;
+3. the per-user cache ``$XDG_CACHE_HOME/kvdepot/kernels/<source hash>-sm<arch>/``;
+4. built on first use with nvcc into that cache, under a file lock (the cache is re-checked
    after taking the lock, so concurrent processes build once). ``KVDEPOT_NO_JIT=1`` forbids
    this step (production images should ship the library).
 
@@ -20,23 +21,23 @@ from __future__ import annotations
 import array
 import ctypes
 import fcntl
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from kvdepot.gpu import build as _build
+from kvdepot.gpu.build import source_hash
 from kvdepot.gpu.layout import LayerGroup
 
 log = logging.getLogger("kvdepot.kernels")
 
 ENV_SO = "KVDEPOT_KERNELS_SO"
 ENV_NO_JIT = "KVDEPOT_NO_JIT"
-_SRC = Path(__file__).parent / "csrc" / "kvdepot_kernels.cu"
+# built at install (setup.py) for `build.INSTALL_ARCHS` when nvcc was there
+PACKAGED_SO = Path(__file__).parent / "_lib" / "libkvdepot_kernels.so"
 ABI_VERSION = 3
 
 KVD_OK, KVD_EINVAL, KVD_EALIGN, KVD_ECUDA = 0, 1, 2, 3
@@ -245,31 +246,19 @@ class Kernels:
         self._check(self.lib.kvd_notify(stream, fd, token), "cudaLaunchHostFunc")
 
 
-def source_hash() -> str:
-    """First 16 hex digits of the SHA-256 of the kernel source (what a library must be built from)."""
-    return hashlib.sha256(_SRC.read_bytes()).hexdigest()[:16]
-
-
 def _cache_dir(arch: str) -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvdepot" / "kernels"
     return base / f"{source_hash()}-sm{arch}"
 
 
 def build_kernels(out_path: Path, arch: str) -> None:
-    """Compile the kernels with nvcc into ``out_path`` (static cudart, C ABI only).
+    """Compile the kernels with nvcc into ``out_path`` for one SM arch (static cudart, C ABI).
 
     Raises:
         FileNotFoundError: no nvcc on PATH / in $CUDA_HOME.
         subprocess.CalledProcessError: compilation failed.
     """
-    nvcc = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
-    if not os.path.exists(nvcc):
-        raise FileNotFoundError("nvcc not found; set CUDA_HOME or KVDEPOT_KERNELS_SO")
-    tmp = out_path.with_suffix(f".tmp{os.getpid()}")
-    subprocess.run([nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", "-gencode",
-                    f"arch=compute_{arch},code=sm_{arch}", f'-DKVD_SOURCE_HASH="{source_hash()}"', "-o", str(tmp),
-                    str(_SRC)], check=True)
-    os.replace(tmp, out_path)
+    _build.build(out_path, [arch])
 
 
 def _device_arch() -> str:
@@ -290,6 +279,12 @@ def load_kernels() -> Kernels | None:
         return _loaded
     try:
         path = os.environ.get(ENV_SO)
+        if not path and PACKAGED_SO.exists():
+            try:
+                _loaded = Kernels(str(PACKAGED_SO))
+                return _loaded
+            except (OSError, KernelError) as exc:  # e.g. an editable checkout whose source changed since
+                log.info("not using the kernels built at install (%s)", exc)
         if not path:
             arch = _device_arch()
             d = _cache_dir(arch)

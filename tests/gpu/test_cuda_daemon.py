@@ -18,16 +18,25 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(scope="module")
-def cuda_daemon(tmp_path_factory):
+@pytest.fixture(scope="module", params=["kernels", "torch-fallback"])
+def cuda_daemon(request, tmp_path_factory):
+    """A daemon with the kernel library, or one that cannot load it (the torch fallback)."""
     d = tmp_path_factory.mktemp("cuda-daemon")
     ep = f"ipc://{d / 'kvdepot.sock'}"
     log = open(d / "daemon.log", "w")
+    env = dict(os.environ)
+    if request.param == "torch-fallback":
+        env.update(KVDEPOT_KERNELS_SO=str(d / "no-such-library.so"), KVDEPOT_NO_JIT="1")
     proc = subprocess.Popen([sys.executable, "-m", "kvdepot", "serve", "--endpoint", ep, "--l1-bytes", "2g",
-                             "--pin-l1"], stdout=subprocess.PIPE, stderr=log, text=True)
+                             "--pin-l1"], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     line = proc.stdout.readline()
     assert "ready" in line, (d / "daemon.log").read_text()
     yield ep
+    from kvdepot.client import KVDepotClient
+
+    with KVDepotClient(ep) as c:  # the daemon really used the path this run is about
+        engine = c.describe().transfer_engine
+    assert engine.endswith("cuda-kernels" if request.param == "kernels" else "cuda-torch"), engine
     proc.terminate()
     rc = proc.wait(30)
     proc.stdout.close()
