@@ -1,0 +1,52 @@
+"""The kernel library's build and load checks, with the real nvcc (skipped without it). Loading
+needs no GPU: the library links the CUDA runtime statically and calls it only when used."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+
+import pytest
+
+from kvdepot.gpu import build
+from kvdepot.gpu.kernels import ABI_VERSION, KernelError, Kernels
+
+pytestmark = pytest.mark.skipif(build.find_nvcc() is None, reason="needs nvcc")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kernels") / "libkvdepot_kernels.so"
+    build.build(out, ["90"])
+    return out
+
+
+def test_built_library_loads_with_its_abi_and_source_stamp(built):
+    k = Kernels(str(built))
+    assert k.lib.kvd_abi_version() == ABI_VERSION
+    assert k.lib.kvd_source_hash().decode() == build.source_hash()
+    assert k.ipc_handle_bytes == 64 and k.ipc_event_handle_bytes == 64
+    # argument checks answer before any CUDA call (no GPU here)
+    notified = ctypes.c_int(7)
+    assert k.lib.kvd_store(0, 0, 0, 0, 1, 0, 1, 0, -1, 1, ctypes.addressof(notified)) == 1  # KVD_EINVAL
+    assert notified.value == 0
+    assert k.lib.kvd_retrieve(0, 0, 0, 1, 1, 0, 0, 0, -1, 1, ctypes.addressof(notified)) == 1
+    with pytest.raises(KernelError, match="event handle of 3 bytes"):
+        k.event_open_ipc(b"abc", 0)
+
+
+def test_library_built_from_other_source_is_refused(tmp_path):
+    stale = tmp_path / "stale.so"
+    nvcc = build.find_nvcc()
+    subprocess.run([nvcc, "-O0", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
+                    "-gencode=arch=compute_90,code=sm_90", '-DKVD_SOURCE_HASH="0123456789abcdef"', "-o", str(stale),
+                    str(build.SRC)], check=True)
+    with pytest.raises(KernelError, match="built from other source"):
+        Kernels(str(stale))
+
+
+def test_a_failed_build_leaves_no_partial_file(tmp_path):
+    out = tmp_path / "lib.so"
+    with pytest.raises(subprocess.CalledProcessError):
+        build.build(out, ["not-an-arch"])
+    assert list(tmp_path.iterdir()) == []
