@@ -74,7 +74,7 @@ class CudartIpc:
             raise RequestError(ErrorCode.ENGINE_MEMORY, f"IPC handle of {len(handle)} bytes, expected 64")
         out = ctypes.c_void_p()
         with torch.cuda.device(device):
-            self._check(self.lib.cudaIpcOpenMemHandle(ctypes.byref(out), _IpcMemHandle(handle),
+            self._check(self.lib.cudaIpcOpenMemHandle(ctypes.byref(out), _IpcMemHandle.from_buffer_copy(handle),
                                                       _CUDA_IPC_LAZY_ENABLE_PEER_ACCESS), "cudaIpcOpenMemHandle")
         return int(out.value)
 
