@@ -212,7 +212,7 @@ class Store(Msg, tag="store"):
     registration: Name
     keys: list[ChunkKey]
     block_ids: list[BlockIds]
-    parent: bytes = b""
+    parent: Annotated[bytes, Meta(max_length=64)] = b""
     cache_salt: Name = ""
     request: Name = ""
     event: bytes = b""

@@ -93,6 +93,7 @@ BAD_FRAMES = [
     ("rid-ext-type", [b"\x92\xa4ping\xd6\xff\x00\x00\x00\x01"], ErrorCode.MALFORMED, 0),
     ("version-mismatch", [codec.encode(m.Hello(rid=31, protocol_version=m.PROTOCOL_VERSION + 99))],
      ErrorCode.VERSION_MISMATCH, 31),
+    ("store-parent-too-long", [_pack(["store", 32, "r", [KEY], [[0]], b"p" * 65])], ErrorCode.MALFORMED, 32),
 ]
 
 
