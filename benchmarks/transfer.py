@@ -5,6 +5,9 @@ This process is the engine: it holds a paged KV cache on the GPU (vLLM 0.33 layo
 real interprocess events) and times requests from "request sent" to "data in place":
 
 * STORE: ``client.store(..., after=stream)`` returns once the chunk is in the daemon's pinned L1;
+  in streams, by default (``--store-reply early``) the daemon replies at enqueue, the engine's
+  stream waits for the daemon's gathers, and the clock stops when every chunk is visible to a
+  lookup (i.e. in L1);
 * RETRIEVE: ``client.retrieve(..., before=stream)`` returns once the copy is enqueued; the
   clock stops after ``stream.synchronize()``, i.e. when the blocks hold the data.
 
@@ -314,20 +317,32 @@ def retrieve_task(client: KVDepotClient, reg, stream, work: _Work):
     return fn
 
 
-def store_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: int):
-    """One thread keeping ``depth`` STOREs in flight on one client (`submit_store`)."""
+def store_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: int, early: bool = False):
+    """One thread keeping ``depth`` STOREs in flight on one client (`submit_store`). With
+    ``early`` the daemon replies at enqueue and the stream waits (on the GPU) for its gathers;
+    the caller then waits until the chunks are visible (`wait_visible`)."""
 
     def fn() -> None:
         q: collections.deque = collections.deque()
         while True:
             while len(q) < depth and (item := work.next()) is not None:
                 key, ids = item
-                q.append(client.submit_store(reg, [key], ids, after=stream))
+                q.append(client.submit_store(reg, [key], ids, after=stream, early=early))
             if not q:
                 return
-            work.add_done(q.popleft().result().stored)
+            work.add_done(q.popleft().result(before=stream if early else None).stored)
 
     return fn
+
+
+def wait_visible(client: KVDepotClient, keys: list[bytes], chunk_size: int, timeout_s: float = 30.0) -> None:
+    """Until every one-chunk key is in L1 (early-reply stores commit when their copy ends)."""
+    deadline = time.monotonic() + timeout_s
+    chains = [[k] for k in keys]
+    while client.lookup(chains, chunk_size) < 1:
+        if time.monotonic() > deadline:
+            raise RuntimeError("early-reply stores did not become visible")
+        time.sleep(20e-6)
 
 
 def retrieve_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: int):
@@ -600,7 +615,7 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
     assert ob == shape.token_bytes * chunk_size, (ob, shape.token_bytes, chunk_size)
     total = n * ob
     res: dict = {"shape": shape.name, "chunk_tokens": chunk_size, "object_bytes": ob, "chunks": n, "bytes": total,
-                 "outstanding": k, "client_mode": a.client_mode}
+                 "outstanding": k, "client_mode": a.client_mode, "store_reply": a.store_reply}
     try:
         main.flush()
         src = [blocks.chunk("src", j, chunk_size) for j in range(n)]
@@ -645,10 +660,20 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
         rt_clients, rt_streams = ctx.clients[k:2 * k], ctx.streams[k:2 * k]
         torch.cuda.synchronize()
 
+        early = a.store_reply == "early"
+
         def store_tasks(w: _Work) -> list:
             if a.client_mode == "pipelined":
-                return [store_pipelined(st_clients[0], reg, st_streams[0], w, k)]
+                return [store_pipelined(st_clients[0], reg, st_streams[0], w, k, early)]
             return [store_task(c, reg, s, w) for c, s in zip(st_clients, st_streams)]
+
+        def visible(keys, dt: float) -> float:
+            """dt plus the time until the early-reply stores are in L1 (the clock's end)."""
+            if not early or a.client_mode != "pipelined":
+                return dt
+            t = time.perf_counter()
+            wait_visible(main, list(keys), chunk_size)
+            return dt + time.perf_counter() - t
 
         def retrieve_tasks(w: _Work) -> list:
             if a.client_mode == "pipelined":
@@ -657,7 +682,7 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
 
         def store_run(keys) -> tuple[float, int]:
             w = _Work(zip(keys, src))
-            return run_parallel(store_tasks(w)), w.done
+            return visible(keys, run_parallel(store_tasks(w))), w.done
 
         def retrieve_run(keys) -> tuple[float, int]:
             w = _Work(zip(keys, dst))
@@ -704,7 +729,7 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
         for _ in range(a.iters):
             new = fresh_keys(reg, n, chunk_size)
             ws, wr = _Work(zip(new, src)), _Work(zip(keys, dst))
-            dt = run_parallel(store_tasks(ws) + retrieve_tasks(wr))
+            dt = visible(new, run_parallel(store_tasks(ws) + retrieve_tasks(wr)))
             both_ts.append((ws.done + wr.done) * ob / dt / 1e9)
         res["bidir_gbps_runs"] = both_ts
         res["bidir_gbps"] = statistics.median(both_ts)
@@ -738,6 +763,16 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
             not_stored += r.stored != 1
         if not_stored:
             say(f"  WARNING: {not_stored} lone stores stored nothing")
+        # lone early-reply stores: until the engine may overwrite its blocks (reply + the
+        # stream's wait on the daemon's gathers), not until the chunk is in L1
+        lat_e = []
+        for i, key in enumerate(fresh_keys(reg, warmup + a.lone_iters, chunk_size)):
+            t0 = time.perf_counter()
+            c.store(reg, [key], src[i % n], after=s, early=True)
+            s.synchronize()
+            if i >= warmup:
+                lat_e.append(time.perf_counter() - t0)
+        res["lone_store_early_reusable_us"] = statistics.median(lat_e) * 1e6
         pings = []
         for i in range(20 + 200):
             t0 = time.perf_counter()
@@ -819,7 +854,9 @@ def baseline_line(r: dict) -> str:
             label = f" [{b['method']}]" if "method" in b else ""
             parts.append(f"{name}{label}: store {b['store_gbps']:.1f} retrieve {b['retrieve_gbps']:.1f} GB/s")
     return ("      baselines: " + "; ".join(parts)
-            + f"; lone retrieve reply {r.get('lone_retrieve_reply_us', 0):.0f} us; point {r.get('point_s', 0):.1f} s")
+            + f"; lone retrieve reply {r.get('lone_retrieve_reply_us', 0):.0f} us"
+            + f"; lone early store, blocks reusable after {r.get('lone_store_early_reusable_us', 0):.0f} us"
+            + f"; point {r.get('point_s', 0):.1f} s")
 
 
 def evaluate_targets(rows: list[dict]) -> list[dict]:
@@ -871,6 +908,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", default="", help="comma-separated substrings of shape names to run (default all)")
     p.add_argument("--quick", action="store_true", help="only Llama-3.1-8B TP1 at chunks 64 and 256")
     p.add_argument("--outstanding", type=int, default=4, help="requests in flight per direction")
+    p.add_argument("--store-reply", choices=("early", "copied"), default="early",
+                   help="early: STOREs reply at enqueue (the engine's stream waits for the daemon's gathers) and "
+                        "a stream's clock stops when all its chunks are visible in L1; copied: STOREs reply once in "
+                        "L1 (pipelined client mode only; lone-request overheads always use copied)")
     p.add_argument("--client-mode", choices=("pipelined", "threads"), default="pipelined",
                    help="pipelined: one thread per direction keeps --outstanding requests in flight on one client "
                         "(submit_store / submit_retrieve); threads: --outstanding threads per direction, one "

@@ -209,24 +209,32 @@ class KVDepotClient:
         return r.hit_chunks
 
     def store(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
-              parent: bytes = b"", cache_salt: str = "", request: str = "", after=None) -> m.StoreReply:
+              parent: bytes = b"", cache_salt: str = "", request: str = "", after=None,
+              early: bool = False) -> m.StoreReply:
         """Store whole chunks from engine blocks (see `kvdepot.protocol.messages.Store`).
 
         after: CUDA engines: the ``torch.cuda.Stream`` whose work so far wrote the blocks; the
             client records its interprocess event there and the daemon's copy waits on it.
             Returns once the chunks are in the daemon's memory (the blocks may be reused).
+        early: CUDA engines: return once the copies are enqueued; ``after`` is made to wait (on
+            the GPU) until the daemon has read the blocks, so later work on it may overwrite
+            them. The chunks become visible to lookups when they are in L1.
         """
-        return self.submit_store(reg, keys, block_ids, parent, cache_salt, request, after).result()
+        pending = self.submit_store(reg, keys, block_ids, parent, cache_salt, request, after, early)
+        return pending.result(before=after if early else None)
 
     def submit_store(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
-                     parent: bytes = b"", cache_salt: str = "", request: str = "", after=None) -> PendingStore:
-        """`store` without waiting: ``.result()`` of the returned handle gives the `StoreReply`.
-        The blocks must not be overwritten before then."""
+                     parent: bytes = b"", cache_salt: str = "", request: str = "", after=None,
+                     early: bool = False) -> PendingStore:
+        """`store` without waiting: ``.result(before)`` of the returned handle gives the
+        `StoreReply`. The blocks must not be overwritten before then (``early``: before work on
+        ``before``, which is made to wait until the daemon has read them)."""
         event = b""
         if after is not None:
             event = self._record_event(after)
         rid = self.submit(m.Store(rid=0, registration=reg.id, keys=list(keys), block_ids=[list(b) for b in block_ids],
-                                  parent=parent, cache_salt=cache_salt, request=request, event=event))
+                                  parent=parent, cache_salt=cache_salt, request=request, event=event,
+                                  reply_early=early))
         return PendingStore(self, rid)
 
     def retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
@@ -303,9 +311,13 @@ class PendingStore:
     def __init__(self, client: KVDepotClient, rid: int) -> None:
         self.client, self.rid = client, rid
 
-    def result(self, timeout_s: float | None = None) -> m.StoreReply:
-        """Wait for the reply. Raises KVDepotError as `KVDepotClient.store`."""
-        return self.client.wait(self.rid, timeout_s)
+    def result(self, before=None, timeout_s: float | None = None) -> m.StoreReply:
+        """Wait for the reply; with an early reply, ``before`` (a ``torch.cuda.Stream``) is made
+        to wait until the daemon has read the blocks. Raises KVDepotError as `KVDepotClient.store`."""
+        r = self.client.wait(self.rid, timeout_s)
+        if r.event and before is not None:
+            before.wait_event(self.client._open_event(r.event, before.device))
+        return r
 
 
 class PendingRetrieve:

@@ -147,6 +147,9 @@ class NativeEngine:
         # block ids go to the library flat, one list per layer group in layout order (several
         # layer groups may share a KV-cache group's ids)
         self._gids = [g.gid for g in layout.groups]
+        # interprocess event recorded after each store's gathers (early store replies carry it)
+        self.gathered_event: int = 0
+        self.gathered_event_handle: bytes = b""
 
     def flat_ids(self, block_ids: Sequence[Sequence[int]]) -> array.array:
         """int32 block ids, ``block_ids[gid]`` for each layer group in order (see `kvd_store`)."""
@@ -231,10 +234,12 @@ class CudaDevicePath:
 
     def store(self, engine: NativeEngine, block_ids: Sequence[Sequence[int]], total_chunks: int,
               chunks: Sequence[int], host_ptrs: Sequence[int], engine_event: bytes,
-              done: Callable[[BaseException | None], None]) -> None:
+              done: Callable[[BaseException | None], None], gathered_event: int | None = None) -> None:
         """Enqueue the gather of the request's chunks ``chunks`` (indices < ``total_chunks``)
         into the pinned host objects at ``host_ptrs`` (object_bytes each, not crossing a
         registration); ``done(err)`` runs on the loop when the copies completed.
+        ``gathered_event`` (interprocess, or None) is recorded after the last read of the
+        engine's blocks.
 
         Raises (nothing enqueued):
             RequestError(ENGINE_MEMORY): the engine's event cannot be opened.
@@ -245,8 +250,8 @@ class CudaDevicePath:
         hp = array.array("Q", host_ptrs)
         token = self.completions.expect(done)
         rc = self._kvd_store(self.store_lane, engine.handle, ev, ids.buffer_info()[0], total_chunks,
-                             ch.buffer_info()[0], len(ch), hp.buffer_info()[0], self.completions.write_fd, token,
-                             self._notified_ptr)
+                             ch.buffer_info()[0], len(ch), hp.buffer_info()[0], gathered_event,
+                             self.completions.write_fd, token, self._notified_ptr)
         if rc:
             self._after_call(rc, "kvd_store", self.store_lane, token, done)
 
@@ -351,11 +356,18 @@ class CudaRuntime:
                                         use_kernels=False)
             with torch.cuda.device(dev):
                 event = torch.cuda.Event(interprocess=True)
+                engine.gathered_event = torch.cuda.Event(interprocess=True)
+            engine.gathered_event_handle = bytes(engine.gathered_event.ipc_handle())
             return engine, event, bytes(event.ipc_handle())
         engine = NativeEngine(self.kernels, device, layout, [o.ptr for o in opened])
         try:
             path.reserve(layout.object_bytes)
             event, handle = self.kernels.event_create_ipc(device)
+            try:
+                engine.gathered_event, engine.gathered_event_handle = self.kernels.event_create_ipc(device)
+            except BaseException:
+                self.kernels.event_destroy(event)
+                raise
         except KernelError as exc:
             engine.close()
             raise RequestError(ErrorCode.ENGINE_MEMORY, f"CUDA set-up of the registration failed: {exc}") from None
@@ -367,6 +379,11 @@ class CudaRuntime:
     def release(self, engine: NativeEngine, event: int, opened: Sequence[CudaOpenedStorage]) -> None:
         """Free a registration's CUDA state (no transfer of it may still be running)."""
         if self.kernels is not None:
+            if engine.gathered_event:
+                try:
+                    self.kernels.event_destroy(engine.gathered_event)
+                except KernelError as exc:
+                    log.warning("destroying a store event failed: %s", exc)
             engine.close()
             try:
                 self.kernels.event_destroy(event)

@@ -141,7 +141,8 @@ class TorchDevicePath:
 
     def store(self, engine: CudaTransferEngine, block_ids: Sequence[Sequence[int]], total_chunks: int,
               chunks: Sequence[int], host_ptrs: Sequence[int], engine_event: bytes,
-              done: Callable[[BaseException | None], None]) -> None:
+              done: Callable[[BaseException | None], None], gathered_event: torch.cuda.Event | None = None
+              ) -> None:
         """As `CudaDevicePath.store`."""
         ob = engine.layout.object_bytes
         s = self.store_stream
@@ -151,6 +152,8 @@ class TorchDevicePath:
                 s.wait_event(wait)
             staging = torch.empty(len(chunks) * ob, dtype=torch.uint8, device=self.device)
             engine.copy(staging, self._ids(engine, block_ids, chunks), len(chunks), True, s)
+            if gathered_event is not None:
+                gathered_event.record(s)
             for k, ptr in enumerate(host_ptrs):
                 host_tensor(ptr, ob).copy_(staging[k * ob:(k + 1) * ob], non_blocking=True)
         self._complete(s, staging, done)

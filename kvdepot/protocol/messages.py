@@ -206,6 +206,9 @@ class Store(Msg, tag="store"):
         same request): a chunk without its prefix can never hit.
     block_ids: per gid, the block ids holding those chunks' tokens, in token order.
     event: interprocess CUDA event handle to wait on before reading (CUDA engines only).
+    reply_early: CUDA engines: reply once the copies are enqueued, with an event after which
+        the blocks may be overwritten (the chunks become visible to lookups later, when they
+        are in L1); otherwise (and for CPU engines) reply once the chunks are in L1.
     Reply: `StoreReply`.
     """
 
@@ -216,6 +219,7 @@ class Store(Msg, tag="store"):
     cache_salt: Name = ""
     request: Name = ""
     event: bytes = b""
+    reply_early: bool = False
 
 
 class Retrieve(Msg, tag="get"):
@@ -294,12 +298,16 @@ class LookupReply(Msg, tag="lookR"):
 
 
 class StoreReply(Msg, tag="storeR"):
-    """stored: chunks copied now; present: already cached (not copied); skipped: not stored
-    (parent missing or L1 full). stored + present + skipped == len(keys)."""
+    """stored: chunks copied now (with ``reply_early``: being copied; a copy that then fails
+    is logged and counted, and the chunks never become visible); present: already cached (not
+    copied); skipped: not stored (parent missing or L1 full). stored + present + skipped ==
+    len(keys). event (``reply_early`` only): interprocess CUDA event handle after which the
+    engine may overwrite the blocks."""
 
     stored: int
     present: int
     skipped: int
+    event: bytes = b""
 
 
 class RetrieveReply(Msg, tag="getR"):

@@ -534,7 +534,9 @@ class Daemon:
         skipped = n - present - len(new)
         if reason:
             self.metrics.store_skipped_chunks.labels(reason).inc(skipped)
-        reply = m.StoreReply(rid=req.rid, stored=len(new), present=present, skipped=skipped)
+        early = req.reply_early and reg.cuda_device is not None
+        reply = m.StoreReply(rid=req.rid, stored=len(new), present=present, skipped=skipped,
+                             event=reg.engine.gathered_event_handle if early and new else b"")
 
         def release_held() -> None:
             for e in held:
@@ -547,6 +549,8 @@ class Daemon:
         reg.active += 1
         t0 = time.perf_counter()
 
+        replied = False  # an early reply went out at enqueue
+
         def finish(err: BaseException | None) -> None:  # on the loop, once the copies ended
             trace_point(req.rid, "gpu_done")
             self._finish_transfer(reg)
@@ -556,12 +560,17 @@ class Daemon:
                         self.index.abort(e)
                     if not isinstance(err, RequestError):
                         err = RequestError(ErrorCode.ENGINE_MEMORY, f"store copy failed: {err}")
-                    self._reply_error(identity, req.rid, err)
+                    if replied:  # the engine was told "being stored": the chunks just never appear
+                        log.error("store for %s failed after its early reply: %s", reg.id, err.message)
+                        self.metrics.errors.labels(err.code.name).inc()
+                    else:
+                        self._reply_error(identity, req.rid, err)
                     return
                 for _, e in new:
                     self.index.commit(e)
                 self._count_transfer(reg, "store", len(new), time.perf_counter() - t0)
-                self._reply(identity, reply)
+                if not replied:
+                    self._reply(identity, reply)
             finally:
                 release_held()
 
@@ -573,10 +582,14 @@ class Daemon:
                 base = self.pool.base_ptr
                 self._cuda.path(reg.cuda_device).store(
                     reg.engine, req.block_ids, n, [j for j, _ in new], [base + e.offset for _, e in new], req.event,
-                    finish)
+                    finish, reg.engine.gathered_event if early else None)
         except BaseException as exc:  # nothing was enqueued: roll back now
             finish(exc)
+            return None
         trace_point(req.rid, "enqueued")
+        if early:
+            replied = True
+            return reply
         return None
 
     def _in_executor(self, finish: Callable[[BaseException | None], None], fn, *args) -> None:

@@ -11,6 +11,8 @@ import json
 import random
 import sys
 
+import time
+
 import torch
 
 from kvdepot.client import KVDepotClient
@@ -46,6 +48,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--chunks", type=int, default=3)
     p.add_argument("--skip-tokens", type=int, default=0)
+    p.add_argument("--early", action="store_true", help="store with an early reply, then overwrite the blocks")
     a = p.parse_args()
     groups = SHAPES[a.shape]
     dev = torch.device("cuda")
@@ -63,10 +66,26 @@ def main() -> int:
             torch.cuda._sleep(200_000_000)
             cache.storage.copy_(torch.randint(0, 256, (cache.size_bytes,), dtype=torch.uint8, device=dev,
                                               generator=torch.Generator(device=dev).manual_seed(3)))
-        r = client.store(reg, keys, ids, after=stream)  # no synchronize: ordering is the event's job
-        result.update(stored=r.stored, present=r.present, skipped=r.skipped)
-        stream.synchronize()
-        ref = [cache.read_tokens(li, ids[gid], as_bytes=True).cpu() for li, gid in enumerate(cache.layer_gids)]
+        if not a.early:
+            r = client.store(reg, keys, ids, after=stream)  # no synchronize: ordering is the event's job
+        else:
+            # the reply comes at enqueue; overwriting the blocks on `stream` right after must not
+            # reach the stored bytes (the stream waits for the daemon's gathers)
+            r = client.store(reg, keys, ids, after=stream, early=True)
+        result.update(stored=r.stored, present=r.present, skipped=r.skipped, early_event=bool(r.event))
+        if a.early:
+            with torch.cuda.stream(stream):
+                ref = [cache.read_tokens(li, ids[gid], as_bytes=True) for li, gid in enumerate(cache.layer_gids)]
+                cache.storage.fill_(0xEE)  # after the daemon's gathers, whatever they cost
+            stream.synchronize()
+            ref = [t.cpu() for t in ref]
+            # the store becomes visible once in L1: wait for it (the retrieving engine looks it up)
+            deadline = time.monotonic() + 30
+            while client.lookup(keys[:a.chunks], CHUNK) < a.chunks and time.monotonic() < deadline:
+                time.sleep(0.01)
+        else:
+            stream.synchronize()
+            ref = [cache.read_tokens(li, ids[gid], as_bytes=True).cpu() for li, gid in enumerate(cache.layer_gids)]
         torch.save(ref, a.ref)
     else:
         ids = block_ids(23, groups, a.chunks)

@@ -565,12 +565,14 @@ static int check_call(const KvdLane* lane, const KvdEngine* eng, const int32_t* 
 // engine's blocks into the pinned host objects host_ptrs[0..nchunks) (object_bytes each).
 // ids: per group, concatenated in gid order, total_chunks * blocks_per_chunk[g] block ids in
 // token order (range-checked by the caller). wait_event: the engine's event (or null) the
-// gather waits on. When everything completed (or failed on the GPU), `token` is written to `fd`.
+// gather waits on. gathered_event (or null) is recorded once the gathers (every read of the
+// engine's blocks) are enqueued: the engine may overwrite the blocks after it. When everything
+// completed (or failed on the GPU), `token` is written to `fd`.
 // *notified = 1 once that note is enqueued: then the caller must wait for it even when an
 // error is returned (some copies may be in flight); 0 means nothing will be written.
 int kvd_store(KvdLane* lane, const KvdEngine* eng, cudaEvent_t wait_event, const int32_t* ids,
-              int64_t total_chunks, const int32_t* chunks, int64_t nchunks, const uint64_t* host_ptrs, int fd,
-              uint64_t token, int* notified) {
+              int64_t total_chunks, const int32_t* chunks, int64_t nchunks, const uint64_t* host_ptrs,
+              cudaEvent_t gathered_event, int fd, uint64_t token, int* notified) {
   if (notified == nullptr) return KVD_EINVAL;
   *notified = 0;
   int rc = check_call(lane, eng, ids, host_ptrs);
@@ -612,6 +614,8 @@ int kvd_store(KvdLane* lane, const KvdEngine* eng, cudaEvent_t wait_event, const
     // mark the slot used even after an error: work may be pending on it
     if (kvd_check(cudaEventRecord(lane->slot_free[s], lane->ds)) == KVD_OK) lane->slot_used[s] = 1;
   }
+  // every read of the engine's blocks is in the gathers on ks: after this the engine may reuse them
+  if (!rc && gathered_event != nullptr) rc = kvd_check(cudaEventRecord(gathered_event, lane->ks));
   if (rc) lane_join(lane);
   const int nrc = lane_watch(lane, lane->ds, fd, token);  // the gather precedes the D2H on ds
   if (nrc == KVD_OK) *notified = 1;
