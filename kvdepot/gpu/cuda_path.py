@@ -17,9 +17,9 @@ A whole request is enqueued by ONE call into the kernel library (`kvd_store` /
 `kvd_retrieve`): event waits, every launch (block ids travel in the kernel parameters), the
 copies, slot recycling and the completion watch. So the event loop's cost per request is a
 ctypes call, whatever the number of layers, groups or chunks. Completion: the lane's watcher
-thread (in the library, outside the GIL) polls the request's last event and writes an 8-byte
-token into a pipe the event loop watches, within ~10 us of the GPU finishing; the event loop
-never waits on the GPU.
+thread (in the library, outside the GIL) polls the request's last event (spinning 20 us, then
+every 5 us) and writes an 8-byte token into a pipe the event loop watches; the event loop never
+waits on the GPU.
 """
 
 from __future__ import annotations
