@@ -300,8 +300,8 @@ int kvd_host_unregister(void* ptr) { return kvd_check(cudaHostUnregister(ptr)); 
 //
 // A lane is one direction on one GPU: a kernel stream, a DMA stream, `nslots` device staging
 // slots and a watcher thread that reports each request's completion to the daemon's pipe
-// (polling the request's last event: ~10 us from GPU to pipe, where a cudaLaunchHostFunc
-// note measured ~30 us and cost more to enqueue). STORE per batch of chunks:
+// (polling the request's last event; a cudaLaunchHostFunc note per request, the earlier design,
+// cost two more event records, two waits and the launch on the event loop's thread). STORE per batch of chunks:
 //   kernel: [wait engine event] -> wait slot free -> gather launches -> record handoff
 //   dma:    wait handoff -> D2H staging -> each host object -> record slot free
 // RETRIEVE per batch: dma: wait slot free -> H2D -> record handoff; kernel: wait handoff ->
