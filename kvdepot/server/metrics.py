@@ -41,7 +41,8 @@ class Metrics:
         self.store_skipped_chunks = Counter(
             "kvdepot_store_skipped_chunks", "Chunks a store could not keep (parent missing or tier full).",
             ["reason"], registry=r)
-        self.errors = Counter("kvdepot_errors", "Error replies sent.", ["code"], registry=r)
+        self.errors = Counter("kvdepot_errors", "Error replies sent, and store copies that failed after an early reply.",
+                              ["code"], registry=r)
         self.registered_engines = Gauge("kvdepot_registered_engines", "Live engine registrations.", registry=r)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
