@@ -495,3 +495,54 @@ def test_messages_on_the_wire_are_protocol_messages(shared_daemon, cfg, engines)
     stores = [s for s in sent if isinstance(s, m.Store)]
     assert len(stores) == 1 and len(stores[0].keys) == 3 and stores[0].parent == b""
     assert [len(ids) for ids in stores[0].block_ids] == [3 * CHUNK // 16]
+
+
+# ---------------------------------------------------------------------- tensor parallelism
+
+
+def _stored_by(endpoint: str, registration: str) -> int:
+    with KVDepotClient(endpoint, timeout_s=5) as c:
+        return next(e.stored_chunks for e in c.describe().engines if e.registration == registration)
+
+
+def test_tensor_parallel_ranks_store_and_load_their_own_shards(shared_daemon, cfg, engines):
+    """TP=2: each rank registers its own shard and stores its own KV; another TP=2 instance
+    loads each rank's chunks into that rank. The toy KV differs per rank, so a rank given the
+    other rank's shard fails its forward."""
+    a = engines(cfg(shared_daemon.endpoint), tp=2)
+    assert [w.worker.shard for w in a.workers] == ["tp0of2", "tp1of2"]
+    prompt = H.tokens(5, 200)
+    ra = a.add(prompt, max_tokens=3)
+    a.run()
+    assert a.runs[ra].computed == 200 + 2
+    for w in a.workers:
+        assert w.worker.stats["stored_chunks"] == 3 and w.worker.stats["store_failures"] == 0
+        assert _stored_by(shared_daemon.endpoint, w.worker.registration_id) == 3
+
+    b = engines(cfg(shared_daemon.endpoint, layout="LBHNC"), tp=2)
+    b.add(H.tokens(98, 40), max_tokens=1)  # other block ids than A's
+    b.run()
+    rb = b.add(prompt, max_tokens=3)
+    b.run()
+    run = b.runs[rb]
+    assert run.computed == 200 - 3 * CHUNK + 2, "both ranks must load the 3 cached chunks"
+    assert run.outputs == a.runs[ra].outputs
+    assert [w.worker.stats["loaded_chunks"] for w in b.workers] == [3, 3]
+
+
+def test_tensor_parallel_prefix_hits_only_where_every_shard_is_cached(shared_daemon, cfg, engines):
+    """A chunk cached for rank 0 only is no hit for a TP=2 instance: the scheduler asks for the
+    chunks of every shard, and the request is computed in full."""
+    a = engines(cfg(shared_daemon.endpoint), tp=2)
+    a.workers[1].worker._disable("test: rank 1 stores nothing")
+    prompt = H.tokens(6, 200)
+    a.add(prompt, max_tokens=2)
+    a.run()
+    assert a.workers[0].worker.stats["stored_chunks"] == 3
+    assert a.workers[1].worker.stats["stored_chunks"] == 0
+
+    b = engines(cfg(shared_daemon.endpoint), tp=2)
+    rb = b.add(prompt, max_tokens=2)
+    b.run()
+    assert b.runs[rb].computed == 200 + 1
+    assert [w.worker.stats["loaded_chunks"] for w in b.workers] == [0, 0]

@@ -13,14 +13,20 @@ What is vLLM's own code and what is this harness:
   ``KVConnectorModelRunnerMixin`` (``bind_connector_metadata``, ``start_load_kv``,
   ``wait_for_save``, ``get_transfer_results``, ``get_block_ids_with_load_errors``,
   ``clear_connector_metadata``, ``kv_connector_no_forward``).
+  With tensor parallelism (``Engine(..., tp=2)``): one worker connector and KV cache per rank,
+  their outputs merged by vLLM's ``KVOutputAggregator`` as its executor does.
 * Harness: the model runner's bookkeeping (block tables from ``SchedulerOutput``) and the toy
   forward pass, which checks every KV byte it attends to against the KV the toy model defines
   for that token prefix (so a wrong load fails the test, and the sampled token depends on the
-  cached bytes), then writes the KV of the scheduled tokens.
+  cached bytes), then writes the KV of the scheduled tokens. Each TP rank's KV differs (as
+  each rank holds other heads), so a rank that loads another rank's shard fails. The worker's
+  rank comes from vLLM's parallel state, which needs torch.distributed; the harness sets it
+  while creating each rank's connector.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -35,6 +41,7 @@ with warnings.catch_warnings():
     from vllm import ModelRegistry, SamplingParams
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.forward_context import set_forward_context
@@ -214,30 +221,55 @@ class _ReqRun:
     table: list[list[int]]  # per vLLM gid, the worker-side block table
     computed: int = 0  # tokens whose KV was computed by the toy forward (not loaded)
     sched_computed: int = 0  # num_computed_tokens of the current step
-    loaded_bytes: dict | None = None  # KV the request found in its blocks at its first forward
+    loaded_bytes: dict | None = None  # KV the request found in its blocks at its first forward (rank 0)
+    checksum: int = 0  # rank 0's checksum of what the last scheduled token attended to
     outputs: list[int] = dataclasses.field(default_factory=list)
 
 
-class Engine:
-    """One vLLM instance (scheduler + one worker) on CPU with a real kvdepot connector pair."""
+@contextlib.contextmanager
+def _as_tp_rank(rank: int):
+    """The worker connector created inside reads ``rank`` as its tensor-parallel rank."""
+    import kvdepot.client.vllm.worker as worker_mod
 
-    def __init__(self, vllm_config: VllmConfig, layer_specs: dict, num_blocks: int = 256) -> None:
+    saved = worker_mod._tp_rank
+    worker_mod._tp_rank = lambda tp_size: rank
+    try:
+        yield
+    finally:
+        worker_mod._tp_rank = saved
+
+
+class Engine:
+    """One vLLM instance (scheduler + ``tp`` workers) on CPU with real kvdepot connectors."""
+
+    def __init__(self, vllm_config: VllmConfig, layer_specs: dict, num_blocks: int = 256, tp: int = 1) -> None:
+        if tp > 1:
+            vllm_config.parallel_config.tensor_parallel_size = tp  # before the scheduler's connector
         self.vllm_config = vllm_config
+        self.tp = tp
         self.kv_cache_config, sched_cfg, sbs, hbs = plan_kv_cache(vllm_config, layer_specs, num_blocks)
         self.hash_block_size = hbs
         self.scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=sched_cfg,
                                    structured_output_manager=StructuredOutputManager(vllm_config), block_size=sbs,
                                    hash_block_size=hbs, log_stats=True)
         self.sched_conn = self.scheduler.connector
-        # the worker side, as ensure_kv_transfer_initialized + GPUModelRunner.initialize_kv_cache do it
-        self.worker_conn = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER,
-                                                               self.kv_cache_config)
-        ctx = self.worker_conn.get_mem_pool_context()
-        assert ctx is not None, "a CPU worker's KV cache must go to shared memory"
-        with ctx:
-            self.kv_caches = allocate_kv_cache(self.kv_cache_config,
-                                               vllm_config.cache_config.get_resolved_kv_cache_layout())
-        self.worker_conn.register_kv_caches(self.kv_caches)
+        # the worker side of each rank, as ensure_kv_transfer_initialized +
+        # GPUModelRunner.initialize_kv_cache do it
+        self.workers, self.rank_caches = [], []
+        for rank in range(tp):
+            with _as_tp_rank(rank):
+                conn = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+            ctx = conn.get_mem_pool_context()
+            assert ctx is not None, "a CPU worker's KV cache must go to shared memory"
+            with ctx:
+                caches = allocate_kv_cache(self.kv_cache_config, vllm_config.cache_config.get_resolved_kv_cache_layout())
+            conn.register_kv_caches(caches)
+            self.workers.append(conn)
+            self.rank_caches.append(caches)
+        self.worker_conn = self.workers[0]
+        self.kv_caches = self.rank_caches[0]  # the rank the toy forward works on (0 outside a step)
+        self._rank = 0
+        self.aggregator = KVOutputAggregator(tp) if tp > 1 else None
         self.groups = sched_cfg.kv_cache_groups  # per-group specs (the worker's may wrap them per layer)
         self.runs: dict[str, _ReqRun] = {}
         self.steps = 0
@@ -276,26 +308,37 @@ class Engine:
         self.steps += 1
         so = self.scheduler.schedule()
         saved = kv_transfer_state._KV_CONNECTOR_AGENT
-        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker_conn
         try:
-            out = self._execute(so)
+            outs = [self._execute(so, rank) for rank in range(self.tp)]
         finally:
             kv_transfer_state._KV_CONNECTOR_AGENT = saved
+            self._use_rank(0)
+        out = outs[0] if self.aggregator is None else self.aggregator.aggregate(outs, output_rank=0)
+        self._sample(so, out)
         self.scheduler.update_from_output(so, out)
         return so
 
-    def _execute(self, so) -> ModelRunnerOutput:
-        """``GPUModelRunner.execute_model`` for the connector's purposes."""
-        self.worker_conn.handle_preemptions(so.kv_connector_metadata)
-        self._update_states(so)
+    def _use_rank(self, rank: int) -> None:
+        self._rank = rank
+        self.kv_caches = self.rank_caches[rank]
+
+    def _execute(self, so, rank: int) -> ModelRunnerOutput:
+        """``GPUModelRunner.execute_model`` of one rank, for the connector's purposes (tokens are
+        sampled by `_sample` once every rank ran)."""
+        conn = self.workers[rank]
+        kv_transfer_state._KV_CONNECTOR_AGENT = conn
+        self._use_rank(rank)
+        conn.handle_preemptions(so.kv_connector_metadata)
+        if rank == 0:
+            self._update_states(so)
         if not so.total_num_scheduled_tokens:
             return KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.vllm_config)
         with set_forward_context(None, self.vllm_config), \
                 KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as kv_out:
-            sampled = self._forward(so)
+            self._forward(so)
         ids = list(so.num_scheduled_tokens)
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=[sampled[r] for r in ids], kv_connector_output=kv_out)
+                                 sampled_token_ids=[[] for _ in ids], kv_connector_output=kv_out)
 
     def _update_states(self, so) -> None:
         for new in so.scheduled_new_reqs:
@@ -313,28 +356,44 @@ class Engine:
                     run.table[g].extend(ids)
             run.sched_computed = cached.num_computed_tokens[i]
 
+    def _layer_id(self, name: str) -> int:
+        """Layer index in the toy KV formula; other per rank (each rank holds other heads)."""
+        return int(name.split(".")[2]) + 1000 * self._rank
+
     def _layer_geometry(self, name: str):
         v = self.kv_caches[name].view(torch.int8)
         return v, v.shape[1], v.shape[3]
 
-    def _forward(self, so) -> dict[str, list[int]]:
-        sampled = {}
+    def _forward(self, so) -> None:
+        """The toy forward on the current rank's cache; rank 0 keeps each request's checksum."""
         for req_id, n in so.num_scheduled_tokens.items():
             run = self.runs[req_id]
             start = run.sched_computed
             hashes = prefix_hashes(run.tokens[:start + n])
-            self._attend(run, req_id, start, hashes, record=True)  # the cached KV the new tokens read
+            self._attend(run, req_id, start, hashes, record=self._rank == 0)  # the cached KV the new tokens read
             self._write(run, start, start + n, hashes)
             checksum = self._attend(run, req_id, start + n, hashes)  # what the last token attends to
+            if self._rank == 0:
+                run.checksum = checksum
+
+    def _sample(self, so, out) -> None:
+        """Bookkeeping after every rank's forward; puts the sampled tokens into ``out``."""
+        if not so.total_num_scheduled_tokens:
+            return
+        sampled = {}
+        for req_id, n in so.num_scheduled_tokens.items():
+            run = self.runs[req_id]
+            start = run.sched_computed
             run.computed += n
             if start + n >= len(run.tokens):
-                tok = 3 + (hashes[-1] + checksum) % 991
+                hashes = prefix_hashes(run.tokens[:start + n])
+                tok = 3 + (hashes[-1] + run.checksum) % 991
                 run.tokens.append(tok)
                 run.outputs.append(tok)
                 sampled[req_id] = [tok]
             else:
                 sampled[req_id] = []  # a partial prefill chunk samples nothing
-        return sampled
+        out.sampled_token_ids = [sampled[r] for r in out.req_ids]
 
     def _visible(self, g: int, start: int) -> range:
         spec = self.groups[g].kv_cache_spec
@@ -359,7 +418,7 @@ class Engine:
             for name in group.layer_names:
                 v, heads, row = self._layer_geometry(name)
                 got = v[blocks, :, offs, :]
-                want = expected_kv([hashes[p] for p in pos], int(name.split(".")[2]), heads, row)
+                want = expected_kv([hashes[p] for p in pos], self._layer_id(name), heads, row)
                 if not torch.equal(got, want):
                     bad = (got != want).flatten(1).any(1).nonzero().flatten()
                     raise AssertionError(f"{req_id}: wrong KV in layer {name} at positions "
@@ -378,7 +437,7 @@ class Engine:
             blocks, offs = torch.tensor(ids), torch.tensor([p % bs for p in pos])
             for name in group.layer_names:
                 v, heads, row = self._layer_geometry(name)
-                v[blocks, :, offs, :] = expected_kv(hashes[start:end], int(name.split(".")[2]), heads, row)
+                v[blocks, :, offs, :] = expected_kv(hashes[start:end], self._layer_id(name), heads, row)
 
     # ------------------------------------------------------------------ inspection
 
@@ -396,7 +455,8 @@ class Engine:
 
     def close(self) -> None:
         self.sched_conn.shutdown()
-        self.worker_conn.shutdown()
+        for conn in self.workers:
+            conn.shutdown()
 
 
 def tokens(seed: int, n: int) -> list[int]:
