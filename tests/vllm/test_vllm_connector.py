@@ -65,9 +65,9 @@ def engines():
         e.close()
 
 
-def stored_chunks(endpoint: str, engine: H.Engine) -> int:
-    """Chunks the daemon stored for ``engine``'s registration."""
-    reg = engine.worker_conn.worker.registration_id
+def stored_chunks(endpoint: str, engine: H.Engine, rank: int = 0) -> int:
+    """Chunks the daemon stored for the registration of ``engine``'s TP rank ``rank``."""
+    reg = engine.workers[rank].worker.registration_id
     with KVDepotClient(endpoint, timeout_s=5) as c:
         return next(e.stored_chunks for e in c.describe().engines if e.registration == reg)
 
@@ -500,11 +500,6 @@ def test_messages_on_the_wire_are_protocol_messages(shared_daemon, cfg, engines)
 # ---------------------------------------------------------------------- tensor parallelism
 
 
-def _stored_by(endpoint: str, registration: str) -> int:
-    with KVDepotClient(endpoint, timeout_s=5) as c:
-        return next(e.stored_chunks for e in c.describe().engines if e.registration == registration)
-
-
 def test_tensor_parallel_ranks_store_and_load_their_own_shards(shared_daemon, cfg, engines):
     """TP=2: each rank registers its own shard and stores its own KV; another TP=2 instance
     loads each rank's chunks into that rank. The toy KV differs per rank, so a rank given the
@@ -515,9 +510,9 @@ def test_tensor_parallel_ranks_store_and_load_their_own_shards(shared_daemon, cf
     ra = a.add(prompt, max_tokens=3)
     a.run()
     assert a.runs[ra].computed == 200 + 2
-    for w in a.workers:
+    for rank, w in enumerate(a.workers):
         assert w.worker.stats["stored_chunks"] == 3 and w.worker.stats["store_failures"] == 0
-        assert _stored_by(shared_daemon.endpoint, w.worker.registration_id) == 3
+        assert stored_chunks(shared_daemon.endpoint, a, rank) == 3
 
     b = engines(cfg(shared_daemon.endpoint, layout="LBHNC"), tp=2)
     b.add(H.tokens(98, 40), max_tokens=1)  # other block ids than A's
