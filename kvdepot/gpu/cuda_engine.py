@@ -53,7 +53,8 @@ class CudaTransferEngine:
         self.name = "cuda-kernels" if self.kernels else "cuda-torch"
         self._layer_ptrs = [[storage_ptrs[s] + off for s, off in g.offsets] for g in layout.groups]
         self._descs = [KvdGroupDesc.from_group(g, layout.object_bytes, layout.chunk_size) for g in layout.groups]
-        self._layer_ptrs_dev = [torch.tensor(p, dtype=torch.int64, device=device) for p in self._layer_ptrs]
+        if self.kernels is not None:  # device arrays of layer pointers for the kernels
+            self._layer_ptrs_dev = [torch.tensor(p, dtype=torch.int64, device=device) for p in self._layer_ptrs]
         # widest word per group, for staging buffers aligned to 256 bytes (the caching allocator's
         # minimum); checked again per call
         self._vec = ([self.kernels.vec_bytes(d, p, 0) for d, p in zip(self._descs, self._layer_ptrs)]

@@ -62,9 +62,9 @@ def device_index_by_uuid(uuid: str) -> int:
 
 
 class CompletionPipe:
-    """8-byte completion tokens written into a pipe by the kernel library (lane watchers, or
-    `Kernels.notify` host functions); the event loop runs their callbacks. A token with bit 63
-    set reports a GPU error: its callback gets a `KernelError`."""
+    """8-byte completion tokens written into a pipe by the kernel library's lane watchers; the
+    event loop runs their callbacks. A token with bit 63 set reports a GPU error: its callback
+    gets a `KernelError`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.read_fd, self.write_fd = os.pipe2(os.O_CLOEXEC)

@@ -82,11 +82,6 @@ class Kernels:
         lib.kvd_copy_blocks.argtypes = [
             ctypes.POINTER(KvdGroupDesc), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-        lib.kvd_memcpy_batch.restype = ctypes.c_int
-        lib.kvd_memcpy_batch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                         ctypes.c_void_p]
-        lib.kvd_notify.restype = ctypes.c_int
-        lib.kvd_notify.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
         lib.kvd_last_cuda_error.restype = ctypes.c_char_p
         lib.kvd_ipc_open_mem.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
         lib.kvd_ipc_close_mem.argtypes = [ctypes.c_void_p, ctypes.c_int]
@@ -164,15 +159,6 @@ class Kernels:
                     KVD_ECUDA: f"CUDA error: {self.lib.kvd_last_cuda_error().decode()}"}.get(rc, f"code {rc}")
             raise KernelError(f"kvd_copy_blocks: {what}")
 
-    def memcpy_batch(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], stream: int) -> None:
-        """``cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream)`` for every i."""
-        n = len(dsts)
-        d = array.array("Q", dsts)
-        s_ = array.array("Q", srcs)
-        z = array.array("Q", sizes)
-        self._check(self.lib.kvd_memcpy_batch(d.buffer_info()[0], s_.buffer_info()[0], z.buffer_info()[0], n, stream),
-                    "cudaMemcpyAsync")
-
     # ---------------------------------------------------------------- whole-request API (ABI 3)
 
     def lane_create(self, device: int, slot_bytes: int, slots: int = 2) -> int:
@@ -241,9 +227,6 @@ class Kernels:
         return {KVD_EINVAL: "invalid arguments", KVD_EALIGN: "misaligned",
                 KVD_ECUDA: f"CUDA error: {self.lib.kvd_last_cuda_error().decode()}"}.get(rc, f"code {rc}")
 
-    def notify(self, stream: int, fd: int, token: int) -> None:
-        """Write the 8-byte ``token`` to ``fd`` once the work on ``stream`` so far completed."""
-        self._check(self.lib.kvd_notify(stream, fd, token), "cudaLaunchHostFunc")
 
 
 def _cache_dir(arch: str) -> Path:

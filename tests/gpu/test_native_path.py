@@ -12,9 +12,10 @@ import random
 import pytest
 import torch
 
-from kvdepot.client.kvcache import KVGroupShape, ShmKVCache
+from kvdepot.client.kvcache import KVGroupShape
 from kvdepot.gpu.cpu_engine import CpuTransferEngine
 from kvdepot.gpu.layout import group_layers
+from test_kernels import _cache  # a random-filled shared-memory KV cache
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -28,13 +29,6 @@ CASES = [
     ("fp8_ds_mla-656B", [KVGroupShape(0, 3, 1, 656, 16, torch.uint8, mla=True)], "mla"),
     ("indexer-132B", [KVGroupShape(0, 2, 1, 132, 16, torch.uint8, mla=True)], "mla"),
 ]
-
-
-def _cache(groups, layout, num_blocks, seed):
-    c = ShmKVCache(groups, num_blocks, layout)
-    g = torch.Generator().manual_seed(seed)
-    c.storage.copy_(torch.randint(0, 256, (c.size_bytes,), dtype=torch.uint8, generator=g))
-    return c
 
 
 def _chunk_ids(lay, ids, j):

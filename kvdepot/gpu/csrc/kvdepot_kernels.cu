@@ -205,24 +205,6 @@ int kvd_copy_blocks(const KvdGroupDesc* d, const uint64_t* layer_ptrs, const int
                      vec_bytes, threads_per_cta, stream);
 }
 
-// n async copies (any direction: UVA) on one stream: dsts[i] <- srcs[i], sizes[i] bytes.
-int kvd_memcpy_batch(void* const* dsts, const void* const* srcs, const uint64_t* sizes, int64_t n,
-                     cudaStream_t stream) {
-  for (int64_t i = 0; i < n; ++i) {
-    cudaError_t e = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream);
-    if (e != cudaSuccess) {
-      g_last_cuda_error = e;
-      return KVD_ECUDA;
-    }
-  }
-  return KVD_OK;
-}
-
-struct KvdNote {
-  int fd;
-  uint64_t token;
-};
-
 static void write_token(int fd, uint64_t token) {
   const char* p = reinterpret_cast<const char*>(&token);
   size_t left = sizeof(token);
@@ -235,28 +217,6 @@ static void write_token(int fd, uint64_t token) {
       break;
     }
   }
-}
-
-static void CUDART_CB kvd_write_note(void* arg) {
-  KvdNote* note = static_cast<KvdNote*>(arg);
-  write_token(note->fd, note->token);
-  free(note);
-}
-
-// When all work enqueued on `stream` so far has completed, write the 8-byte `token` to `fd`
-// (a pipe the daemon's event loop watches): completion without a thread blocked in Python.
-int kvd_notify(cudaStream_t stream, int fd, uint64_t token) {
-  KvdNote* note = static_cast<KvdNote*>(malloc(sizeof(KvdNote)));
-  if (note == nullptr) return KVD_EINVAL;
-  note->fd = fd;
-  note->token = token;
-  cudaError_t e = cudaLaunchHostFunc(stream, kvd_write_note, note);
-  if (e != cudaSuccess) {
-    free(note);
-    g_last_cuda_error = e;
-    return KVD_ECUDA;
-  }
-  return KVD_OK;
 }
 
 const char* kvd_last_cuda_error(void) { return cudaGetErrorString(g_last_cuda_error); }
