@@ -54,7 +54,7 @@ def cmd_serve(args) -> int:
     cfg = DaemonConfig(
         endpoints=endpoints, l1_capacity_bytes=args.l1_bytes, metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr, pin_ttl_s=args.pin_ttl_s, transfer_threads=args.transfer_threads,
-        staging_batch_bytes=args.staging_batch_bytes, pin_l1=args.pin_l1)
+        staging_batch_bytes=args.staging_batch_bytes, pin_l1=args.pin_l1, busy_poll_us=args.busy_poll_us)
     run_daemon(cfg)
     return 0
 
@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pin-l1", dest="pin_l1", action="store_true", default=None,
                    help="page-lock L1 for DMA (default: when a GPU is visible)")
     s.add_argument("--no-pin-l1", dest="pin_l1", action="store_false")
+    s.add_argument("--busy-poll-us", type=int, default=2000,
+                   help="after each request or reply, poll without sleeping for this many microseconds "
+                        "(one core busy while requests flow; lower latency); 0 = sleep at once (default 2000)")
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve)
 

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvdepot import trace
 from kvdepot.gpu.kernels import KernelError, Kernels, KvdGroupDesc, load_kernels
 from kvdepot.gpu.layout import EngineLayout
 from kvdepot.protocol.errors import ErrorCode, RequestError
@@ -249,9 +250,11 @@ class CudaDevicePath:
         ch = array.array("i", chunks)
         hp = array.array("Q", host_ptrs)
         token = self.completions.expect(done)
+        trace.point(-3, "pre_call")
         rc = self._kvd_store(self.store_lane, engine.handle, ev, ids.buffer_info()[0], total_chunks,
                              ch.buffer_info()[0], len(ch), hp.buffer_info()[0], gathered_event,
                              self.completions.write_fd, token, self._notified_ptr)
+        trace.point(-3, "post_call")
         if rc:
             self._after_call(rc, "kvd_store", self.store_lane, token, done)
 
@@ -265,9 +268,11 @@ class CudaDevicePath:
         ids = engine.flat_ids(block_ids)
         hp = array.array("Q", host_ptrs)
         token = self.completions.expect(done)
+        trace.point(-3, "pre_call")
         rc = self._kvd_retrieve(self.retrieve_lane, engine.handle, ids.buffer_info()[0], total_chunks, len(hp),
                                 hp.buffer_info()[0], skip_tokens, out_event, self.completions.write_fd, token,
                                 self._notified_ptr)
+        trace.point(-3, "post_call")
         if rc:
             self._after_call(rc, "kvd_retrieve", self.retrieve_lane, token, done)
 

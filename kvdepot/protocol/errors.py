@@ -21,6 +21,7 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 8  # a bug in the daemon; the request was rolled back and the daemon keeps serving
     TIMEOUT = 9  # client side only: no reply within the client's timeout_s
     UNSUPPORTED = 10  # a valid request this daemon build cannot serve (e.g. CUDA IPC without CUDA)
+    DISCONNECTED = 11  # client side only: the daemon closed the connection (it stopped or restarted)
 
 
 class KVDepotError(Exception):

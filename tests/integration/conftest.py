@@ -60,6 +60,7 @@ class DaemonProc:
         assert self.proc.returncode == 0, f"daemon exited with {self.proc.returncode}; log:\n{log}"
         assert "kvdepot stopped" in log, log
         assert not self.sock_path.exists(), "daemon left its ipc socket file behind"
+        assert not Path(str(self.sock_path) + ".stream").exists(), "daemon left its stream socket file behind"
 
 
 def start_daemon(workdir: Path, *extra_args: str, l1_bytes: str = "256m") -> DaemonProc:

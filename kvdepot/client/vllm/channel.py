@@ -4,7 +4,8 @@
 and rebuilds its socket on a timeout, dropping late replies. The scheduler must never wait on
 the daemon and the worker must know whether a timed-out store or retrieve is still running in
 the daemon, so the connector has its own channel on the same wire protocol
-(`kvdepot.protocol.codec`, `kvdepot.protocol.transport.make_socket`):
+(`kvdepot.protocol.codec`, `kvdepot.protocol.transport.connect_socket`: the daemon's stream
+socket when it has one, else a ZMQ DEALER):
 
 * `send` queues a request and returns its request id at once; `poll` collects whatever replies
   have arrived; `take` hands one over. Several requests may be outstanding.
@@ -34,7 +35,7 @@ import zmq
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
-from kvdepot.protocol.transport import make_socket
+from kvdepot.protocol.transport import StreamSocket, connect_socket
 
 log = logging.getLogger("kvdepot.vllm")
 
@@ -60,7 +61,7 @@ class DaemonChannel:
         self.name = name
         self.retry_interval_s = retry_interval_s
         self._ctx = zmq.Context()
-        self._sock: zmq.Socket | None = None
+        self._sock: zmq.Socket | StreamSocket | None = None
         self._identity = f"kvd-vllm-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
         self._rids = itertools.count(1)
         self._sent: dict[int, _Sent] = {}  # rid -> request still waiting for its reply
@@ -76,9 +77,11 @@ class DaemonChannel:
 
     # ------------------------------------------------------------------ socket
 
-    def _socket(self) -> zmq.Socket:
+    def _socket(self) -> zmq.Socket | StreamSocket:
+        if self._sock is not None and self._sock.closed:  # a stream connection the daemon closed
+            self._rebuild()
         if self._sock is None:
-            self._sock = make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False, identity=self._identity)
+            self._sock = connect_socket(self._ctx, self.endpoint, self._identity)
             # the first message on a (re)built socket says who we are: the daemon ties pins to our pid
             hello = m.Hello(rid=next(self._rids), protocol_version=m.PROTOCOL_VERSION, client=self.name,
                             pid=os.getpid())
@@ -103,8 +106,19 @@ class DaemonChannel:
 
     def _send_raw(self, req: m.Msg) -> int | None:
         req.rid = next(self._rids)
+        frame = codec.encode(req)
         try:
-            self._socket().send(codec.encode(req), zmq.NOBLOCK)
+            try:
+                self._socket().send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                raise
+            except zmq.ZMQError:
+                if not isinstance(self._sock, StreamSocket):
+                    raise
+                # the daemon closed our stream connection (it stopped or restarted) before this
+                # request, so nothing of it was delivered: send it on a fresh connection
+                self._rebuild()
+                self._socket().send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # EAGAIN: the queue is full (daemon gone for long); anything else
             log.warning("kvdepot: cannot send %s to %s: %s", type(req).__name__, self.endpoint, exc)
             self._mark_down()
@@ -128,12 +142,21 @@ class DaemonChannel:
             if self._sock is None or self.closed:
                 return
             timeout_ms = max(0, int(timeout_s * 1000))
-            while self._sock.poll(timeout_ms, zmq.POLLIN):
-                timeout_ms = 0
+            while True:
                 try:
+                    if not self._sock.poll(timeout_ms, zmq.POLLIN):
+                        break
                     frame = self._sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                except zmq.ZMQError as exc:
+                    # the daemon closed the stream connection (it stopped or restarted): replies
+                    # to requests sent on it never come (they time out); the next send connects
+                    # afresh, and a daemon that is gone shows as a timeout, as on ZMQ
+                    log.warning("kvdepot: lost the connection to %s: %s", self.endpoint, exc)
+                    self._rebuild()
+                    break
+                timeout_ms = 0
                 try:
                     reply = codec.decode_reply(frame)
                 except (msgspec.DecodeError, UnicodeDecodeError):

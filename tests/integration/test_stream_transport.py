@@ -1,0 +1,193 @@
+"""The daemon's stream socket (``PATH.stream`` beside ``ipc://PATH``): clients use it by
+default, its framing survives split and batched writes, bad input gets typed errors or a
+closed connection (never a crashed daemon), and clients reconnect across a daemon restart.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+
+import pytest
+
+from conftest import start_daemon
+from kvdepot.client import KVDepotClient
+from kvdepot.protocol import codec
+from kvdepot.protocol import messages as m
+from kvdepot.protocol.errors import ErrorCode, KVDepotError
+from kvdepot.protocol.transport import ENV_TRANSPORT, MAX_FRAME_BYTES, StreamSocket, stream_path
+
+_HDR = struct.Struct("<I")
+
+
+def _raw(endpoint: str, identity: bytes = b"raw-test") -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(stream_path(endpoint))
+    if identity is not None:
+        s.sendall(bytes([len(identity)]) + identity)
+    return s
+
+
+def _read_exact(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        got = s.recv(n - len(out))
+        if not got:
+            raise ConnectionError("closed")
+        out += got
+    return out
+
+
+def _read_reply(s: socket.socket) -> m.Msg:
+    (n,) = _HDR.unpack(_read_exact(s, 4))
+    return codec.decode_reply(_read_exact(s, n))
+
+
+def _frame(msg: m.Msg) -> bytes:
+    body = codec.encode(msg)
+    return _HDR.pack(len(body)) + body
+
+
+def test_clients_use_the_stream_socket(module_daemon):
+    path = stream_path(module_daemon.endpoint)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, "only the daemon's user may connect"
+    with KVDepotClient(module_daemon.endpoint) as c:
+        assert c.transport == "stream"
+        boot = c.ping()
+        # requests still go over ZMQ when asked (or when no stream socket exists)
+    os.environ[ENV_TRANSPORT] = "zmq"
+    try:
+        with KVDepotClient(module_daemon.endpoint) as z:
+            assert z.transport == "zmq" and z.ping() == boot
+    finally:
+        del os.environ[ENV_TRANSPORT]
+
+
+def test_split_and_batched_messages_are_framed_right(module_daemon):
+    s = _raw(module_daemon.endpoint)
+    try:
+        # three requests in one write, then one written a byte at a time
+        s.sendall(_frame(m.Ping(rid=1)) + _frame(m.Ping(rid=2)) + _frame(m.Ping(rid=3)))
+        for b in _frame(m.Ping(rid=4)):
+            s.sendall(bytes([b]))
+            time.sleep(0.001)
+        assert [_read_reply(s).rid for _ in range(4)] == [1, 2, 3, 4]
+    finally:
+        s.close()
+
+
+def test_identity_sent_in_pieces(module_daemon):
+    s = _raw(module_daemon.endpoint, identity=None)
+    try:
+        ident = b"split-identity"
+        s.sendall(bytes([len(ident)]))
+        time.sleep(0.01)
+        s.sendall(ident[:5])
+        time.sleep(0.01)
+        s.sendall(ident[5:] + _frame(m.Ping(rid=7)))
+        r = _read_reply(s)
+        assert isinstance(r, m.Pong) and r.rid == 7
+    finally:
+        s.close()
+
+
+def test_bad_stream_input_gets_an_error_or_a_closed_connection(module_daemon):
+    s = _raw(module_daemon.endpoint)
+    try:
+        body = b"\xc1\xff not msgpack"
+        s.sendall(_HDR.pack(len(body)) + body)
+        r = _read_reply(s)
+        assert isinstance(r, m.ErrorReply) and r.code == ErrorCode.MALFORMED
+        s.sendall(_frame(m.Ping(rid=8)))  # the connection keeps working
+        assert _read_reply(s).rid == 8
+        # a length past the limit cannot be skipped: a typed error, then the connection closes
+        s.sendall(_HDR.pack(MAX_FRAME_BYTES + 1))
+        r = _read_reply(s)
+        assert isinstance(r, m.ErrorReply) and r.code == ErrorCode.MALFORMED and "exceeds" in r.message
+        assert s.recv(16) == b""
+    finally:
+        s.close()
+    s = _raw(module_daemon.endpoint, identity=None)
+    try:
+        s.sendall(b"\x00")  # an empty identity
+        assert s.recv(16) == b""
+    finally:
+        s.close()
+    # a client that vanishes mid-message costs nothing
+    s = _raw(module_daemon.endpoint)
+    s.sendall(_HDR.pack(100) + b"\x92")
+    s.close()
+    with KVDepotClient(module_daemon.endpoint) as c:
+        assert c.ping()
+    assert module_daemon.alive
+
+
+def test_client_reconnects_to_a_restarted_daemon(tmp_path):
+    d = start_daemon(tmp_path / "d")
+    try:
+        c = KVDepotClient(d.endpoint, timeout_s=10)
+        boot1 = c.ping()
+        assert c.transport == "stream"
+    finally:
+        d.stop()
+    d = start_daemon(tmp_path / "d")  # same endpoint, new boot
+    try:
+        # the first send notices the closed connection and goes out on a new one
+        boot2 = c.ping()
+        assert boot2 != boot1 and c.transport == "stream"
+        c.close()
+    finally:
+        d.stop()
+    assert not os.path.exists(stream_path(d.endpoint)), "the daemon left its stream socket behind"
+
+
+def test_connection_closed_during_a_wait_is_a_typed_error(tmp_path):
+    """A daemon that closes the connection while a request waits: DISCONNECTED at once, not
+    a timeout; the client connects afresh for the next request."""
+    path = str(tmp_path / "fake.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".stream")
+    listener.listen(4)
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _ = listener.accept()
+            with conn:
+                (k,) = _read_exact(conn, 1)
+                _read_exact(conn, k)
+                (n,) = _HDR.unpack(_read_exact(conn, 4))
+                hello = codec.decode_request(_read_exact(conn, n))
+                conn.sendall(_frame(m.HelloReply(rid=hello.rid, protocol_version=m.PROTOCOL_VERSION,
+                                                 boot_id="fake", version="0")))
+                (n,) = _HDR.unpack(_read_exact(conn, 4))
+                _read_exact(conn, n)  # the next request: hang up without answering
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        c = KVDepotClient(f"ipc://{path}", timeout_s=30)
+        assert c.transport == "stream"
+        t0 = time.monotonic()
+        with pytest.raises(KVDepotError) as ei:
+            c.ping()
+        assert ei.value.code is ErrorCode.DISCONNECTED and time.monotonic() - t0 < 10
+        c.hello()  # a new connection (the fake answers its hello)
+        with pytest.raises(KVDepotError) as ei:
+            c.ping()
+        assert ei.value.code is ErrorCode.DISCONNECTED
+        c.close()
+    finally:
+        listener.close()
+        t.join(10)
+
+
+def test_stream_socket_refuses_bad_identities(tmp_path):
+    with pytest.raises(ValueError):
+        StreamSocket(str(tmp_path / "x"), b"")
+    with pytest.raises(OSError):
+        StreamSocket(str(tmp_path / "missing.stream"), b"id")
