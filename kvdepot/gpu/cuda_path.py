@@ -43,6 +43,9 @@ from kvdepot.protocol.messages import StorageSpec
 log = logging.getLogger("kvdepot.cuda")
 
 DEFAULT_BATCH_BYTES = 64 << 20  # staging bytes per slot (2 slots per direction per GPU)
+# a chunk object larger than this moves in pieces inside the library (see kvd_engine_set_piece_bytes);
+# the environment variable exists for tests, which use small pieces to exercise the piece path
+PIECE_BYTES = int(os.environ.get("KVDEPOT_PIECE_BYTES", str(8 << 20)))
 _MAX_OPEN_EVENTS = 1024  # engines' interprocess events kept open per GPU
 _GPU_ERROR_BIT = 1 << 63  # set in a completion token when the GPU reported an error
 
@@ -145,6 +148,7 @@ class NativeEngine:
             self.handle = kernels.engine_create(device, descs, layer_ptrs, layout.chunk_size, layout.object_bytes)
         except KernelError as exc:
             raise RequestError(ErrorCode.LAYOUT, f"the kernels cannot use this layout: {exc}") from None
+        self.pieces = kernels.engine_set_piece_bytes(self.handle, PIECE_BYTES)
         # block ids go to the library flat, one list per layer group in layout order (several
         # layer groups may share a KV-cache group's ids)
         self._gids = [g.gid for g in layout.groups]

@@ -38,7 +38,7 @@ ENV_SO = "KVDEPOT_KERNELS_SO"
 ENV_NO_JIT = "KVDEPOT_NO_JIT"
 # built at install (setup.py) for `build.INSTALL_ARCHS` when nvcc was there
 PACKAGED_SO = Path(__file__).parent / "_lib" / "libkvdepot_kernels.so"
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 KVD_OK, KVD_EINVAL, KVD_EALIGN, KVD_ECUDA = 0, 1, 2, 3
 
@@ -98,6 +98,8 @@ class Kernels:
         lib.kvd_engine_create.argtypes = [i32, ctypes.POINTER(KvdGroupDesc), i32, vp, i64, i64, ctypes.POINTER(vp)]
         lib.kvd_engine_destroy.argtypes = [vp]
         lib.kvd_engine_destroy.restype = None
+        lib.kvd_engine_set_piece_bytes.argtypes = [vp, ctypes.c_uint64]
+        lib.kvd_engine_pieces.argtypes = [vp]
         # hot path: pointers go in as plain ints
         lib.kvd_store.argtypes = [vp, vp, vp, vp, i64, vp, i64, vp, vp, i32, ctypes.c_uint64, vp]
         lib.kvd_retrieve.argtypes = [vp, vp, vp, i64, i64, vp, i64, vp, i32, ctypes.c_uint64, vp]
@@ -200,6 +202,13 @@ class Kernels:
 
     def engine_destroy(self, engine: int) -> None:
         self.lib.kvd_engine_destroy(engine)
+
+    def engine_set_piece_bytes(self, engine: int, piece_bytes: int) -> int:
+        """Move the engine's chunks in pieces of about ``piece_bytes`` (token ranges of whole
+        blocks; 0 = whole chunks) so gather/scatter overlaps the PCIe copy inside a chunk;
+        returns the number of pieces per chunk (at most 64). The default is 8 MiB."""
+        self._check(self.lib.kvd_engine_set_piece_bytes(engine, piece_bytes), "kvd_engine_set_piece_bytes")
+        return self.lib.kvd_engine_pieces(engine)
 
     def event_create_ipc(self, device: int) -> tuple[int, bytes]:
         """An interprocess event (timing disabled) on ``device``: (handle, cudaIpcEventHandle_t bytes)."""

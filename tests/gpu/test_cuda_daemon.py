@@ -18,13 +18,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(scope="module", params=["kernels", "torch-fallback"])
+@pytest.fixture(scope="module", params=["kernels", "kernels-pieces", "torch-fallback"])
 def cuda_daemon(request, tmp_path_factory):
-    """A daemon with the kernel library, or one that cannot load it (the torch fallback)."""
+    """A daemon with the kernel library (moving whole chunks, or every chunk in pieces of one
+    block per group), or one that cannot load it (the torch fallback)."""
     d = tmp_path_factory.mktemp("cuda-daemon")
     ep = f"ipc://{d / 'kvdepot.sock'}"
     log = open(d / "daemon.log", "w")
-    env = dict(os.environ)
+    env = dict(os.environ, KVDEPOT_PIECE_BYTES="0")
+    if request.param == "kernels-pieces":
+        env.update(KVDEPOT_PIECE_BYTES="1")
     if request.param == "torch-fallback":
         env.update(KVDEPOT_KERNELS_SO=str(d / "no-such-library.so"), KVDEPOT_NO_JIT="1")
     proc = subprocess.Popen([sys.executable, "-m", "kvdepot", "serve", "--endpoint", ep, "--l1-bytes", "2g",
@@ -36,7 +39,7 @@ def cuda_daemon(request, tmp_path_factory):
 
     with KVDepotClient(ep) as c:  # the daemon really used the path this run is about
         engine = c.describe().transfer_engine
-    assert engine.endswith("cuda-kernels" if request.param == "kernels" else "cuda-torch"), engine
+    assert engine.endswith("cuda-torch" if request.param == "torch-fallback" else "cuda-kernels"), engine
     proc.terminate()
     rc = proc.wait(30)
     proc.stdout.close()

@@ -1,7 +1,9 @@
 """The daemon's whole-request CUDA calls (`kvd_store` / `kvd_retrieve` through
 `CudaDevicePath`) against the CPU transfer engine: several batches through two staging slots,
-a store of non-contiguous chunks of a request, a retrieve of fewer chunks than the request has
-with skipped leading blocks, the completion note through the pipe, and errors reported without
+one or two chunks per batch, whole chunks and chunks moved in pieces (finest: one block of
+every group per piece; two pieces; skipped leading tokens inside and across pieces), a store
+of non-contiguous chunks of a request, a retrieve of fewer chunks than the request has with
+skipped leading blocks, the completion note through the pipe, and errors reported without
 anything left running. Skipped cleanly without CUDA."""
 
 from __future__ import annotations
@@ -66,8 +68,10 @@ def _run(loop, start):
     return loop.run_until_complete(asyncio.wait_for(fut, 30))
 
 
+@pytest.mark.parametrize("pieces,skip_blocks,per_slot", [("whole", 2, 1), ("finest", 2, 2), ("two", 1, 1)],
+                         ids=["whole-skip2-1perbatch", "finest-skip2-2perbatch", "two-skip1-1perbatch"])
 @pytest.mark.parametrize("groups,layout", [pytest.param(g, lay, id=n) for n, g, lay in CASES])
-def test_store_and_retrieve_whole_requests(runtime, groups, layout):
+def test_store_and_retrieve_whole_requests(runtime, groups, layout, pieces, skip_blocks, per_slot):
     from kvdepot.gpu.cuda_path import NativeEngine
 
     kernels, loop, make_path = runtime
@@ -81,8 +85,8 @@ def test_store_and_retrieve_whole_requests(runtime, groups, layout):
     try:
         lay = group_layers(src.layer_specs(), src.group_specs(), CHUNK, [src.size_bytes])
         ob = lay.object_bytes
-        # slots of 1.5 objects: one chunk per batch, so 3 chunks cycle through both slots
-        path = make_path(ob * 3 // 2)
+        # slots of 1.5 (2.5) objects: one (two) chunks per batch, cycling through both slots
+        path = make_path(ob * (2 * per_slot + 1) // 2)
         ids_src = [rng.sample(range(num_blocks), total * lay.blocks_per_chunk(g)) for g in range(len(groups))]
         ids_dst = [rng.sample(range(num_blocks), total * lay.blocks_per_chunk(g)) for g in range(len(groups))]
         cpu = CpuTransferEngine(lay, [src.storage])
@@ -95,6 +99,10 @@ def test_store_and_retrieve_whole_requests(runtime, groups, layout):
         torch.cuda.synchronize()
         eng_src = NativeEngine(kernels, dev.index or 0, lay, [src_dev.data_ptr()])
         eng_dst = NativeEngine(kernels, dev.index or 0, lay, [dst_dev.data_ptr()])
+        lcm = max(g.tokens_per_block for g in groups)  # the block sizes here divide each other
+        want = {"whole": (0, 1), "finest": (1, CHUNK // lcm), "two": (ob // 2 + 1, 2)}[pieces]
+        for e in (eng_src, eng_dst):
+            assert kernels.engine_set_piece_bytes(e.handle, want[0]) == want[1]
         host = torch.full((3, ob), 0x5A, dtype=torch.uint8).pin_memory()
         chunks = [3, 0, 2]  # not contiguous, not in order
         err = _run(loop, lambda done: path.store(eng_src, ids_src, total, chunks,
@@ -104,7 +112,7 @@ def test_store_and_retrieve_whole_requests(runtime, groups, layout):
             assert torch.equal(host[k], ref[j]), f"object {k} (chunk {j})"
 
         # retrieve chunks 0..2 of a 4-chunk request (chunk 3 missed), skipping two blocks' tokens
-        skip = 2 * max(g.tokens_per_block for g in groups)
+        skip = skip_blocks * lcm  # with two pieces of 32 tokens, skip1 (16 tokens) cuts the first
         objs = ref[:3].clone().pin_memory()
         event, _handle = kernels.event_create_ipc(dev.index or 0)
         try:

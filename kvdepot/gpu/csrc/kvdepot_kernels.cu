@@ -65,13 +65,16 @@ static thread_local cudaError_t g_last_cuda_error = cudaSuccess;
 
 // Block ids travel inside the launch's parameters (no host->device copy, no pinned buffer to
 // recycle): up to KVD_INLINE_IDS per launch; kvd_copy_blocks splits longer lists.
+// The parameter block is sized to the launch (16, 128 or 900 ids): the driver copies it into
+// every launch, and a 3.6 KB block cost measurably more per launch than a small one.
 #define KVD_INLINE_IDS 900
+template <int N>
 struct KvdInlineIds {
-  int32_t v[KVD_INLINE_IDS];
+  int32_t v[N];
 };
 
-template <typename Word>
-__global__ void kvd_copy_kernel(KvdGroupDesc d, const uint64_t* __restrict__ layer_ptrs, KvdInlineIds ids,
+template <typename Word, int N>
+__global__ void kvd_copy_kernel(KvdGroupDesc d, const uint64_t* __restrict__ layer_ptrs, KvdInlineIds<N> ids,
                                 int64_t first_slot, uint8_t* __restrict__ staging, int to_staging) {
   const int64_t slot = first_slot + blockIdx.x;
   const int64_t layer = blockIdx.y;
@@ -137,23 +140,40 @@ struct KvdIdSource {
   }
 };
 
+}  // extern "C"
+
+template <int N>
+static cudaError_t launch_n(const KvdGroupDesc* d, const uint64_t* layer_ptrs, const KvdIdSource& src, int64_t s0,
+                            int64_t n, uint8_t* st, int to_staging, int vec_bytes, int threads_per_cta,
+                            cudaStream_t stream) {
+  KvdInlineIds<N> ids;
+  for (int64_t k = 0; k < n; ++k) ids.v[k] = src.at(s0 + k);
+  dim3 grid((unsigned)n, (unsigned)d->num_layers);
+  switch (vec_bytes) {
+    case 16: kvd_copy_kernel<uint4, N><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
+    case 8: kvd_copy_kernel<uint2, N><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
+    case 4: kvd_copy_kernel<uint32_t, N><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
+    case 2: kvd_copy_kernel<uint16_t, N><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
+    default: kvd_copy_kernel<uint8_t, N><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
+  }
+  return cudaGetLastError();
+}
+
+extern "C" {
+
 static int launch_copy(const KvdGroupDesc* d, const uint64_t* layer_ptrs, const KvdIdSource& src,
                        int64_t first_slot, int64_t num_slots, uint8_t* st, int to_staging, int vec_bytes,
                        int threads_per_cta, cudaStream_t stream) {
-  KvdInlineIds ids;
   for (int64_t s0 = first_slot; s0 < first_slot + num_slots; s0 += KVD_INLINE_IDS) {
     int64_t n = first_slot + num_slots - s0;
     if (n > KVD_INLINE_IDS) n = KVD_INLINE_IDS;
-    for (int64_t k = 0; k < n; ++k) ids.v[k] = src.at(s0 + k);
-    dim3 grid((unsigned)n, (unsigned)d->num_layers);
-    switch (vec_bytes) {
-      case 16: kvd_copy_kernel<uint4><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
-      case 8: kvd_copy_kernel<uint2><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
-      case 4: kvd_copy_kernel<uint32_t><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
-      case 2: kvd_copy_kernel<uint16_t><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
-      default: kvd_copy_kernel<uint8_t><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
-    }
-    cudaError_t err = cudaGetLastError();
+    cudaError_t err;
+    if (n <= 16)
+      err = launch_n<16>(d, layer_ptrs, src, s0, n, st, to_staging, vec_bytes, threads_per_cta, stream);
+    else if (n <= 128)
+      err = launch_n<128>(d, layer_ptrs, src, s0, n, st, to_staging, vec_bytes, threads_per_cta, stream);
+    else
+      err = launch_n<KVD_INLINE_IDS>(d, layer_ptrs, src, s0, n, st, to_staging, vec_bytes, threads_per_cta, stream);
     if (err != cudaSuccess) {
       g_last_cuda_error = err;
       return KVD_ECUDA;
@@ -277,6 +297,9 @@ struct KvdWatch {
   cudaEvent_t ev;
   int fd;
   uint64_t token;
+  int64_t bytes;      // bytes the request moves over PCIe (0: unknown)
+  int64_t start_ns;   // when the lane should start on it: max(enqueue, previous expected end)
+  int64_t expect_ns;  // expected completion at the lane's observed rate
 };
 
 struct KvdLane {
@@ -298,12 +321,25 @@ struct KvdLane {
   std::vector<cudaEvent_t> spare_events;
   bool stop = false;
   std::thread watcher;
+  // expected-completion model (under mu): the watcher sleeps until shortly before a request
+  // should end and spins from there, instead of polling all along
+  double ns_per_byte = 1.0 / 60.0;  // observed PCIe time per byte, starts at 60 GB/s (optimistic)
+  int64_t busy_until_ns = 0;        // expected end of the last request queued
+  cudaEvent_t piece = nullptr;      // hand-off between the streams per piece (re-recorded)
 };
+
+#define KVD_MAX_PIECES 64
+#define KVD_DEFAULT_PIECE_BYTES (8ull << 20)
 
 struct KvdEngine {
   int device;
   int ngroups;
   int64_t chunk_size, object_bytes;
+  // a chunk larger than the piece size moves in pieces (token ranges of every group) so that
+  // gathering piece p+1 overlaps the PCIe copy of piece p (scatter / H2D likewise); tokens of
+  // piece p: [piece_tok[p], piece_tok[p+1])
+  int npieces;
+  int64_t piece_tok[KVD_MAX_PIECES + 1];
   KvdGroupDesc* desc;         // [ngroups]
   uint64_t** layer_ptrs_dev;  // [ngroups] device arrays of num_layers pointers
   int* vec;                   // [ngroups] widest word, for 256-byte aligned staging
@@ -317,34 +353,52 @@ static int64_t now_ns() {
   return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
-// Poll the oldest pending event: spin for the first 20 us (a request's tail), then sleep 5 us
-// between queries (timer slack 1 us), so a completion is seen within ~10 us at a small CPU cost.
+// Watch the oldest pending request (requests complete in order on a lane). It sleeps until
+// 40 us before the request's expected end (bytes at the lane's observed rate), spins on the
+// event from there, and after 300 us past the expected end polls every 5 us (timer slack 1 us).
+// A completion is so seen within microseconds without a core spinning through every copy.
 static void watcher_main(KvdLane* lane) {
   cudaSetDevice(lane->device);
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   std::unique_lock<std::mutex> lk(lane->mu);
+  int64_t prev_done_ns = 0;
   for (;;) {
     lane->cv.wait(lk, [lane] { return lane->stop || !lane->pending.empty(); });
     if (lane->pending.empty()) return;  // stopping, and everything reported
     KvdWatch w = lane->pending.front();
     lk.unlock();
-    const int64_t t0 = now_ns();
     cudaError_t e;
     while ((e = cudaEventQuery(w.ev)) == cudaErrorNotReady) {
-      if (now_ns() - t0 > 20000) {
-        struct timespec d = {0, 5000};
+      const int64_t now = now_ns();
+      int64_t nap = 0;
+      if (now < w.expect_ns - 40000) {
+        nap = w.expect_ns - 40000 - now;
+        if (nap > 500000) nap = 500000;
+      } else if (now > w.expect_ns + 300000) {
+        nap = 5000;
+      }
+      if (nap > 0) {
+        struct timespec d = {0, (long)nap};
         nanosleep(&d, nullptr);
       }
     }
+    const int64_t done = now_ns();
     write_token(w.fd, e == cudaSuccess ? w.token : (w.token | (1ULL << 63)));
     lk.lock();
     lane->pending.pop_front();
     lane->spare_events.push_back(w.ev);
+    const int64_t began = w.start_ns > prev_done_ns ? w.start_ns : prev_done_ns;
+    if (e == cudaSuccess && w.bytes >= (4 << 20) && done > began) {
+      double r = (double)(done - began) / (double)w.bytes;
+      if (r < 1.0 / 400.0) r = 1.0 / 400.0;  // never expect more than 400 GB/s
+      lane->ns_per_byte = 0.75 * lane->ns_per_byte + 0.25 * r;
+    }
+    prev_done_ns = done;
   }
 }
 
 // Report `token` to `fd` once the work enqueued so far on `last` completed.
-static int lane_watch(KvdLane* lane, cudaStream_t last, int fd, uint64_t token) {
+static int lane_watch(KvdLane* lane, cudaStream_t last, int fd, uint64_t token, int64_t bytes) {
   cudaEvent_t ev = nullptr;
   {
     std::lock_guard<std::mutex> g(lane->mu);
@@ -361,7 +415,11 @@ static int lane_watch(KvdLane* lane, cudaStream_t last, int fd, uint64_t token) 
     lane->spare_events.push_back(ev);
     return rc;
   }
-  lane->pending.push_back(KvdWatch{ev, fd, token});
+  const int64_t now = now_ns();
+  const int64_t start = lane->busy_until_ns > now ? lane->busy_until_ns : now;
+  const int64_t expect = start + (int64_t)((double)bytes * lane->ns_per_byte);
+  lane->busy_until_ns = expect;
+  lane->pending.push_back(KvdWatch{ev, fd, token, bytes, start, expect});
   lane->cv.notify_one();
   return KVD_OK;
 }
@@ -386,6 +444,7 @@ void kvd_lane_destroy(KvdLane* lane) {
     if (lane->handoff[i]) cudaEventDestroy(lane->handoff[i]);
   }
   if (lane->join) cudaEventDestroy(lane->join);
+  if (lane->piece) cudaEventDestroy(lane->piece);
   if (lane->ks) cudaStreamDestroy(lane->ks);
   if (lane->ds) cudaStreamDestroy(lane->ds);
   cudaGetLastError();
@@ -405,6 +464,7 @@ int kvd_lane_create(int device, uint64_t slot_bytes, int nslots, KvdLane** out) 
   rc = kvd_check(cudaStreamCreateWithFlags(&lane->ks, cudaStreamNonBlocking));
   if (!rc) rc = kvd_check(cudaStreamCreateWithFlags(&lane->ds, cudaStreamNonBlocking));
   if (!rc) rc = kvd_check(cudaEventCreateWithFlags(&lane->join, kEventFlags));
+  if (!rc) rc = kvd_check(cudaEventCreateWithFlags(&lane->piece, kEventFlags));
   for (int i = 0; !rc && i < nslots; ++i) {
     rc = kvd_check(cudaMalloc(reinterpret_cast<void**>(&lane->staging[i]), slot_bytes));
     if (!rc) rc = kvd_check(cudaEventCreateWithFlags(&lane->slot_free[i], kEventFlags));
@@ -446,6 +506,42 @@ int kvd_lane_reserve(KvdLane* lane, uint64_t slot_bytes) {
 }
 
 uint64_t kvd_lane_slot_bytes(const KvdLane* lane) { return lane ? lane->slot_bytes : 0; }
+
+static int64_t gcd64(int64_t a, int64_t b) {
+  while (b) {
+    const int64_t t = a % b;
+    a = b;
+    b = t;
+  }
+  return a;
+}
+
+static int64_t group_token_bytes(const KvdGroupDesc* d) {
+  return d->num_layers * d->num_heads * d->num_kv * d->row_bytes;
+}
+
+// Cut a chunk into ceil(object_bytes / piece_bytes) pieces (at most KVD_MAX_PIECES) on token
+// boundaries that are whole blocks of every group; piece_bytes 0 = one piece.
+static void engine_set_pieces(KvdEngine* e, uint64_t piece_bytes) {
+  int64_t g = 1;
+  for (int i = 0; i < e->ngroups; ++i) g = g / gcd64(g, e->desc[i].block_size) * e->desc[i].block_size;
+  const int64_t granules = e->chunk_size / g;
+  int64_t want = piece_bytes ? (e->object_bytes + (int64_t)piece_bytes - 1) / (int64_t)piece_bytes : 1;
+  if (want > granules) want = granules;
+  if (want > KVD_MAX_PIECES) want = KVD_MAX_PIECES;
+  if (want < 1) want = 1;
+  for (int64_t k = 0; k <= want; ++k) e->piece_tok[k] = (k * granules / want) * g;
+  e->npieces = (int)want;
+}
+
+// Piece size of an engine's transfers (default 8 MiB; 0 = whole chunks).
+int kvd_engine_set_piece_bytes(KvdEngine* e, uint64_t piece_bytes) {
+  if (e == nullptr) return KVD_EINVAL;
+  engine_set_pieces(e, piece_bytes);
+  return KVD_OK;
+}
+
+int kvd_engine_pieces(const KvdEngine* e) { return e ? e->npieces : 0; }
 
 void kvd_engine_destroy(KvdEngine* e) {
   if (e == nullptr) return;
@@ -497,6 +593,7 @@ int kvd_engine_create(int device, const KvdGroupDesc* descs, int ngroups, const 
     }
     p += L;
   }
+  engine_set_pieces(e, KVD_DEFAULT_PIECE_BYTES);
   *out = e;
   return KVD_OK;
 }
@@ -558,26 +655,51 @@ int kvd_store(KvdLane* lane, const KvdEngine* eng, cudaEvent_t wait_event, const
       break;
     }
     uint8_t* st = lane->staging[s];
-    const int32_t* gids = ids;
-    for (int g = 0; !rc && g < eng->ngroups; ++g) {
-      const KvdGroupDesc* d = &eng->desc[g];
-      KvdIdSource src{gids, chunks, b0, d->blocks_per_chunk};
-      rc = launch_copy(d, eng->layer_ptrs_dev[g], src, 0, nb * d->blocks_per_chunk, st, 1, eng->vec[g], 256,
-                       lane->ks);
-      gids += total_chunks * d->blocks_per_chunk;
+    if (eng->npieces <= 1) {  // whole chunks: one launch per group for the batch, then the copies
+      const int32_t* gids = ids;
+      for (int g = 0; !rc && g < eng->ngroups; ++g) {
+        const KvdGroupDesc* d = &eng->desc[g];
+        KvdIdSource src{gids, chunks, b0, d->blocks_per_chunk};
+        rc = launch_copy(d, eng->layer_ptrs_dev[g], src, 0, nb * d->blocks_per_chunk, st, 1, eng->vec[g], 256,
+                         lane->ks);
+        gids += total_chunks * d->blocks_per_chunk;
+      }
+      if (!rc) rc = kvd_check(cudaEventRecord(lane->handoff[s], lane->ks));
+      if (!rc) rc = kvd_check(cudaStreamWaitEvent(lane->ds, lane->handoff[s], 0));
+      for (int64_t k = 0; !rc && k < nb; ++k)
+        rc = kvd_check(cudaMemcpyAsync(reinterpret_cast<void*>(host_ptrs[b0 + k]), st + k * ob, ob,
+                                       cudaMemcpyDeviceToHost, lane->ds));
+    } else {  // pieces: gather piece p+1 while piece p crosses PCIe
+      for (int64_t k = 0; !rc && k < nb; ++k) {
+        uint8_t* host = reinterpret_cast<uint8_t*>(host_ptrs[b0 + k]);
+        for (int p = 0; !rc && p < eng->npieces; ++p) {
+          const int64_t t0 = eng->piece_tok[p], t1 = eng->piece_tok[p + 1];
+          const int32_t* gids = ids;
+          for (int g = 0; !rc && g < eng->ngroups; ++g) {
+            const KvdGroupDesc* d = &eng->desc[g];
+            KvdIdSource src{gids, chunks, b0, d->blocks_per_chunk};
+            rc = launch_copy(d, eng->layer_ptrs_dev[g], src, k * d->blocks_per_chunk + t0 / d->block_size,
+                             (t1 - t0) / d->block_size, st, 1, eng->vec[g], 256, lane->ks);
+            gids += total_chunks * d->blocks_per_chunk;
+          }
+          if (!rc) rc = kvd_check(cudaEventRecord(lane->piece, lane->ks));
+          if (!rc) rc = kvd_check(cudaStreamWaitEvent(lane->ds, lane->piece, 0));
+          for (int g = 0; !rc && g < eng->ngroups; ++g) {
+            const KvdGroupDesc* d = &eng->desc[g];
+            const int64_t tb = group_token_bytes(d), off = d->object_offset + t0 * tb;
+            rc = kvd_check(cudaMemcpyAsync(host + off, st + k * ob + off, (t1 - t0) * tb, cudaMemcpyDeviceToHost,
+                                           lane->ds));
+          }
+        }
+      }
     }
-    if (!rc) rc = kvd_check(cudaEventRecord(lane->handoff[s], lane->ks));
-    if (!rc) rc = kvd_check(cudaStreamWaitEvent(lane->ds, lane->handoff[s], 0));
-    for (int64_t k = 0; !rc && k < nb; ++k)
-      rc = kvd_check(cudaMemcpyAsync(reinterpret_cast<void*>(host_ptrs[b0 + k]), st + k * ob, ob,
-                                     cudaMemcpyDeviceToHost, lane->ds));
     // mark the slot used even after an error: work may be pending on it
     if (kvd_check(cudaEventRecord(lane->slot_free[s], lane->ds)) == KVD_OK) lane->slot_used[s] = 1;
   }
   // every read of the engine's blocks is in the gathers on ks: after this the engine may reuse them
   if (!rc && gathered_event != nullptr) rc = kvd_check(cudaEventRecord(gathered_event, lane->ks));
   if (rc) lane_join(lane);
-  const int nrc = lane_watch(lane, lane->ds, fd, token);  // the gather precedes the D2H on ds
+  const int nrc = lane_watch(lane, lane->ds, fd, token, nchunks * ob);  // the gather precedes the D2H on ds
   if (nrc == KVD_OK) *notified = 1;
   return rc ? rc : nrc;
 }
@@ -607,22 +729,51 @@ int kvd_retrieve(KvdLane* lane, const KvdEngine* eng, const int32_t* ids, int64_
       break;
     }
     uint8_t* st = lane->staging[s];
-    for (int64_t k = 0; !rc && k < nb; ++k)
-      rc = kvd_check(cudaMemcpyAsync(st + k * ob, reinterpret_cast<const void*>(host_ptrs[b0 + k]), ob,
-                                     cudaMemcpyHostToDevice, lane->ds));
-    if (!rc) rc = kvd_check(cudaEventRecord(lane->handoff[s], lane->ds));
-    if (!rc) rc = kvd_check(cudaStreamWaitEvent(lane->ks, lane->handoff[s], 0));
-    const int64_t skip = skip_tokens - b0 * cs > 0 ? skip_tokens - b0 * cs : 0;
-    const int32_t* gids = ids;
-    for (int g = 0; !rc && g < eng->ngroups; ++g) {
-      const KvdGroupDesc* d = &eng->desc[g];
-      int64_t total = nb * d->blocks_per_chunk;
-      int64_t first_slot = skip / d->block_size;
-      if (first_slot > total) first_slot = total;
-      KvdIdSource src{gids, nullptr, b0, d->blocks_per_chunk};
-      rc = launch_copy(d, eng->layer_ptrs_dev[g], src, first_slot, total - first_slot, st, 0, eng->vec[g], 256,
-                       lane->ks);
-      gids += total_chunks * d->blocks_per_chunk;
+    if (eng->npieces <= 1) {  // whole chunks: the copies, then one launch per group for the batch
+      for (int64_t k = 0; !rc && k < nb; ++k)
+        rc = kvd_check(cudaMemcpyAsync(st + k * ob, reinterpret_cast<const void*>(host_ptrs[b0 + k]), ob,
+                                       cudaMemcpyHostToDevice, lane->ds));
+      if (!rc) rc = kvd_check(cudaEventRecord(lane->handoff[s], lane->ds));
+      if (!rc) rc = kvd_check(cudaStreamWaitEvent(lane->ks, lane->handoff[s], 0));
+      const int64_t skip = skip_tokens - b0 * cs > 0 ? skip_tokens - b0 * cs : 0;
+      const int32_t* gids = ids;
+      for (int g = 0; !rc && g < eng->ngroups; ++g) {
+        const KvdGroupDesc* d = &eng->desc[g];
+        int64_t total = nb * d->blocks_per_chunk;
+        int64_t first_slot = skip / d->block_size;
+        if (first_slot > total) first_slot = total;
+        KvdIdSource src{gids, nullptr, b0, d->blocks_per_chunk};
+        rc = launch_copy(d, eng->layer_ptrs_dev[g], src, first_slot, total - first_slot, st, 0, eng->vec[g], 256,
+                         lane->ks);
+        gids += total_chunks * d->blocks_per_chunk;
+      }
+    } else {  // pieces: scatter piece p while piece p+1 crosses PCIe; skipped pieces are not copied
+      for (int64_t k = 0; !rc && k < nb; ++k) {
+        const uint8_t* host = reinterpret_cast<const uint8_t*>(host_ptrs[b0 + k]);
+        int64_t skip_c = skip_tokens - (b0 + k) * cs;
+        if (skip_c < 0) skip_c = 0;
+        for (int p = 0; !rc && p < eng->npieces; ++p) {
+          const int64_t t0 = eng->piece_tok[p], t1 = eng->piece_tok[p + 1];
+          if (t1 <= skip_c) continue;
+          for (int g = 0; !rc && g < eng->ngroups; ++g) {
+            const KvdGroupDesc* d = &eng->desc[g];
+            const int64_t tb = group_token_bytes(d), off = d->object_offset + t0 * tb;
+            rc = kvd_check(cudaMemcpyAsync(st + k * ob + off, host + off, (t1 - t0) * tb, cudaMemcpyHostToDevice,
+                                           lane->ds));
+          }
+          if (!rc) rc = kvd_check(cudaEventRecord(lane->piece, lane->ds));
+          if (!rc) rc = kvd_check(cudaStreamWaitEvent(lane->ks, lane->piece, 0));
+          const int64_t from = t0 > skip_c ? t0 : skip_c;
+          const int32_t* gids = ids;
+          for (int g = 0; !rc && g < eng->ngroups; ++g) {
+            const KvdGroupDesc* d = &eng->desc[g];
+            KvdIdSource src{gids, nullptr, b0, d->blocks_per_chunk};
+            rc = launch_copy(d, eng->layer_ptrs_dev[g], src, k * d->blocks_per_chunk + from / d->block_size,
+                             (t1 - from) / d->block_size, st, 0, eng->vec[g], 256, lane->ks);
+            gids += total_chunks * d->blocks_per_chunk;
+          }
+        }
+      }
     }
     if (kvd_check(cudaEventRecord(lane->slot_free[s], lane->ks)) == KVD_OK) lane->slot_used[s] = 1;
   }
@@ -632,7 +783,7 @@ int kvd_retrieve(KvdLane* lane, const KvdEngine* eng, const int32_t* ids, int64_
     lane_join(lane);
     last = lane->ds;
   }
-  const int nrc = lane_watch(lane, last, fd, token);
+  const int nrc = lane_watch(lane, last, fd, token, (nchunks - first) * ob);
   if (nrc == KVD_OK) *notified = 1;
   return rc ? rc : nrc;
 }
@@ -683,7 +834,7 @@ int kvd_lane_synchronize(KvdLane* lane) {
 
 int kvd_ipc_handle_bytes(void) { return (int)sizeof(cudaIpcMemHandle_t); }
 
-int kvd_abi_version(void) { return 3; }
+int kvd_abi_version(void) { return 4; }
 
 // First 16 hex digits of the SHA-256 of this file, passed by the build (-DKVD_SOURCE_HASH=...);
 // the loader refuses a library built from other source (a stale build would misread arguments).
