@@ -21,7 +21,11 @@ Per (shape, chunk size) it measures, in the same run and on the same bytes:
 * both at once: one direction storing new chunks while the other retrieves stored ones;
 * lone request: median latency of one-chunk requests minus the bytes' time on the link
   (object bytes / roofline GB/s) = overhead, next to the median of a bare ZMQ ipc round trip
-  (DEALER <-> ROUTER echo in a subprocess) and of the daemon's ping;
+  (DEALER <-> ROUTER echo in a subprocess) and of the daemon's ping. Clients talk to the
+  daemon over its stream socket (see kvdepot/protocol/transport.py). A retrieve ends when the
+  engine's stream, made to wait on the daemon's event, has synchronized; and again with
+  ``cpu_wait`` (the engine thread waits on the event). A store ends at its reply (copied into
+  L1); an early store when the blocks are reusable (stream wait, and ``cpu_wait``);
 * baselines in this process: per-layer torch ``index_select`` into staging + one copy
   (``index_copy_`` for retrieve), and batched DMA of raw pages (``cuMemcpyBatchAsync``, one
   copy per (layer, block) page; a per-page ``cuMemcpyAsync`` loop where the batch API is
@@ -751,6 +755,16 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
                 lat_r.append(time.perf_counter() - t0)
                 reply_r.append(t1 - t0)
             missing += got != 1
+        # the same, with the engine waiting on the CPU for the daemon's event (cpu_wait) instead
+        # of its stream waiting on the GPU: a GPU wait on another process's event is slow
+        lat_rc = []
+        for i in range(warmup + a.lone_iters):
+            j = i % n
+            t0 = time.perf_counter()
+            got = c.retrieve(reg, [keys[j]], dst[j], before=s, cpu_wait=True)
+            if i >= warmup:
+                lat_rc.append(time.perf_counter() - t0)
+            missing += got != 1
         if missing:
             say(f"  WARNING: {missing} lone retrieves found no chunk (evicted? raise --l1-bytes)")
         lone_keys = fresh_keys(reg, warmup + a.lone_iters, chunk_size)
@@ -776,6 +790,14 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
                 lat_e.append(time.perf_counter() - t0)
             wait_visible(c, [key], chunk_size)  # lone: the copy ends before the next store
         res["lone_store_early_reusable_us"] = statistics.median(lat_e) * 1e6
+        lat_ec = []
+        for i, key in enumerate(fresh_keys(reg, warmup + a.lone_iters, chunk_size)):
+            t0 = time.perf_counter()
+            c.store(reg, [key], src[i % n], after=s, early=True, cpu_wait=True)
+            if i >= warmup:
+                lat_ec.append(time.perf_counter() - t0)
+            wait_visible(c, [key], chunk_size)
+        res["lone_store_early_reusable_cpu_wait_us"] = statistics.median(lat_ec) * 1e6
         pings = []
         for i in range(20 + 200):
             t0 = time.perf_counter()
@@ -789,6 +811,8 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
         res["link_h2d_us"] = ob / (res["roofline_h2d_gbps"] * 1e9) * 1e6
         res["lone_store_overhead_us"] = res["lone_store_us"] - res["link_d2h_us"]
         res["lone_retrieve_overhead_us"] = res["lone_retrieve_us"] - res["link_h2d_us"]
+        res["lone_retrieve_cpu_wait_us"] = statistics.median(lat_rc) * 1e6
+        res["lone_retrieve_cpu_wait_overhead_us"] = res["lone_retrieve_cpu_wait_us"] - res["link_h2d_us"]
         res["ping_us"] = statistics.median(pings) * 1e6
         res["zmq_echo_us"] = ctx.zmq_us
         main.flush()
@@ -859,6 +883,8 @@ def baseline_line(r: dict) -> str:
     return ("      baselines: " + "; ".join(parts)
             + f"; lone retrieve reply {r.get('lone_retrieve_reply_us', 0):.0f} us"
             + f"; lone early store, blocks reusable after {r.get('lone_store_early_reusable_us', 0):.0f} us"
+            + f" ({r.get('lone_store_early_reusable_cpu_wait_us', 0):.0f} us with cpu_wait)"
+            + f"; lone retrieve with cpu_wait {r.get('lone_retrieve_cpu_wait_overhead_us', 0):+.0f} us over the link"
             + f"; point {r.get('point_s', 0):.1f} s")
 
 
@@ -880,6 +906,9 @@ def evaluate_targets(rows: list[dict]) -> list[dict]:
                 v = r[f"lone_{op}_overhead_us"]
                 add(f"{tag}: lone {op} overhead <= 2x bare zmq rtt (us)", v, 2 * r["zmq_echo_us"],
                     v <= 2 * r["zmq_echo_us"])
+            v = r["lone_retrieve_cpu_wait_overhead_us"]
+            add(f"{tag}: lone retrieve overhead, engine waiting with cpu_wait, <= 2x bare zmq rtt (us)", v,
+                2 * r["zmq_echo_us"], v <= 2 * r["zmq_echo_us"])
             add(f"{tag}: store+retrieve together >= 90 GB/s", r["bidir_gbps"], 90.0, r["bidir_gbps"] >= 90.0)
         if r["chunk_tokens"] == 64:
             for op in ("store", "retrieve"):

@@ -49,6 +49,7 @@ def main() -> int:
     p.add_argument("--chunks", type=int, default=3)
     p.add_argument("--skip-tokens", type=int, default=0)
     p.add_argument("--early", action="store_true", help="store with an early reply, then overwrite the blocks")
+    p.add_argument("--cpu-wait", action="store_true", help="wait for the daemon's events on the CPU, not the stream")
     a = p.parse_args()
     groups = SHAPES[a.shape]
     dev = torch.device("cuda")
@@ -71,7 +72,7 @@ def main() -> int:
         else:
             # the reply comes at enqueue; overwriting the blocks on `stream` right after must not
             # reach the stored bytes (the stream waits for the daemon's gathers)
-            r = client.store(reg, keys, ids, after=stream, early=True)
+            r = client.store(reg, keys, ids, after=stream, early=True, cpu_wait=a.cpu_wait)
         result.update(stored=r.stored, present=r.present, skipped=r.skipped, early_event=bool(r.event))
         if a.early:
             with torch.cuda.stream(stream):
@@ -93,7 +94,7 @@ def main() -> int:
         torch.cuda.synchronize()
         hit = client.lookup(keys, CHUNK, num_tokens=a.chunks * CHUNK + 5)
         n = client.retrieve(reg, keys[:hit], [i[: hit * CHUNK // g.tokens_per_block] for i, g in zip(ids, groups)],
-                            skip_tokens=a.skip_tokens, before=stream)
+                            skip_tokens=a.skip_tokens, before=stream, cpu_wait=a.cpu_wait)
         with torch.cuda.stream(stream):  # stream-ordered after the daemon's event
             got = [cache.read_tokens(li, ids[gid], as_bytes=True).cpu() for li, gid in enumerate(cache.layer_gids)]
         stream.synchronize()

@@ -81,19 +81,21 @@ def test_store_nhd_retrieve_hnd_across_processes(cuda_daemon, tmp_path, shape, s
     assert r["skipped_untouched"], r
 
 
-@pytest.mark.parametrize("shape,skip", [("llama8b", 0), ("hybrid", 32)])
-def test_early_store_reply_lets_the_engine_overwrite_its_blocks_at_once(cuda_daemon, tmp_path, shape, skip):
+@pytest.mark.parametrize("shape,skip,wait", [("llama8b", 0, "gpu"), ("hybrid", 32, "cpu")])
+def test_early_store_reply_lets_the_engine_overwrite_its_blocks_at_once(cuda_daemon, tmp_path, shape, skip, wait):
     """STORE with ``early=True`` replies at enqueue; the engine overwrites the blocks on its
-    stream right away (ordered only by the daemon's "gathered" event), and the retrieving
-    engine still gets the bytes from before the overwrite."""
+    stream right away (ordered only by the daemon's "gathered" event: a GPU wait on the
+    stream, or ``cpu_wait``), and the retrieving engine (waiting the same way) still gets the
+    bytes from before the overwrite."""
     from kvdepot.client import KVDepotClient
 
     with KVDepotClient(cuda_daemon) as c:
         c.flush()
     ref = tmp_path / "ref.pt"
     common = ["--endpoint", cuda_daemon, "--shape", shape, "--ref", str(ref), "--chunks", "3"]
-    s = run_engine(tmp_path, "store", *common, "--layout", "LBNHC", "--early")
+    cpu = ["--cpu-wait"] if wait == "cpu" else []
+    s = run_engine(tmp_path, "store", *common, "--layout", "LBNHC", "--early", *cpu)
     assert s["stored"] == 3 and s["early_event"], s
-    r = run_engine(tmp_path, "retrieve", *common, "--layout", "LBHNC", "--skip-tokens", str(skip))
+    r = run_engine(tmp_path, "retrieve", *common, "--layout", "LBHNC", "--skip-tokens", str(skip), *cpu)
     assert r["hit"] == 3 and r["retrieved"] == 3, r
     assert r["mismatched"] == 0, r
