@@ -383,8 +383,7 @@ static void watcher_main(KvdLane* lane) {
       }
     }
     const int64_t done = now_ns();
-    write_token(w.fd, e == cudaSuccess ? w.token : (w.token | (1ULL << 63)));
-    lk.lock();
+    lk.lock();  // off the pending list before the token goes out: the lane is idle once it is read
     lane->pending.pop_front();
     lane->spare_events.push_back(w.ev);
     const int64_t began = w.start_ns > prev_done_ns ? w.start_ns : prev_done_ns;
@@ -394,6 +393,9 @@ static void watcher_main(KvdLane* lane) {
       lane->ns_per_byte = 0.75 * lane->ns_per_byte + 0.25 * r;
     }
     prev_done_ns = done;
+    lk.unlock();
+    write_token(w.fd, e == cudaSuccess ? w.token : (w.token | (1ULL << 63)));
+    lk.lock();
   }
 }
 
@@ -612,6 +614,14 @@ static int lane_take(KvdLane* lane, cudaStream_t producer) {
   return s;
 }
 
+// Pieces pay off for a request that finds the lane idle (its gather would otherwise be exposed
+// before its first byte crosses PCIe); behind other requests the lane already overlaps one
+// request's gather with another's copy, and pieces would only add launches.
+static bool lane_idle(KvdLane* lane) {
+  std::lock_guard<std::mutex> g(lane->mu);
+  return lane->pending.empty();
+}
+
 static int check_call(const KvdLane* lane, const KvdEngine* eng, const int32_t* ids, const uint64_t* host_ptrs) {
   if (lane == nullptr || eng == nullptr || ids == nullptr || host_ptrs == nullptr) return KVD_EINVAL;
   if (lane->device != eng->device || (uint64_t)eng->object_bytes > lane->slot_bytes) return KVD_EINVAL;
@@ -640,6 +650,7 @@ int kvd_store(KvdLane* lane, const KvdEngine* eng, cudaEvent_t wait_event, const
   if (rc) return rc;
   const int64_t ob = eng->object_bytes;
   const int64_t per = (int64_t)(lane->slot_bytes / (uint64_t)ob);
+  const bool pieces = eng->npieces > 1 && lane_idle(lane);
   // an engine's interprocess event that already completed (the usual case: the engine records
   // it when its writes are done or nearly) needs no GPU wait, and a GPU wait on an interprocess
   // event was measured to add ~60 us to a lone store
@@ -655,7 +666,7 @@ int kvd_store(KvdLane* lane, const KvdEngine* eng, cudaEvent_t wait_event, const
       break;
     }
     uint8_t* st = lane->staging[s];
-    if (eng->npieces <= 1) {  // whole chunks: one launch per group for the batch, then the copies
+    if (!pieces) {  // whole chunks: one launch per group for the batch, then the copies
       const int32_t* gids = ids;
       for (int g = 0; !rc && g < eng->ngroups; ++g) {
         const KvdGroupDesc* d = &eng->desc[g];
@@ -721,6 +732,7 @@ int kvd_retrieve(KvdLane* lane, const KvdEngine* eng, const int32_t* ids, int64_
   const int64_t ob = eng->object_bytes, cs = eng->chunk_size;
   const int64_t per = (int64_t)(lane->slot_bytes / (uint64_t)ob);
   const int64_t first = skip_tokens / cs;
+  const bool pieces = eng->npieces > 1 && lane_idle(lane);
   for (int64_t b0 = first; !rc && b0 < nchunks; b0 += per) {
     const int64_t nb = nchunks - b0 < per ? nchunks - b0 : per;
     const int s = lane_take(lane, lane->ds);
@@ -729,7 +741,7 @@ int kvd_retrieve(KvdLane* lane, const KvdEngine* eng, const int32_t* ids, int64_
       break;
     }
     uint8_t* st = lane->staging[s];
-    if (eng->npieces <= 1) {  // whole chunks: the copies, then one launch per group for the batch
+    if (!pieces) {  // whole chunks: the copies, then one launch per group for the batch
       for (int64_t k = 0; !rc && k < nb; ++k)
         rc = kvd_check(cudaMemcpyAsync(st + k * ob, reinterpret_cast<const void*>(host_ptrs[b0 + k]), ob,
                                        cudaMemcpyHostToDevice, lane->ds));
