@@ -243,7 +243,7 @@ class KVDepotClient:
 
     def store(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
               parent: bytes = b"", cache_salt: str = "", request: str = "", after=None,
-              early: bool = False, cpu_wait: bool = False) -> m.StoreReply:
+              early: bool = False, cpu_wait: bool = False, in_l1: bool = False) -> m.StoreReply:
         """Store whole chunks from engine blocks (see `kvdepot.protocol.messages.Store`).
 
         after: CUDA engines: the ``torch.cuda.Stream`` whose work so far wrote the blocks; the
@@ -254,9 +254,13 @@ class KVDepotClient:
             them. The chunks become visible to lookups when they are in L1.
         cpu_wait: with ``early``, return once the daemon has read the blocks (the calling thread
             waits on its event; ``after`` needs no GPU wait; see `retrieve` for why).
+        in_l1: with ``early`` and ``cpu_wait``, return once the bytes are in the daemon's L1
+            (its event after the copies), which is what a store without ``early`` waits for,
+            without the daemon's reply after the copies. Lookups see the chunks a little later,
+            when the daemon has seen the copies end too.
         """
         pending = self.submit_store(reg, keys, block_ids, parent, cache_salt, request, after, early)
-        return pending.result(before=after if early else None, cpu_wait=cpu_wait)
+        return pending.result(before=after if early else None, cpu_wait=cpu_wait, in_l1=in_l1)
 
     def submit_store(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
                      parent: bytes = b"", cache_salt: str = "", request: str = "", after=None,
@@ -352,13 +356,15 @@ class PendingStore:
     def __init__(self, client: KVDepotClient, rid: int) -> None:
         self.client, self.rid = client, rid
 
-    def result(self, before=None, timeout_s: float | None = None, cpu_wait: bool = False) -> m.StoreReply:
+    def result(self, before=None, timeout_s: float | None = None, cpu_wait: bool = False,
+               in_l1: bool = False) -> m.StoreReply:
         """Wait for the reply; with an early reply, ``before`` (a ``torch.cuda.Stream``) is made
         to wait until the daemon has read the blocks, or with ``cpu_wait`` this call waits for
-        that. Raises KVDepotError as `KVDepotClient.store`."""
+        that (``in_l1``: until the bytes are in L1). Raises KVDepotError as `KVDepotClient.store`."""
         r = self.client.wait(self.rid, timeout_s)
         if r.event and cpu_wait:
-            self.client._open_event(r.event, before.device if before is not None else None).synchronize()
+            ev = r.stored_event if in_l1 and r.stored_event else r.event
+            self.client._open_event(ev, before.device if before is not None else None).synchronize()
         elif r.event and before is not None:
             before.wait_event(self.client._open_event(r.event, before.device))
         return r

@@ -155,6 +155,9 @@ class NativeEngine:
         # interprocess event recorded after each store's gathers (early store replies carry it)
         self.gathered_event: int = 0
         self.gathered_event_handle: bytes = b""
+        # and after each store's copies into L1 (the bytes are in place)
+        self.stored_event: int = 0
+        self.stored_event_handle: bytes = b""
 
     def flat_ids(self, block_ids: Sequence[Sequence[int]]) -> array.array:
         """int32 block ids, ``block_ids[gid]`` for each layer group in order (see `kvd_store`)."""
@@ -239,12 +242,13 @@ class CudaDevicePath:
 
     def store(self, engine: NativeEngine, block_ids: Sequence[Sequence[int]], total_chunks: int,
               chunks: Sequence[int], host_ptrs: Sequence[int], engine_event: bytes,
-              done: Callable[[BaseException | None], None], gathered_event: int | None = None) -> None:
+              done: Callable[[BaseException | None], None], gathered_event: int | None = None,
+              stored_event: int | None = None) -> None:
         """Enqueue the gather of the request's chunks ``chunks`` (indices < ``total_chunks``)
         into the pinned host objects at ``host_ptrs`` (object_bytes each, not crossing a
         registration); ``done(err)`` runs on the loop when the copies completed.
         ``gathered_event`` (interprocess, or None) is recorded after the last read of the
-        engine's blocks.
+        engine's blocks, ``stored_event`` (or None) after the last copy into L1.
 
         Raises (nothing enqueued):
             RequestError(ENGINE_MEMORY): the engine's event cannot be opened.
@@ -256,7 +260,7 @@ class CudaDevicePath:
         token = self.completions.expect(done)
         trace.point(-3, "pre_call")
         rc = self._kvd_store(self.store_lane, engine.handle, ev, ids.buffer_info()[0], total_chunks,
-                             ch.buffer_info()[0], len(ch), hp.buffer_info()[0], gathered_event,
+                             ch.buffer_info()[0], len(ch), hp.buffer_info()[0], gathered_event, stored_event,
                              self.completions.write_fd, token, self._notified_ptr)
         trace.point(-3, "post_call")
         if rc:
@@ -366,7 +370,9 @@ class CudaRuntime:
             with torch.cuda.device(dev):
                 event = torch.cuda.Event(interprocess=True)
                 engine.gathered_event = torch.cuda.Event(interprocess=True)
+                engine.stored_event = torch.cuda.Event(interprocess=True)
             engine.gathered_event_handle = bytes(engine.gathered_event.ipc_handle())
+            engine.stored_event_handle = bytes(engine.stored_event.ipc_handle())
             return engine, event, bytes(event.ipc_handle())
         engine = NativeEngine(self.kernels, device, layout, [o.ptr for o in opened])
         try:
@@ -374,8 +380,11 @@ class CudaRuntime:
             event, handle = self.kernels.event_create_ipc(device)
             try:
                 engine.gathered_event, engine.gathered_event_handle = self.kernels.event_create_ipc(device)
+                engine.stored_event, engine.stored_event_handle = self.kernels.event_create_ipc(device)
             except BaseException:
                 self.kernels.event_destroy(event)
+                if engine.gathered_event:
+                    self.kernels.event_destroy(engine.gathered_event)
                 raise
         except KernelError as exc:
             engine.close()
@@ -388,11 +397,12 @@ class CudaRuntime:
     def release(self, engine: NativeEngine, event: int, opened: Sequence[CudaOpenedStorage]) -> None:
         """Free a registration's CUDA state (no transfer of it may still be running)."""
         if self.kernels is not None:
-            if engine.gathered_event:
-                try:
-                    self.kernels.event_destroy(engine.gathered_event)
-                except KernelError as exc:
-                    log.warning("destroying a store event failed: %s", exc)
+            for ev in (engine.gathered_event, engine.stored_event):
+                if ev:
+                    try:
+                        self.kernels.event_destroy(ev)
+                    except KernelError as exc:
+                        log.warning("destroying a store event failed: %s", exc)
             engine.close()
             try:
                 self.kernels.event_destroy(event)

@@ -101,7 +101,7 @@ class Kernels:
         lib.kvd_engine_set_piece_bytes.argtypes = [vp, ctypes.c_uint64]
         lib.kvd_engine_pieces.argtypes = [vp]
         # hot path: pointers go in as plain ints
-        lib.kvd_store.argtypes = [vp, vp, vp, vp, i64, vp, i64, vp, vp, i32, ctypes.c_uint64, vp]
+        lib.kvd_store.argtypes = [vp, vp, vp, vp, i64, vp, i64, vp, vp, vp, i32, ctypes.c_uint64, vp]
         lib.kvd_retrieve.argtypes = [vp, vp, vp, i64, i64, vp, i64, vp, i32, ctypes.c_uint64, vp]
         lib.kvd_event_create_ipc.argtypes = [i32, ctypes.POINTER(vp), ctypes.c_char_p]
         lib.kvd_event_open_ipc.argtypes = [ctypes.c_char_p, i32, ctypes.POINTER(vp)]

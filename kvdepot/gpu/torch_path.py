@@ -141,8 +141,8 @@ class TorchDevicePath:
 
     def store(self, engine: CudaTransferEngine, block_ids: Sequence[Sequence[int]], total_chunks: int,
               chunks: Sequence[int], host_ptrs: Sequence[int], engine_event: bytes,
-              done: Callable[[BaseException | None], None], gathered_event: torch.cuda.Event | None = None
-              ) -> None:
+              done: Callable[[BaseException | None], None], gathered_event: torch.cuda.Event | None = None,
+              stored_event: torch.cuda.Event | None = None) -> None:
         """As `CudaDevicePath.store`."""
         ob = engine.layout.object_bytes
         s = self.store_stream
@@ -156,6 +156,8 @@ class TorchDevicePath:
                 gathered_event.record(s)
             for k, ptr in enumerate(host_ptrs):
                 host_tensor(ptr, ob).copy_(staging[k * ob:(k + 1) * ob], non_blocking=True)
+            if stored_event is not None:
+                stored_event.record(s)
         self._complete(s, staging, done)
 
     def retrieve(self, engine: CudaTransferEngine, block_ids: Sequence[Sequence[int]], total_chunks: int,

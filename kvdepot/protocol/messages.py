@@ -302,12 +302,14 @@ class StoreReply(Msg, tag="storeR"):
     is logged and counted, and the chunks never become visible); present: already cached (not
     copied); skipped: not stored (parent missing or L1 full). stored + present + skipped ==
     len(keys). event (``reply_early`` only): interprocess CUDA event handle after which the
-    engine may overwrite the blocks."""
+    engine may overwrite the blocks; stored_event (``reply_early`` only): one after which the
+    bytes are in L1 (the chunks become visible to lookups once the daemon has seen that too)."""
 
     stored: int
     present: int
     skipped: int
     event: bytes = b""
+    stored_event: bytes = b""
 
 
 class RetrieveReply(Msg, tag="getR"):

@@ -579,7 +579,8 @@ class Daemon:
             self.metrics.store_skipped_chunks.labels(reason).inc(skipped)
         early = req.reply_early and reg.cuda_device is not None
         reply = m.StoreReply(rid=req.rid, stored=len(new), present=present, skipped=skipped,
-                             event=reg.engine.gathered_event_handle if early and new else b"")
+                             event=reg.engine.gathered_event_handle if early and new else b"",
+                             stored_event=reg.engine.stored_event_handle if early and new else b"")
 
         def release_held() -> None:
             for e in held:
@@ -625,7 +626,7 @@ class Daemon:
                 base = self.pool.base_ptr
                 self._cuda.path(reg.cuda_device).store(
                     reg.engine, req.block_ids, n, [j for j, _ in new], [base + e.offset for _, e in new], req.event,
-                    finish, reg.engine.gathered_event if early else None)
+                    finish, reg.engine.gathered_event if early else None, reg.engine.stored_event if early else None)
         except BaseException as exc:  # nothing was enqueued: roll back now
             finish(exc)
             return None

@@ -72,8 +72,10 @@ def main() -> int:
         else:
             # the reply comes at enqueue; overwriting the blocks on `stream` right after must not
             # reach the stored bytes (the stream waits for the daemon's gathers)
-            r = client.store(reg, keys, ids, after=stream, early=True, cpu_wait=a.cpu_wait)
-        result.update(stored=r.stored, present=r.present, skipped=r.skipped, early_event=bool(r.event))
+            # with --cpu-wait the engine also waits until the bytes are in L1 (the stored event)
+            r = client.store(reg, keys, ids, after=stream, early=True, cpu_wait=a.cpu_wait, in_l1=a.cpu_wait)
+        result.update(stored=r.stored, present=r.present, skipped=r.skipped, early_event=bool(r.event),
+                      stored_event=bool(r.stored_event))
         if a.early:
             with torch.cuda.stream(stream):
                 ref = [cache.read_tokens(li, ids[gid], as_bytes=True) for li, gid in enumerate(cache.layer_gids)]

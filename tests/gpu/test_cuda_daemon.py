@@ -95,7 +95,7 @@ def test_early_store_reply_lets_the_engine_overwrite_its_blocks_at_once(cuda_dae
     common = ["--endpoint", cuda_daemon, "--shape", shape, "--ref", str(ref), "--chunks", "3"]
     cpu = ["--cpu-wait"] if wait == "cpu" else []
     s = run_engine(tmp_path, "store", *common, "--layout", "LBNHC", "--early", *cpu)
-    assert s["stored"] == 3 and s["early_event"], s
+    assert s["stored"] == 3 and s["early_event"] and s["stored_event"], s
     r = run_engine(tmp_path, "retrieve", *common, "--layout", "LBHNC", "--skip-tokens", str(skip), *cpu)
     assert r["hit"] == 3 and r["retrieved"] == 3, r
     assert r["mismatched"] == 0, r

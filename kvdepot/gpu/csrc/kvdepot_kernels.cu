@@ -630,6 +630,7 @@ static int check_call(const KvdLane* lane, const KvdEngine* eng, const int32_t* 
 
 // STORE: gather chunks chunks[0..nchunks) of a request of `total_chunks` chunks from the
 // engine's blocks into the pinned host objects host_ptrs[0..nchunks) (object_bytes each).
+// stored_event (or null) is recorded after the last copy into them.
 // ids: per group, concatenated in gid order, total_chunks * blocks_per_chunk[g] block ids in
 // token order (range-checked by the caller). wait_event: the engine's event (or null) the
 // gather waits on. gathered_event (or null) is recorded once the gathers (every read of the
@@ -639,7 +640,7 @@ static int check_call(const KvdLane* lane, const KvdEngine* eng, const int32_t* 
 // error is returned (some copies may be in flight); 0 means nothing will be written.
 int kvd_store(KvdLane* lane, const KvdEngine* eng, cudaEvent_t wait_event, const int32_t* ids,
               int64_t total_chunks, const int32_t* chunks, int64_t nchunks, const uint64_t* host_ptrs,
-              cudaEvent_t gathered_event, int fd, uint64_t token, int* notified) {
+              cudaEvent_t gathered_event, cudaEvent_t stored_event, int fd, uint64_t token, int* notified) {
   if (notified == nullptr) return KVD_EINVAL;
   *notified = 0;
   int rc = check_call(lane, eng, ids, host_ptrs);
@@ -709,6 +710,8 @@ int kvd_store(KvdLane* lane, const KvdEngine* eng, cudaEvent_t wait_event, const
   }
   // every read of the engine's blocks is in the gathers on ks: after this the engine may reuse them
   if (!rc && gathered_event != nullptr) rc = kvd_check(cudaEventRecord(gathered_event, lane->ks));
+  // every byte is in the host objects after the D2H copies on ds
+  if (!rc && stored_event != nullptr) rc = kvd_check(cudaEventRecord(stored_event, lane->ds));
   if (rc) lane_join(lane);
   const int nrc = lane_watch(lane, lane->ds, fd, token, nchunks * ob);  // the gather precedes the D2H on ds
   if (nrc == KVD_OK) *notified = 1;
