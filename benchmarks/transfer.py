@@ -617,12 +617,20 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
     k = a.outstanding
     n = chunks_for(shape, chunk_size, a.bytes_per_point, k)
     main = ctx.clients[0]
-    reg = main.register(f"bench/{shape.name}", shape.shard, chunk_size, *specs, device=cache.register_device)
+    staging = {}
+    if a.staging == "engine":  # the ring holds every request in flight in both directions twice over
+        ob_guess = shape.token_bytes * chunk_size
+        staging = dict(local_storages=[cache.storage], staging_bytes=max(256 << 20, 2 * (2 * k + 1) * ob_guess))
+    reg = main.register(f"bench/{shape.name}", shape.shard, chunk_size, *specs, device=cache.register_device,
+                        **staging)
+    if a.staging == "engine" and reg.staging is None:
+        raise RuntimeError("--staging engine: the daemon or this process cannot run engine-side staging")
     ob = reg.object_bytes
     assert ob == shape.token_bytes * chunk_size, (ob, shape.token_bytes, chunk_size)
     total = n * ob
     res: dict = {"shape": shape.name, "chunk_tokens": chunk_size, "object_bytes": ob, "chunks": n, "bytes": total,
-                 "outstanding": k, "client_mode": a.client_mode, "store_reply": a.store_reply}
+                 "outstanding": k, "client_mode": a.client_mode, "store_reply": a.store_reply,
+                 "staging": a.staging}
     try:
         main.flush()
         src = [blocks.chunk("src", j, chunk_size) for j in range(n)]
@@ -957,6 +965,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", default="", help="comma-separated substrings of shape names to run (default all)")
     p.add_argument("--quick", action="store_true", help="only Llama-3.1-8B TP1 at chunks 64 and 256")
     p.add_argument("--outstanding", type=int, default=4, help="requests in flight per direction")
+    p.add_argument("--staging", choices=("engine", "daemon"), default="engine",
+                   help="engine: this process gathers / scatters on its streams through a staging ring and the "
+                        "daemon only copies over PCIe (register's local_storages); daemon: the daemon gathers")
     p.add_argument("--store-reply", choices=("early", "copied"), default="early",
                    help="early: STOREs reply at enqueue (the engine's stream waits for the daemon's gathers) and "
                         "a stream's clock stops when all its chunks are visible in L1; copied: STOREs reply once in "

@@ -43,6 +43,9 @@ class Registration:
     object_bytes: int
     boot_id: str
     request: m.Register
+    # CUDA engines: the engine-side staging (`kvdepot.client.staging.EngineStaging`) when the
+    # daemon serves it, else None (the daemon gathers and scatters the blocks itself)
+    staging: object = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def model(self) -> str:
@@ -209,8 +212,16 @@ class KVDepotClient:
         return self.call(m.Ping(rid=0)).boot_id
 
     def register(self, model: str, shard: str, chunk_size: int, storages: list[m.StorageSpec],
-                 layers: list[m.LayerSpec], groups: list[m.KVGroupSpec], device: str = "cpu") -> Registration:
+                 layers: list[m.LayerSpec], groups: list[m.KVGroupSpec], device: str = "cpu",
+                 local_storages: Sequence | None = None, staging_bytes: int | None = None) -> Registration:
         """Register an engine's KV caches.
+
+        local_storages: CUDA engines: this process's tensors of ``storages`` (same order; layer
+            offsets are relative to their ``data_ptr()``). With them, and the kernel library
+            loadable here, this process gathers and scatters the blocks on the engine's streams
+            through a device staging ring of ``staging_bytes`` (default 256 MiB) shared with
+            the daemon, which then only copies over PCIe (see `kvdepot.client.staging` for why).
+            Without them, or ``staging_bytes=0``, the daemon gathers and scatters itself.
 
         Raises:
             KVDepotError: LAYOUT (layers the daemon cannot describe, chunk size not a multiple
@@ -218,16 +229,47 @@ class KVDepotClient:
         """
         req = m.Register(rid=0, model=model, shard=shard, chunk_size=chunk_size, storages=storages, layers=layers,
                          groups=groups, pid=os.getpid(), device=device)
-        return self._register(req)
+        staging = None
+        if device != "cpu" and local_storages is not None and staging_bytes != 0:
+            staging = self._engine_staging(req, local_storages, staging_bytes)
+            if staging is not None:
+                req.staging = staging.spec
+        return self._register(req, staging)
 
-    def _register(self, req: m.Register) -> Registration:
+    @staticmethod
+    def _engine_staging(req: m.Register, local_storages: Sequence, staging_bytes: int | None):
+        """The engine side of staged transfers, or None (logged) where this process cannot run
+        the kernels."""
+        import logging
+
+        from kvdepot.client.staging import DEFAULT_STAGING_BYTES, EngineStaging
+        from kvdepot.gpu.kernels import KernelError, load_kernels
+        from kvdepot.gpu.layout import group_layers
+
+        try:
+            kernels = load_kernels()
+            if kernels is None:
+                raise KernelError("the kernel library is unavailable here")
+            layout = group_layers(req.layers, req.groups, req.chunk_size, [s.size_bytes for s in req.storages])
+            return EngineStaging(kernels, local_storages[0].device, layout, local_storages,
+                                 staging_bytes or DEFAULT_STAGING_BYTES)
+        except Exception as exc:  # noqa: BLE001 - the daemon-side path still works
+            logging.getLogger("kvdepot.client").warning("engine-side staging off (the daemon gathers): %s", exc)
+            return None
+
+    def _register(self, req: m.Register, staging=None) -> Registration:
         r = self.call(req)
         self.boot_id = r.boot_id
-        return Registration(r.registration, r.layout_fingerprint, r.object_bytes, r.boot_id, req)
+        if staging is not None and (not r.staging or r.layout_fingerprint != staging.layout.fingerprint
+                                    or r.object_bytes != staging.object_bytes):
+            staging.close()  # the daemon does not serve it (no kernel library there), or another layout
+            staging = None
+            req.staging = None
+        return Registration(r.registration, r.layout_fingerprint, r.object_bytes, r.boot_id, req, staging)
 
     def reregister(self, reg: Registration) -> Registration:
         """Register ``reg``'s caches again (after a daemon restart)."""
-        return self._register(reg.request)
+        return self._register(reg.request, reg.staging)
 
     def unregister(self, reg: Registration) -> None:
         self.call(m.Unregister(rid=0, registration=reg.id))
@@ -267,14 +309,39 @@ class KVDepotClient:
                      early: bool = False) -> PendingStore:
         """`store` without waiting: ``.result(before)`` of the returned handle gives the
         `StoreReply`. The blocks must not be overwritten before then (``early``: before work on
-        ``before``, which is made to wait until the daemon has read them)."""
+        ``before``, which is made to wait until the daemon has read them).
+
+        With engine-side staging (`register`'s ``local_storages``) the blocks are gathered into
+        the staging ring here, on ``after`` (default: the current stream), so work enqueued on
+        that stream later may overwrite them at once."""
         event = b""
-        if after is not None:
+        offset = -1
+        region = None
+        staging = reg.staging
+        if staging is not None and keys:
+            region = staging.ring.alloc(len(keys) * reg.object_bytes, self)
+        if region is not None:
+            import torch
+
+            stream = after if after is not None else torch.cuda.current_stream(staging.device)
+            try:
+                staging.gather(block_ids, len(keys), region.offset, stream)
+            except BaseException:
+                region.is_free = lambda: True
+                raise
+            offset = region.offset
+            event = self._record_event(stream)
+        elif after is not None:
             event = self._record_event(after)
-        rid = self.submit(m.Store(rid=0, registration=reg.id, keys=list(keys), block_ids=[list(b) for b in block_ids],
-                                  parent=parent, cache_salt=cache_salt, request=request, event=event,
-                                  reply_early=early))
-        return PendingStore(self, rid)
+        try:
+            rid = self.submit(m.Store(rid=0, registration=reg.id, keys=list(keys),
+                                      block_ids=[list(b) for b in block_ids], parent=parent, cache_salt=cache_salt,
+                                      request=request, event=event, reply_early=early, staging_offset=offset))
+        except BaseException:
+            if region is not None:
+                region.is_free = lambda: True  # nothing was sent: no copy reads it
+            raise
+        return PendingStore(self, rid, region, staging.device if region is not None else None)
 
     def retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
                  skip_tokens: int = 0, request: str = "", before=None, cpu_wait: bool = False) -> int:
@@ -298,10 +365,23 @@ class KVDepotClient:
         A registration's retrieves complete in the order the daemon received them, and the
         event of a later reply covers every earlier one: with several outstanding, an engine
         may pass ``before`` only to the last ``result`` (each GPU wait on an interprocess
-        event costs the waiting stream tens of microseconds)."""
-        rid = self.submit(m.Retrieve(rid=0, registration=reg.id, keys=list(keys),
-                                     block_ids=[list(b) for b in block_ids], skip_tokens=skip_tokens, request=request))
-        return PendingRetrieve(self, rid)
+        event costs the waiting stream tens of microseconds). With engine-side staging each
+        ``result`` enqueues its own scatter, so pass ``before`` to every one."""
+        region = None
+        if reg.staging is not None and keys:
+            region = reg.staging.ring.alloc(len(keys) * reg.object_bytes, self)
+        try:
+            rid = self.submit(m.Retrieve(rid=0, registration=reg.id, keys=list(keys),
+                                         block_ids=[list(b) for b in block_ids], skip_tokens=skip_tokens,
+                                         request=request, staging_offset=region.offset if region else -1))
+        except BaseException:
+            if region is not None:
+                region.is_free = lambda: True
+            raise
+        pending = PendingRetrieve(self, rid)
+        if region is not None:
+            pending._staged(reg, region, block_ids, len(keys), skip_tokens)
+        return pending
 
     def _retrieved(self, r: m.RetrieveReply, before, cpu_wait: bool = False) -> int:
         self.last_retrieve_event = None
@@ -353,16 +433,57 @@ class KVDepotClient:
 class PendingStore:
     """A submitted STORE (`KVDepotClient.submit_store`)."""
 
-    def __init__(self, client: KVDepotClient, rid: int) -> None:
-        self.client, self.rid = client, rid
+    def __init__(self, client: KVDepotClient, rid: int, region=None, device=None) -> None:
+        self.client, self.rid, self._device = client, rid, device
+        self._reply: m.StoreReply | None = None
+        self._error: BaseException | None = None
+        self._stored_event = None  # staged + early: the daemon's event after its copies
+        self._region = region  # staged: the ring region the daemon copies out of
+        if region is not None:
+            region.is_free = self._region_free
+            region.reclaim = self._reclaim
+
+    def _await(self, timeout_s: float | None = None) -> m.StoreReply:
+        if self._reply is None and self._error is None:
+            try:
+                self._reply = self.client.wait(self.rid, timeout_s)
+                if self._region is not None and self._reply.stored_event:
+                    self._stored_event = self.client._open_event(self._reply.stored_event, self._device)
+            except KVDepotError as exc:
+                self._error = exc
+        if self._error is not None:
+            raise self._error
+        return self._reply
+
+    def _region_free(self) -> bool:
+        if self._error is not None:
+            # lost in a timeout or the connection: the daemon may still copy out of the region
+            return self._error.code not in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED)
+        if self._reply is None:
+            return False
+        return self._stored_event is None or self._stored_event.query()
+
+    def _reclaim(self) -> bool:
+        try:
+            self._await()
+        except KVDepotError:
+            return self._region_free()
+        if self._stored_event is not None:
+            self._stored_event.synchronize()
+        return True
 
     def result(self, before=None, timeout_s: float | None = None, cpu_wait: bool = False,
                in_l1: bool = False) -> m.StoreReply:
         """Wait for the reply; with an early reply, ``before`` (a ``torch.cuda.Stream``) is made
         to wait until the daemon has read the blocks, or with ``cpu_wait`` this call waits for
-        that (``in_l1``: until the bytes are in L1). Raises KVDepotError as `KVDepotClient.store`."""
-        r = self.client.wait(self.rid, timeout_s)
-        if r.event and cpu_wait:
+        that (``in_l1``: until the bytes are in L1). With engine-side staging the blocks were
+        read on the stream given to `submit_store`, so nothing is waited for but ``in_l1``.
+        Raises KVDepotError as `KVDepotClient.store`."""
+        r = self._await(timeout_s)
+        if self._region is not None:
+            if cpu_wait and in_l1 and self._stored_event is not None:
+                self._stored_event.synchronize()
+        elif r.event and cpu_wait:
             ev = r.stored_event if in_l1 and r.stored_event else r.event
             self.client._open_event(ev, before.device if before is not None else None).synchronize()
         elif r.event and before is not None:
@@ -375,9 +496,74 @@ class PendingRetrieve:
 
     def __init__(self, client: KVDepotClient, rid: int) -> None:
         self.client, self.rid = client, rid
+        self._region = None
+        self._retrieved: int | None = None
+        self._error: BaseException | None = None
+        self._done_event = None  # staged: local event after the scatter
+
+    def _staged(self, reg: Registration, region, block_ids, num_chunks: int, skip_tokens: int) -> None:
+        self._reg, self._region, self._block_ids = reg, region, block_ids
+        self._num_chunks, self._skip_tokens = num_chunks, skip_tokens
+        region.is_free = self._region_free
+        region.reclaim = self._reclaim
+
+    def _region_free(self) -> bool:
+        if self._error is not None:
+            return self._error.code not in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED)
+        if self._retrieved is None:
+            return False
+        return self._done_event is None or self._done_event.query()
+
+    def _reclaim(self) -> bool:
+        if self._retrieved is None and self._error is None:
+            try:
+                self.result()  # scatters on the current stream; a later result(before) orders after it
+            except KVDepotError:
+                pass
+        if self._done_event is not None:
+            self._done_event.synchronize()
+        return self._region_free()
 
     def result(self, before=None, timeout_s: float | None = None, cpu_wait: bool = False) -> int:
         """Chunks written; ``before`` (a ``torch.cuda.Stream``) is made to wait for them, or with
-        ``cpu_wait`` this call waits until they are written. Raises KVDepotError as
+        ``cpu_wait`` this call waits until they are written. With engine-side staging the
+        scatter is enqueued here on ``before`` (default: the current stream) after the daemon's
+        copies (waited for on the CPU with ``cpu_wait``, else by that stream; ``cpu_wait`` then
+        also waits for the scatter, so for the work queued before it on that stream), and
+        ``last_retrieve_event`` is a local event after it. Raises KVDepotError as
         `KVDepotClient.retrieve`."""
-        return self.client._retrieved(self.client.wait(self.rid, timeout_s), before, cpu_wait)
+        if self._region is None:
+            return self.client._retrieved(self.client.wait(self.rid, timeout_s), before, cpu_wait)
+        if self._retrieved is not None:  # already scattered (by a ring reclaim): order `before` after it
+            if before is not None and self._done_event is not None:
+                before.wait_event(self._done_event)
+            self.client.last_retrieve_event = self._done_event
+            return self._retrieved
+        if self._error is not None:
+            raise self._error
+        import torch
+
+        try:
+            r = self.client.wait(self.rid, timeout_s)
+        except KVDepotError as exc:
+            self._error = exc
+            raise
+        staging = self._reg.staging
+        stream = before if before is not None else torch.cuda.current_stream(staging.device)
+        if r.retrieved and r.event:
+            ev = self.client._open_event(r.event, stream.device)
+            if cpu_wait:
+                ev.synchronize()
+            else:
+                stream.wait_event(ev)
+        if r.retrieved:
+            staging.scatter(self._block_ids, self._num_chunks, r.retrieved, self._region.offset,
+                            self._skip_tokens, stream)
+            done = torch.cuda.Event()
+            done.record(stream)
+            self._done_event = done
+            if cpu_wait:
+                done.synchronize()
+        self._retrieved = r.retrieved
+        self.client.last_retrieve_event = self._done_event
+        return r.retrieved

@@ -195,7 +195,7 @@ class CudaDevicePath:
         self._notified = ctypes.c_int(0)
         self._notified_ptr = ctypes.addressof(self._notified)
         lib = kernels.lib
-        self._kvd_store, self._kvd_retrieve = lib.kvd_store, lib.kvd_retrieve
+        self._kvd_store, self._kvd_retrieve, self._kvd_dma = lib.kvd_store, lib.kvd_retrieve, lib.kvd_dma
 
     def reserve(self, object_bytes: int) -> None:
         """Make both lanes' slots hold at least one ``object_bytes`` object (at registration)."""
@@ -285,6 +285,30 @@ class CudaDevicePath:
             self._after_call(rc, "kvd_retrieve", self.retrieve_lane, token, done)
 
 
+    def copy_staged(self, to_host: bool, srcs: Sequence[int], dsts: Sequence[int], object_bytes: int,
+                    engine_event: bytes, out_event: int | None,
+                    done: Callable[[BaseException | None], None]) -> None:
+        """Enqueue ``len(srcs)`` PCIe copies of one object each between an engine's staging
+        buffer (IPC-opened device memory) and pinned L1 objects: device -> host on the store
+        lane (``to_host``), host -> device on the retrieve lane. No kernel runs in the daemon's
+        CUDA context: the engine gathers / scatters in its own. The copies follow
+        ``engine_event`` (interprocess handle, or b""); ``out_event`` (or None) is recorded
+        after them; ``done(err)`` runs on the loop when they completed.
+
+        Raises (nothing enqueued):
+            RequestError(ENGINE_MEMORY): the engine's event cannot be opened.
+        """
+        ev = self._engine_event(engine_event) if engine_event else None
+        sp = array.array("Q", srcs)
+        dp = array.array("Q", dsts)
+        lane = self.store_lane if to_host else self.retrieve_lane
+        token = self.completions.expect(done)
+        rc = self._kvd_dma(lane, ev, sp.buffer_info()[0], dp.buffer_info()[0], object_bytes, len(sp), int(to_host),
+                           out_event, self.completions.write_fd, token, self._notified_ptr)
+        if rc:
+            self._after_call(rc, "kvd_dma", lane, token, done)
+
+
 class CudaRuntime:
     """All CUDA state of the daemon: device paths (created on first use) and IPC opening.
 
@@ -350,6 +374,26 @@ class CudaRuntime:
             self.close_storages(opened)
             raise
         return dev, opened
+
+    def open_staging(self, device: int, spec: StorageSpec) -> CudaOpenedStorage | None:
+        """Open an engine's staging buffer (`Register.staging`) on ``device``; None when this
+        daemon cannot serve staged transfers (no kernel library: its torch fallback gathers
+        and scatters itself).
+
+        Raises:
+            RequestError(ENGINE_MEMORY): not a cuda_ipc spec on the registration's GPU, or the
+                handle cannot be opened.
+        """
+        if self.kernels is None:
+            return None
+        if spec.kind != "cuda_ipc" or device_index_by_uuid(spec.device_uuid) != device:
+            raise RequestError(ErrorCode.ENGINE_MEMORY, "the staging buffer must be cuda_ipc memory on the GPU "
+                                                        "of the registration's KV caches")
+        try:
+            base = self.kernels.ipc_open(spec.handle, device)
+        except KernelError as exc:
+            raise RequestError(ErrorCode.ENGINE_MEMORY, f"cannot open the staging buffer's IPC handle: {exc}") from None
+        return CudaOpenedStorage(base, base + spec.handle_offset_bytes, device, spec.size_bytes)
 
     def open_engine(self, device: int, layout: EngineLayout, opened: Sequence[CudaOpenedStorage]
                     ) -> tuple[object, object, bytes]:

@@ -38,7 +38,7 @@ ENV_SO = "KVDEPOT_KERNELS_SO"
 ENV_NO_JIT = "KVDEPOT_NO_JIT"
 # built at install (setup.py) for `build.INSTALL_ARCHS` when nvcc was there
 PACKAGED_SO = Path(__file__).parent / "_lib" / "libkvdepot_kernels.so"
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 KVD_OK, KVD_EINVAL, KVD_EALIGN, KVD_ECUDA = 0, 1, 2, 3
 
@@ -103,6 +103,9 @@ class Kernels:
         # hot path: pointers go in as plain ints
         lib.kvd_store.argtypes = [vp, vp, vp, vp, i64, vp, i64, vp, vp, vp, i32, ctypes.c_uint64, vp]
         lib.kvd_retrieve.argtypes = [vp, vp, vp, i64, i64, vp, i64, vp, i32, ctypes.c_uint64, vp]
+        lib.kvd_engine_gather.argtypes = [vp, vp, i64, vp, vp]
+        lib.kvd_engine_scatter.argtypes = [vp, vp, i64, i64, vp, i64, vp]
+        lib.kvd_dma.argtypes = [vp, vp, vp, vp, ctypes.c_uint64, i64, i32, vp, i32, ctypes.c_uint64, vp]
         lib.kvd_event_create_ipc.argtypes = [i32, ctypes.POINTER(vp), ctypes.c_char_p]
         lib.kvd_event_open_ipc.argtypes = [ctypes.c_char_p, i32, ctypes.POINTER(vp)]
         lib.kvd_event_destroy.argtypes = [vp]
@@ -209,6 +212,26 @@ class Kernels:
         returns the number of pieces per chunk (at most 64). The default is 8 MiB."""
         self._check(self.lib.kvd_engine_set_piece_bytes(engine, piece_bytes), "kvd_engine_set_piece_bytes")
         return self.lib.kvd_engine_pieces(engine)
+
+    def engine_gather(self, engine: int, flat_ids, total_chunks: int, dst_ptr: int, stream: int) -> None:
+        """Engine side: gather the request's ``total_chunks`` chunks (``flat_ids``: an int32
+        ``array.array``, per layer group in order, as `kvd_store` takes them) into device memory
+        at ``dst_ptr`` (256-byte aligned; chunk j at ``dst_ptr + j * object_bytes``, canonical
+        object format) on ``stream`` (a ``cudaStream_t`` as int).
+
+        Raises:
+            KernelError: bad arguments, misaligned ``dst_ptr``, or the CUDA launch error.
+        """
+        self._check(self.lib.kvd_engine_gather(engine, flat_ids.buffer_info()[0], total_chunks, dst_ptr, stream),
+                    "kvd_engine_gather")
+
+    def engine_scatter(self, engine: int, flat_ids, total_chunks: int, nchunks: int, src_ptr: int,
+                       skip_tokens: int, stream: int) -> None:
+        """Engine side: scatter the request's leading ``nchunks`` chunk objects at ``src_ptr``
+        into the engine's blocks on ``stream``, leaving the blocks of the first ``skip_tokens``
+        tokens untouched. Raises KernelError as `engine_gather`."""
+        self._check(self.lib.kvd_engine_scatter(engine, flat_ids.buffer_info()[0], total_chunks, nchunks, src_ptr,
+                                                skip_tokens, stream), "kvd_engine_scatter")
 
     def event_create_ipc(self, device: int) -> tuple[int, bytes]:
         """An interprocess event (timing disabled) on ``device``: (handle, cudaIpcEventHandle_t bytes)."""

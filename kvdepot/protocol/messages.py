@@ -163,6 +163,10 @@ class Register(Msg, tag="reg"):
     model: model identity (name + revision); part of the chunk-key namespace.
     shard: ``"tp{rank}of{world}"``, or ``"replicated"`` for MLA KV identical on every rank.
     chunk_size: tokens per chunk; a multiple of every group's tokens_per_block.
+    staging: CUDA engines: a ``cuda_ipc`` device buffer of the engine (on the GPU of its KV
+        caches) that its own process gathers chunks into and scatters them out of (see
+        ``staging_offset`` in `Store` / `Retrieve`); the daemon then only copies it over PCIe.
+        Absent: the daemon gathers and scatters the engine's blocks itself.
     """
 
     model: Name
@@ -173,6 +177,7 @@ class Register(Msg, tag="reg"):
     groups: list[KVGroupSpec]
     pid: NonNegInt = 0
     device: str = "cpu"
+    staging: StorageSpec | None = None
 
 
 class Unregister(Msg, tag="unreg"):
@@ -209,6 +214,10 @@ class Store(Msg, tag="store"):
     reply_early: CUDA engines: reply once the copies are enqueued, with an event after which
         the blocks may be overwritten (the chunks become visible to lookups later, when they
         are in L1); otherwise (and for CPU engines) reply once the chunks are in L1.
+    staging_offset: >= 0: the engine already gathered the chunks into its registered staging
+        buffer, chunk j at byte ``staging_offset + j * object_bytes`` in the canonical object
+        format, and ``event`` follows that gather; the daemon reads only the staging buffer
+        (``block_ids`` are still checked). -1: the daemon gathers from the blocks.
     Reply: `StoreReply`.
     """
 
@@ -220,6 +229,7 @@ class Store(Msg, tag="store"):
     request: Name = ""
     event: bytes = b""
     reply_early: bool = False
+    staging_offset: Annotated[int, Meta(ge=-1)] = -1
 
 
 class Retrieve(Msg, tag="get"):
@@ -229,6 +239,10 @@ class Retrieve(Msg, tag="get"):
     skip_tokens: leading tokens of ``keys[0]`` whose blocks must not be written (the engine
         already holds them, e.g. from its own prefix cache); a multiple of every group's
         tokens_per_block.
+    staging_offset: >= 0: the daemon writes chunk j into the engine's registered staging buffer
+        at byte ``staging_offset + j * object_bytes`` (not into the blocks), and the engine
+        scatters it after the reply's event, applying ``skip_tokens`` itself. -1: the daemon
+        writes the blocks.
     Reply: `RetrieveReply`; only its ``retrieved`` leading chunks were written.
     """
 
@@ -237,6 +251,7 @@ class Retrieve(Msg, tag="get"):
     block_ids: list[BlockIds]
     skip_tokens: NonNegInt = 0
     request: Name = ""
+    staging_offset: Annotated[int, Meta(ge=-1)] = -1
 
 
 class EndRequest(Msg, tag="end"):
@@ -279,12 +294,14 @@ class HelloReply(Msg, tag="helloR"):
 
 class RegisterReply(Msg, tag="regR"):
     """registration: id to use in Store/Retrieve; layout_fingerprint: hex digest of what the
-    chunk bytes mean (the client seeds chunk keys with it); object_bytes: bytes per chunk."""
+    chunk bytes mean (the client seeds chunk keys with it); object_bytes: bytes per chunk;
+    staging: the daemon serves `Register.staging` (requests may give ``staging_offset``)."""
 
     registration: str
     layout_fingerprint: str
     object_bytes: int
     boot_id: str
+    staging: bool = False
 
 
 class OkReply(Msg, tag="ok"):

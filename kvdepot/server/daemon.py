@@ -84,6 +84,9 @@ class Registration:
     cuda_storages: list = dataclasses.field(default_factory=list)
     retrieve_event: object = None
     retrieve_event_handle: bytes = b""  # its cudaIpcEventHandle_t (asked once: the call is not free)
+    # the engine's staging buffer (`Register.staging`), IPC-opened: device pointer and bytes (0: none)
+    staging_ptr: int = 0
+    staging_bytes: int = 0
     on_release: object = None  # callable closing the CUDA mappings
     metric_children: dict = dataclasses.field(default_factory=dict)  # op -> bound metric children
 
@@ -436,15 +439,39 @@ class Daemon:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "a CUDA registration's storages must all be cuda_ipc")
         rt = self._cuda_runtime()
         dev, opened = rt.open_storages(req.storages)
+        staging = None
         try:
+            if req.staging is not None:
+                staging = rt.open_staging(dev, req.staging)
             engine, event, handle = rt.open_engine(dev, layout, opened)
         except BaseException:
-            rt.close_storages(opened)
+            rt.close_storages(opened + ([staging] if staging else []))
             raise
         reg = Registration("", req.model, req.shard, req.pid, req.device, layout, None, engine, cuda_device=dev,
-                           cuda_storages=opened, retrieve_event=event, retrieve_event_handle=handle,
-                           on_release=lambda storages: rt.release(engine, event, storages))
+                           cuda_storages=opened + ([staging] if staging else []), retrieve_event=event,
+                           retrieve_event_handle=handle, on_release=lambda storages: rt.release(engine, event, storages))
+        if staging is not None:
+            reg.staging_ptr, reg.staging_bytes = staging.ptr, staging.size_bytes
         return reg
+
+    @staticmethod
+    def _staging_ptrs(reg: Registration, offset: int, chunks: Sequence[int]) -> list[int]:
+        """Device addresses of chunks ``chunks`` of a request in the engine's staging buffer.
+
+        Raises:
+            RequestError(INVALID_ARGUMENT): no staging buffer was registered (or this daemon
+                does not serve staged transfers), or the chunks lie outside it / misaligned.
+        """
+        if not reg.staging_bytes:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "staging_offset given but the registration has no staging "
+                                                           "buffer this daemon serves (RegisterReply.staging)")
+        ob = reg.layout.object_bytes
+        end = offset + (max(chunks) + 1) * ob if chunks else offset
+        if offset % 256 or end > reg.staging_bytes:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                               f"staging_offset {offset}: chunks up to byte {end} do not fit the {reg.staging_bytes}-byte "
+                               "staging buffer, or the offset is not a multiple of 256")
+        return [reg.staging_ptr + offset + j * ob for j in chunks]
 
     def _on_register(self, identity: bytes, req: m.Register) -> m.Msg:
         layout = group_layers(req.layers, req.groups, req.chunk_size, [s.size_bytes for s in req.storages])
@@ -476,7 +503,8 @@ class Daemon:
         log.info("registered %s: model %s shard %s pid %d, %d layer groups, %d bytes per chunk", reg_id,
                  req.model, req.shard, req.pid, len(layout.groups), layout.object_bytes)
         return m.RegisterReply(rid=req.rid, registration=reg_id, layout_fingerprint=layout.fingerprint,
-                               object_bytes=layout.object_bytes, boot_id=self.boot_id)
+                               object_bytes=layout.object_bytes, boot_id=self.boot_id,
+                               staging=bool(reg.staging_bytes))
 
     def _unregister(self, reg: Registration) -> None:
         self.registrations.pop(reg.id, None)
@@ -545,6 +573,8 @@ class Daemon:
         n = len(req.keys)
         self._check_block_ids(reg, req.block_ids, n)
         reg.check_memory()
+        staged = req.staging_offset >= 0  # a CPU registration has no staging: refused in _staging_ptrs
+        staged_ptrs = self._staging_ptrs(reg, req.staging_offset, range(n)) if staged else []
         held: list[Entry] = []  # present entries kept from eviction while this store allocates
         new: list[tuple[int, Entry]] = []
         present = 0
@@ -579,7 +609,8 @@ class Daemon:
             self.metrics.store_skipped_chunks.labels(reason).inc(skipped)
         early = req.reply_early and reg.cuda_device is not None
         reply = m.StoreReply(rid=req.rid, stored=len(new), present=present, skipped=skipped,
-                             event=reg.engine.gathered_event_handle if early and new else b"",
+                             # staged: the engine's own stream already read the blocks
+                             event=reg.engine.gathered_event_handle if early and new and not staged else b"",
                              stored_event=reg.engine.stored_event_handle if early and new else b"")
 
         def release_held() -> None:
@@ -622,6 +653,11 @@ class Daemon:
         try:
             if reg.cuda_device is None:
                 self._in_executor(finish, self._gather, reg, req.block_ids, new)
+            elif staged:
+                base = self.pool.base_ptr
+                self._cuda.path(reg.cuda_device).copy_staged(
+                    True, [staged_ptrs[j] for j, _ in new], [base + e.offset for _, e in new], lay.object_bytes, req.event,
+                    reg.engine.stored_event if early else None, finish)
             else:
                 base = self.pool.base_ptr
                 self._cuda.path(reg.cuda_device).store(
@@ -661,6 +697,8 @@ class Daemon:
             raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                f"skip_tokens {req.skip_tokens} must be a multiple of every group's tokens per block "
                                f"{lay.tokens_per_block} and less than {n * lay.chunk_size}")
+        if req.staging_offset >= 0:
+            self._staging_ptrs(reg, req.staging_offset, range(n))  # refuse before acquiring anything
         entries: list[Entry] = []
         for key in req.keys:
             e = self.index.ready(key)
@@ -715,17 +753,30 @@ class Daemon:
 
         trace_point(req.rid, "enqueue")
         base = self.pool.base_ptr
+        event_handle = reg.retrieve_event_handle
         try:
-            self._cuda.path(reg.cuda_device).retrieve(
-                reg.engine, req.block_ids, len(req.keys), [base + e.offset for e in entries], req.skip_tokens,
-                reg.retrieve_event, done)
+            if req.staging_offset >= 0:
+                first = req.skip_tokens // reg.layout.chunk_size  # wholly skipped chunks need no copy
+                chunks = list(range(first, len(entries)))
+                dst_ptrs = self._staging_ptrs(reg, req.staging_offset, chunks)
+                if chunks:
+                    self._cuda.path(reg.cuda_device).copy_staged(
+                        False, [base + entries[j].offset for j in chunks], dst_ptrs, reg.layout.object_bytes, b"",
+                        reg.retrieve_event, done)
+                else:
+                    event_handle = b""
+                    done(None)
+            else:
+                self._cuda.path(reg.cuda_device).retrieve(
+                    reg.engine, req.block_ids, len(req.keys), [base + e.offset for e in entries], req.skip_tokens,
+                    reg.retrieve_event, done)
         except BaseException:  # raised before anything was enqueued
             done(None)
             raise
         trace_point(req.rid, "r_enqueued")
         self._count_transfer(reg, "retrieve", len(entries))
         self.index.touch_chain([e.key for e in entries])
-        return m.RetrieveReply(rid=req.rid, retrieved=len(entries), event=reg.retrieve_event_handle)
+        return m.RetrieveReply(rid=req.rid, retrieved=len(entries), event=event_handle)
 
     def _scatter(self, reg: Registration, block_ids, skip_tokens: int, entries: list[Entry]) -> None:
         eng, cs = reg.engine, reg.layout.chunk_size

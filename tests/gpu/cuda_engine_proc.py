@@ -50,16 +50,19 @@ def main() -> int:
     p.add_argument("--skip-tokens", type=int, default=0)
     p.add_argument("--early", action="store_true", help="store with an early reply, then overwrite the blocks")
     p.add_argument("--cpu-wait", action="store_true", help="wait for the daemon's events on the CPU, not the stream")
+    p.add_argument("--staging", choices=["engine", "daemon"], default="daemon",
+                   help="engine: this process gathers / scatters through the staging ring (local_storages)")
     a = p.parse_args()
     groups = SHAPES[a.shape]
     dev = torch.device("cuda")
     cache = ShmKVCache(groups, NUM_BLOCKS, a.layout, device=dev)
     client = KVDepotClient(a.endpoint, timeout_s=60)
     reg = client.register(f"gpu-test-{a.shape}", "replicated" if "mla" in a.shape else "tp0of1", CHUNK,
-                          cache.storage_specs(), cache.layer_specs(), cache.group_specs(), device=cache.register_device)
+                          cache.storage_specs(), cache.layer_specs(), cache.group_specs(), device=cache.register_device,
+                          local_storages=[cache.storage] if a.staging == "engine" else None)
     keys = reg.keys(tokens(7, a.chunks * CHUNK + 5))
     stream = torch.cuda.Stream()
-    result: dict = {"registration": reg.id}
+    result: dict = {"registration": reg.id, "staged": reg.staging is not None}
     if a.role == "store":
         ids = block_ids(11, groups, a.chunks)
         with torch.cuda.stream(stream):

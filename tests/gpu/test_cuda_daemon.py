@@ -49,6 +49,12 @@ def cuda_daemon(request, tmp_path_factory):
     assert "Traceback" not in text, text
 
 
+@pytest.fixture
+def daemon_kind(request) -> str:
+    """The `cuda_daemon` parameter of the running test."""
+    return request.node.callspec.params["cuda_daemon"]
+
+
 def run_engine(tmp_path, *args) -> dict:
     out = tmp_path / f"out-{args[0]}.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")]))
@@ -58,6 +64,7 @@ def run_engine(tmp_path, *args) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.parametrize("staging", ["daemon", "engine"])
 @pytest.mark.parametrize("shape,store_layout,retrieve_layout,skip", [
     ("llama8b", "LBNHC", "LBHNC", 0),
     ("llama8b", "LBNHC", "flash_attn_hnd", 32),
@@ -66,23 +73,32 @@ def run_engine(tmp_path, *args) -> dict:
     ("mla", "mla", "mla", 0),
     ("fp8_ds_mla", "mla", "mla", 16),
 ])
-def test_store_nhd_retrieve_hnd_across_processes(cuda_daemon, tmp_path, shape, store_layout, retrieve_layout, skip):
+def test_store_nhd_retrieve_hnd_across_processes(cuda_daemon, daemon_kind, tmp_path, shape, store_layout,
+                                                 retrieve_layout, skip, staging):
+    """``staging="engine"``: the engines gather / scatter on their own streams through their
+    staging rings and the daemon only copies over PCIe (a daemon without the kernel library
+    refuses the ring, and the engines fall back to the daemon's gathers)."""
     from kvdepot.client import KVDepotClient
 
     with KVDepotClient(cuda_daemon) as c:  # cases share keys; start each from an empty cache
         c.flush()
     ref = tmp_path / "ref.pt"
-    common = ["--endpoint", cuda_daemon, "--shape", shape, "--ref", str(ref), "--chunks", "3"]
+    common = ["--endpoint", cuda_daemon, "--shape", shape, "--ref", str(ref), "--chunks", "3", "--staging", staging]
+    staged = staging == "engine" and daemon_kind != "torch-fallback"
     s = run_engine(tmp_path, "store", *common, "--layout", store_layout)
     assert s["stored"] + s["present"] == 3 and s["skipped"] == 0, s
+    assert s["staged"] == staged, s
     r = run_engine(tmp_path, "retrieve", *common, "--layout", retrieve_layout, "--skip-tokens", str(skip))
     assert r["hit"] == 3 and r["retrieved"] == 3, r
+    assert r["staged"] == staged, r
     assert r["mismatched"] == 0, r
     assert r["skipped_untouched"], r
 
 
-@pytest.mark.parametrize("shape,skip,wait", [("llama8b", 0, "gpu"), ("hybrid", 32, "cpu")])
-def test_early_store_reply_lets_the_engine_overwrite_its_blocks_at_once(cuda_daemon, tmp_path, shape, skip, wait):
+@pytest.mark.parametrize("shape,skip,wait,staging", [("llama8b", 0, "gpu", "daemon"), ("hybrid", 32, "cpu", "daemon"),
+                                                     ("llama8b", 0, "gpu", "engine"), ("hybrid", 32, "cpu", "engine")])
+def test_early_store_reply_lets_the_engine_overwrite_its_blocks_at_once(cuda_daemon, tmp_path, shape, skip, wait,
+                                                                        staging):
     """STORE with ``early=True`` replies at enqueue; the engine overwrites the blocks on its
     stream right away (ordered only by the daemon's "gathered" event: a GPU wait on the
     stream, or ``cpu_wait``), and the retrieving engine (waiting the same way) still gets the
@@ -92,10 +108,11 @@ def test_early_store_reply_lets_the_engine_overwrite_its_blocks_at_once(cuda_dae
     with KVDepotClient(cuda_daemon) as c:
         c.flush()
     ref = tmp_path / "ref.pt"
-    common = ["--endpoint", cuda_daemon, "--shape", shape, "--ref", str(ref), "--chunks", "3"]
+    common = ["--endpoint", cuda_daemon, "--shape", shape, "--ref", str(ref), "--chunks", "3", "--staging", staging]
     cpu = ["--cpu-wait"] if wait == "cpu" else []
     s = run_engine(tmp_path, "store", *common, "--layout", "LBNHC", "--early", *cpu)
-    assert s["stored"] == 3 and s["early_event"] and s["stored_event"], s
+    # staged: the engine's own stream gathered the blocks, so there is no "gathered" event to wait on
+    assert s["stored"] == 3 and (s["early_event"] != s["staged"]) and s["stored_event"], s
     r = run_engine(tmp_path, "retrieve", *common, "--layout", "LBHNC", "--skip-tokens", str(skip), *cpu)
     assert r["hit"] == 3 and r["retrieved"] == 3, r
     assert r["mismatched"] == 0, r

@@ -174,6 +174,13 @@ def test_store_and_retrieve_argument_errors(engine):
         assert torch.equal(engine.cache.read_tokens(layer, [5], as_bytes=True),
                               engine.cache.read_tokens(layer, [2], as_bytes=True))
     expect(ErrorCode.INVALID_ARGUMENT, c.flush, tier="l9")
+    # a staging offset needs an engine-side staging buffer, which a CPU registration never has
+    fresh = engine.keys(ke.prompt_tokens(4002, 16))
+    for op in (m.Store, m.Retrieve):
+        e = expect(ErrorCode.INVALID_ARGUMENT, c.call, op(rid=0, registration=reg.id, keys=fresh, block_ids=[[6]],
+                                                          staging_offset=0))
+        assert "staging" in e.message
+    assert c.lookup(fresh, 16) == 0
 
 
 def test_unknown_registration(engine):

@@ -1,0 +1,174 @@
+"""Engine-side staging: the engine's process gathers chunks into a device ring it shares with
+the daemon, and scatters them out of it; the daemon only moves the ring's bytes over PCIe.
+
+Why (measured on an H100 without MPS, two processes on one GPU, `.kbuild/xproc.cu` in the
+session-4 note): a kernel the daemon launches in its own CUDA context waits until the engine's
+context gives up the SMs. While an engine kernel of 1.4 ms ran, a daemon gather + D2H of 32 MiB
+ended after 2.3 ms instead of 0.66 ms, and each switch between the two contexts cost 150-250 us
+even on an idle GPU. A copy-engine DMA issued from the daemon's context ran beside the engine's
+kernel at full PCIe speed (0.66 ms) without slowing it. So the gather / scatter kernels run on
+the engine's own stream (ordered with its forward passes by the stream itself, with no
+cross-process wait), and the daemon's part is DMA only.
+
+Ring: one device buffer per registration (`Register.staging`), allocated first-in first-out in
+256-byte aligned regions. A store's region is free once the daemon's copies out of it ended
+(its reply, or with an early reply the daemon's stored event); a retrieve's once the engine's
+scatter out of it ended (a local event after the scatter). A request that finds no room waits
+for the oldest region; one larger than the ring goes the daemon-gathers way instead.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvdepot.client.kvcache import export_cuda_storage
+from kvdepot.gpu.kernels import Kernels, KvdGroupDesc
+from kvdepot.gpu.layout import EngineLayout
+from kvdepot.protocol.messages import StorageSpec
+
+log = logging.getLogger("kvdepot.client")
+
+DEFAULT_STAGING_BYTES = 256 << 20
+_ALIGN = 256
+
+
+class StagingRegion:
+    """One request's bytes in the ring: [offset, offset + size_bytes). ``is_free()`` says whether
+    nothing reads or writes it any more; ``reclaim()`` blocks until then (False: cannot tell,
+    e.g. the request was lost in a timeout, and the region stays taken)."""
+
+    __slots__ = ("offset", "size_bytes", "owner", "is_free", "reclaim")
+
+    def __init__(self, offset: int, size_bytes: int, owner: object = None) -> None:
+        self.offset = offset
+        self.size_bytes = size_bytes
+        self.owner = owner  # the client whose request uses it (only it may call reclaim)
+        self.is_free: Callable[[], bool] = lambda: False
+        self.reclaim: Callable[[], bool] = lambda: False
+
+
+class StagingRing:
+    """First-in first-out allocator of 256-byte aligned regions in ``size_bytes`` bytes (the
+    offsets only; the memory is `EngineStaging.buffer`). Thread-safe: several clients (one per
+    thread) may share a registration; a region is reclaimed (its reply waited for) only by its
+    own client, and one of another client's is polled until free, for at most
+    ``foreign_wait_s``."""
+
+    def __init__(self, size_bytes: int, foreign_wait_s: float = 1.0) -> None:
+        self.size_bytes = size_bytes
+        self.foreign_wait_s = foreign_wait_s
+        self.live: collections.deque[StagingRegion] = collections.deque()
+        self.head = 0  # where the next region starts, if it fits
+        self._lock = threading.Lock()
+
+    def _fit(self, nbytes: int) -> int | None:
+        if not self.live:
+            self.head = 0
+            return 0
+        tail = self.live[0].offset
+        if self.head > tail:  # taken: [tail, head); free: [head, end) and [0, tail)
+            if self.head + nbytes <= self.size_bytes:
+                return self.head
+            return 0 if nbytes <= tail else None
+        # wrapped: taken [tail, end) and [0, head); free: [head, tail) (empty when head == tail)
+        return self.head if self.head + nbytes <= tail else None
+
+    def alloc(self, nbytes: int, owner: object = None) -> StagingRegion | None:
+        """A region of at least ``nbytes`` for ``owner``'s request; while there is no room it
+        reclaims the oldest region (`StagingRegion.reclaim`) if ``owner`` owns it, else polls it.
+        None: larger than the ring, or the oldest region cannot be reclaimed in time (the
+        caller then goes the daemon-gathers way)."""
+        nbytes = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        if nbytes > self.size_bytes or nbytes == 0:
+            return None
+        deadline = None
+        while True:
+            with self._lock:
+                while self.live and self.live[0].is_free():
+                    self.live.popleft()
+                off = self._fit(nbytes)
+                if off is not None:
+                    region = StagingRegion(off, nbytes, owner)
+                    self.live.append(region)
+                    self.head = off + nbytes
+                    return region
+                oldest = self.live[0]
+            if oldest.owner is owner:
+                if not oldest.reclaim():
+                    log.warning("staging ring: the oldest region cannot be reclaimed; this request goes unstaged")
+                    return None
+                continue
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.foreign_wait_s
+            elif now > deadline:
+                return None
+            time.sleep(20e-6)
+
+class EngineStaging:
+    """A registration's engine side: its layer groups in the kernel library (the engine's own
+    device pointers) and the staging ring.
+
+    Args:
+        kernels: the kernel library, loaded in the engine's process.
+        device: the GPU of the KV caches.
+        layout: the registration's `EngineLayout` (from `kvdepot.gpu.layout.group_layers`, the
+            same the daemon computes).
+        storages: the engine's storage tensors (index = `LayerSpec.storage`); layer offsets are
+            relative to their ``data_ptr()``.
+        ring_bytes: bytes of the ring (device memory of the engine's GPU).
+
+    Raises:
+        KernelError: the library refuses the layout; torch.OutOfMemoryError for the ring.
+    """
+
+    def __init__(self, kernels: Kernels, device: torch.device, layout: EngineLayout,
+                 storages: Sequence[torch.Tensor], ring_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        self.kernels = kernels
+        self.device = device
+        self.layout = layout
+        self.object_bytes = layout.object_bytes
+        descs = [KvdGroupDesc.from_group(g, layout.object_bytes, layout.chunk_size) for g in layout.groups]
+        layer_ptrs = [[storages[s].data_ptr() + off for s, off in g.offsets] for g in layout.groups]
+        self.handle = kernels.engine_create(device.index if device.index is not None else torch.cuda.current_device(),
+                                            descs, layer_ptrs, layout.chunk_size, layout.object_bytes)
+        self._gids = [g.gid for g in layout.groups]
+        self.buffer = torch.empty(ring_bytes, dtype=torch.uint8, device=device)
+        self.base_ptr = self.buffer.data_ptr()
+        self.ring = StagingRing(ring_bytes)
+        self.spec: StorageSpec = export_cuda_storage(self.buffer)
+
+    def flat_ids(self, block_ids: Sequence[Sequence[int]]) -> array.array:
+        """int32 block ids, ``block_ids[gid]`` for each layer group in order."""
+        if len(self._gids) == 1:
+            return array.array("i", block_ids[self._gids[0]])
+        out = array.array("i")
+        for gid in self._gids:
+            out.extend(block_ids[gid])
+        return out
+
+    def gather(self, block_ids: Sequence[Sequence[int]], num_chunks: int, offset: int, stream) -> None:
+        """Enqueue on ``stream`` (a ``torch.cuda.Stream``) the gather of ``num_chunks`` chunks
+        into the ring at ``offset``."""
+        self.kernels.engine_gather(self.handle, self.flat_ids(block_ids), num_chunks, self.base_ptr + offset,
+                                   stream.cuda_stream)
+
+    def scatter(self, block_ids: Sequence[Sequence[int]], num_chunks: int, retrieved: int, offset: int,
+                skip_tokens: int, stream) -> None:
+        """Enqueue on ``stream`` the scatter of the leading ``retrieved`` chunks at ``offset``
+        into the blocks, leaving the first ``skip_tokens`` tokens' blocks untouched."""
+        self.kernels.engine_scatter(self.handle, self.flat_ids(block_ids), num_chunks, retrieved,
+                                    self.base_ptr + offset, skip_tokens, stream.cuda_stream)
+
+    def close(self) -> None:
+        """Free the library's state (the ring is freed with this object; no transfer may use it)."""
+        if self.handle:
+            self.kernels.engine_destroy(self.handle)
+            self.handle = 0

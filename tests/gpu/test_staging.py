@@ -1,0 +1,132 @@
+"""Engine-side staging against a real daemon (kernel library): the ring wraps and reclaims
+regions under several outstanding requests without losing or mixing bytes, and bad staging
+offsets get typed errors without harming the daemon. Skipped cleanly without CUDA."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+CHUNK = 32
+NUM_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = tmp_path_factory.mktemp("staging-daemon")
+    ep = f"ipc://{d / 'kvdepot.sock'}"
+    log = open(d / "daemon.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kvdepot", "serve", "--endpoint", ep, "--l1-bytes", "1g"],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ))
+    assert "ready" in proc.stdout.readline(), (d / "daemon.log").read_text()
+    yield ep
+    proc.terminate()
+    rc = proc.wait(30)
+    proc.stdout.close()
+    log.close()
+    text = (d / "daemon.log").read_text()
+    assert rc == 0 and "Traceback" not in text, text
+
+
+def _engine(daemon, staging_bytes):
+    from kvdepot.client import KVDepotClient
+    from kvdepot.client.kvcache import KVGroupShape, ShmKVCache
+
+    groups = [KVGroupShape(0, 3, 2, 64, 16, torch.bfloat16), KVGroupShape(1, 2, 2, 64, 32, torch.bfloat16)]
+    cache = ShmKVCache(groups, NUM_BLOCKS, "LBNHC", device=torch.device("cuda"))
+    c = KVDepotClient(daemon, timeout_s=30)
+    reg = c.register("staging-test", "tp0of1", CHUNK, cache.storage_specs(), cache.layer_specs(),
+                     cache.group_specs(), device="cuda", local_storages=[cache.storage], staging_bytes=staging_bytes)
+    return c, cache, groups, reg
+
+
+def _ids(rng, groups, n_chunks):
+    return [rng.sample(range(NUM_BLOCKS), n_chunks * CHUNK // g.tokens_per_block) for g in groups]
+
+
+def test_ring_wraps_and_reclaims_under_outstanding_requests(daemon):
+    probe_c, _, _, probe = _engine(daemon, 1 << 20)
+    ob = probe.object_bytes
+    probe_c.unregister(probe)
+    probe_c.close()
+    c, cache, groups, reg = _engine(daemon, 5 * ob + 256)  # room for about two 2-chunk requests
+    try:
+        assert reg.staging is not None
+        ring = reg.staging.ring
+        offsets = []
+        alloc = ring.alloc
+        def recording_alloc(nbytes, owner):
+            region = alloc(nbytes, owner)
+            offsets.append(region.offset if region else None)
+            return region
+
+        ring.alloc = recording_alloc
+        c.flush()
+        rng = random.Random(5)
+        s = torch.cuda.Stream()
+        prompts = []
+        with torch.cuda.stream(s):  # every engine-side kernel and copy of this test is ordered on s
+            for p in range(12):  # store 12 two-chunk prompts, all submitted before any result
+                keys = reg.keys([rng.randrange(50000) for _ in range(2 * CHUNK)])
+                ids = _ids(rng, groups, 2)
+                cache.storage.copy_(torch.randint(0, 256, (cache.size_bytes,), dtype=torch.uint8, device="cuda"))
+                ref = [cache.read_tokens(li, ids[gid], as_bytes=True).clone()
+                       for li, gid in enumerate(cache.layer_gids)]
+                # the next iteration overwrites the blocks on s at once: the gather ran before
+                prompts.append((keys, ref, c.submit_store(reg, keys, ids, after=s, early=p % 2 == 1)))
+            for _, _, pend in prompts:
+                assert pend.result().stored == 2
+            for keys, _, _ in prompts:  # early stores become visible once their copies ended
+                for _ in range(3000):
+                    if c.lookup(keys, CHUNK) == 2:
+                        break
+                assert c.lookup(keys, CHUNK) == 2
+            cache.storage.fill_(0x33)
+            outs = []  # all submitted before any result: the ring reclaims results not yet taken
+            for keys, ref, _ in prompts:
+                ids = _ids(rng, groups, 2)
+                outs.append((ids, ref, c.submit_retrieve(reg, keys, ids)))
+            for ids, ref, pend in outs:
+                assert pend.result(before=s) == 2
+            got = [[cache.read_tokens(li, ids[gid], as_bytes=True).clone() for li, gid in enumerate(cache.layer_gids)]
+                   for ids, _, _ in outs]
+        s.synchronize()
+        for g, (_, ref, _) in zip(got, outs):
+            for a, b in zip(g, ref):
+                assert torch.equal(a, b)
+        assert None not in offsets and len(offsets) == 24
+        assert offsets.count(0) >= 4, offsets  # the ring wrapped many times
+    finally:
+        c.unregister(reg)
+        c.close()
+
+
+def test_bad_staging_offsets_get_typed_errors(daemon):
+    from kvdepot.protocol import messages as m
+    from kvdepot.protocol.errors import ErrorCode, KVDepotError
+
+    c, cache, groups, reg = _engine(daemon, 4 << 20)
+    try:
+        rng = random.Random(1)
+        keys = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
+        ids = _ids(rng, groups, 1)
+        size = reg.staging.ring.size_bytes
+        for off in (size, size - 256, 1):
+            with pytest.raises(KVDepotError) as e:
+                c.call(m.Store(rid=0, registration=reg.id, keys=keys, block_ids=ids, staging_offset=off))
+            assert e.value.code == ErrorCode.INVALID_ARGUMENT
+            with pytest.raises(KVDepotError) as e:
+                c.call(m.Retrieve(rid=0, registration=reg.id, keys=keys, block_ids=ids, staging_offset=off))
+            assert e.value.code == ErrorCode.INVALID_ARGUMENT
+        assert c.lookup(keys, CHUNK) == 0  # nothing half-stored
+        assert c.store(reg, keys, ids, after=torch.cuda.current_stream()).stored == 1  # and the daemon still works
+    finally:
+        c.unregister(reg)
+        c.close()

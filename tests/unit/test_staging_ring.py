@@ -1,0 +1,75 @@
+"""The engine-side staging ring's allocator (`kvdepot.client.staging.StagingRing`): regions never
+overlap, stay inside the ring and 256-byte aligned, are handed out first-in first-out, and the
+allocator waits for (reclaims) the oldest regions only when there is no room."""
+
+from __future__ import annotations
+
+import random
+
+from kvdepot.client.staging import StagingRing
+
+
+def _overlaps(live) -> bool:
+    spans = sorted((r.offset, r.offset + r.size_bytes) for r in live)
+    return any(a[1] > b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_regions_are_aligned_disjoint_and_wrap():
+    ring = StagingRing(4096)
+    a = ring.alloc(1000)
+    b = ring.alloc(1024)
+    assert (a.offset, a.size_bytes, b.offset) == (0, 1024, 1024)
+    c = ring.alloc(2048)
+    assert c.offset == 2048
+    a.is_free = lambda: True  # the oldest ends: the next region wraps to the start
+    d = ring.alloc(512)
+    assert d.offset == 0 and [r.offset for r in ring.live] == [1024, 2048, 0]
+    assert ring.alloc(8192) is None  # larger than the ring: the caller goes unstaged
+    assert ring.alloc(0) is None
+
+
+def test_full_ring_reclaims_the_oldest_region_only():
+    ring = StagingRing(3 * 256)
+    regs = [ring.alloc(256) for _ in range(3)]
+    calls = []
+
+    def reclaim(r):
+        calls.append(r.offset)
+        r.is_free = lambda: True
+        return True
+
+    for r in regs:
+        r.reclaim = lambda r=r: reclaim(r)
+    e = ring.alloc(256)
+    assert calls == [0] and e.offset == 0
+    regs[2].is_free = lambda: True  # freed out of order: not reusable before the older region 1
+    f = ring.alloc(256)
+    assert calls == [0, 256] and f.offset == 256
+
+
+def test_unreclaimable_oldest_region_makes_alloc_give_up():
+    ring = StagingRing(512)
+    ring.alloc(512)  # reclaim() of a region lost in a timeout answers False
+    assert ring.alloc(256) is None
+
+
+def test_random_workload_never_overlaps():
+    rng = random.Random(3)
+    ring = StagingRing(1 << 16)
+    for _ in range(5000):
+        r = ring.alloc(rng.choice([1, 256, 300, 4096, 20000, 65536]))
+        assert r is not None and r.offset % 256 == 0 and r.offset + r.size_bytes <= ring.size_bytes
+        assert not _overlaps(ring.live)
+        r.reclaim = lambda r=r: setattr(r, "is_free", lambda: True) or True
+        for x in list(ring.live):
+            if rng.random() < 0.3:
+                x.is_free = lambda: True
+
+
+def test_another_clients_region_is_polled_never_reclaimed():
+    ring = StagingRing(512, foreign_wait_s=0.01)
+    r = ring.alloc(512, owner="client-a")
+    r.reclaim = lambda: (_ for _ in ()).throw(AssertionError("reclaimed by another client"))
+    assert ring.alloc(256, owner="client-b") is None  # gave up after foreign_wait_s
+    r.is_free = lambda: True
+    assert ring.alloc(256, owner="client-b").offset == 0
