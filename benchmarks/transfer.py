@@ -352,10 +352,13 @@ def wait_visible(client: KVDepotClient, keys: list[bytes], chunk_size: int, time
         time.sleep(20e-6)
 
 
-def retrieve_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: int):
+def retrieve_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: int, cpu_wait: bool = False):
     """One thread keeping ``depth`` RETRIEVEs in flight on one client (`submit_retrieve`). As an
     engine would, the stream waits once, on the last reply's event (a registration's retrieves
     complete in order, so it covers every earlier one), and is then synchronized."""
+
+    # engine-side staging: each result enqueues its scatter, on the stream given to it
+    before = stream if reg.staging is not None else None
 
     def fn() -> None:
         q: collections.deque = collections.deque()
@@ -365,7 +368,7 @@ def retrieve_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: i
                 q.append(client.submit_retrieve(reg, [key], ids))
             if not q:
                 break
-            work.add_done(q.popleft().result())
+            work.add_done(q.popleft().result(before, cpu_wait=cpu_wait))
         if stream is not None:
             if client.last_retrieve_event is not None:
                 stream.wait_event(client.last_retrieve_event)
@@ -630,7 +633,7 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
     total = n * ob
     res: dict = {"shape": shape.name, "chunk_tokens": chunk_size, "object_bytes": ob, "chunks": n, "bytes": total,
                  "outstanding": k, "client_mode": a.client_mode, "store_reply": a.store_reply,
-                 "staging": a.staging}
+                 "staging": a.staging, "spin_us": a.spin_us, "stream_wait": a.stream_wait}
     try:
         main.flush()
         src = [blocks.chunk("src", j, chunk_size) for j in range(n)]
@@ -692,7 +695,7 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
 
         def retrieve_tasks(w: _Work) -> list:
             if a.client_mode == "pipelined":
-                return [retrieve_pipelined(rt_clients[0], reg, rt_streams[0], w, k)]
+                return [retrieve_pipelined(rt_clients[0], reg, rt_streams[0], w, k, a.stream_wait == "cpu")]
             return [retrieve_task(c, reg, s, w) for c, s in zip(rt_clients, rt_streams)]
 
         def store_run(keys) -> tuple[float, int]:
@@ -976,6 +979,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipelined: one thread per direction keeps --outstanding requests in flight on one client "
                         "(submit_store / submit_retrieve); threads: --outstanding threads per direction, one "
                         "blocking request each")
+    p.add_argument("--spin-us", type=float, default=200.0, help="the clients' spin before a wait sleeps")
+    p.add_argument("--stream-wait", choices=("gpu", "cpu"), default="gpu",
+                   help="pipelined retrieves: the engine waits for the daemon's copies on its stream (gpu) or "
+                        "on the CPU (cpu_wait)")
     p.add_argument("--bytes-per-point", type=float, default=2e9, help="bytes per stream measurement (about)")
     p.add_argument("--baseline-bytes", type=float, default=5e8, help="bytes per baseline measurement (about)")
     p.add_argument("--iters", type=int, default=5, help="repetitions of each stream / roofline measurement")
@@ -1027,7 +1034,7 @@ def main(argv=None) -> int:
             endpoint = daemon.endpoint
         else:
             doc["daemon"] = {"endpoint": endpoint, "external": True}
-        clients = [KVDepotClient(endpoint, timeout_s=120, name=f"bench-{i}") for i in range(2 * k)]
+        clients = [KVDepotClient(endpoint, timeout_s=120, name=f"bench-{i}", spin_us=args.spin_us) for i in range(2 * k)]
         streams = [torch.cuda.Stream(dev) for _ in range(2 * k)]
 
         points = [(s, cs) for s in shapes for cs in chunk_sizes]

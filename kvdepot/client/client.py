@@ -64,6 +64,10 @@ class Registration:
         return chunk_keys(self.seed(cache_salt), token_ids, self.request.chunk_size)
 
 
+# interprocess events a client records in turn on each stream it stores from (`_record_event`)
+STORE_EVENTS_PER_STREAM = 16
+
+
 class KVDepotClient:
     """Blocking client.
 
@@ -88,7 +92,8 @@ class KVDepotClient:
         self._outstanding: set[int] = set()  # submitted, reply not yet returned by wait()
         self._replies: dict[int, m.Msg] = {}  # replies that arrived before their wait()
         self._identity = f"kvd-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
-        self._own_events: dict = {}  # cudaStream_t -> (interprocess event recorded there for stores, handle)
+        # cudaStream_t -> [next index, [(interprocess event recorded there for stores, handle)]]
+        self._own_events: dict = {}
         self._peer_events: dict = {}  # handle -> the daemon's opened interprocess event
         self.last_retrieve_event = None
         self.boot_id: str | None = None
@@ -397,19 +402,32 @@ class KVDepotClient:
     # ------------------------------------------------------------------ CUDA events
 
     def _record_event(self, stream) -> bytes:
+        """Record one of ``stream``'s interprocess events there; returns its handle.
+
+        Each stream has `STORE_EVENTS_PER_STREAM` events used in turn, so that a store's event
+        is not re-recorded by the next few stores while the daemon still looks at it: the
+        daemon sees an event's latest record, and waiting for a later store's gather (after the
+        engine's next forward, say) would hold this store's copies back. A re-recorded event is
+        still correct, only later: a later record on the SAME stream covers the earlier writes.
+        """
         import torch
 
-        # one event per stream: the daemon's wait sees the event's latest record, which covers an
-        # earlier outstanding store's writes only if it was recorded later on the SAME stream
         key = stream.cuda_stream
         got = self._own_events.get(key)
         if got is None:
+            got = self._own_events[key] = [0, []]
+        pool = got[1]
+        if len(pool) < STORE_EVENTS_PER_STREAM:
             with torch.cuda.device(stream.device):
                 ev = torch.cuda.Event(interprocess=True)
             # the handle of an event never changes: ask for it once (cudaIpcGetEventHandle is not free)
-            got = self._own_events[key] = (ev, bytes(ev.ipc_handle()))
-        got[0].record(stream)
-        return got[1]
+            pool.append((ev, bytes(ev.ipc_handle())))
+            ev_handle = pool[-1]
+        else:
+            ev_handle = pool[got[0]]
+            got[0] = (got[0] + 1) % len(pool)
+        ev_handle[0].record(stream)
+        return ev_handle[1]
 
     def _open_event(self, handle: bytes, device):
         import torch

@@ -218,9 +218,11 @@ class CudaDevicePath:
             except KernelError as exc:
                 raise RequestError(ErrorCode.ENGINE_MEMORY, f"cannot open the engine's CUDA event: {exc}") from None
             if len(self._engine_events) >= _MAX_OPEN_EVENTS:
-                # destroying an event leaves the waits already enqueued on it intact
+                # destroying an event leaves the GPU waits already enqueued on it intact; the
+                # store lane's deferred staged copies poll it from the CPU, so it goes only
+                # once none of those waits on it
                 for old in self._engine_events.values():
-                    self.kernels.event_destroy(old)
+                    self.kernels.lane_retire_event(self.store_lane, old)
                 self._engine_events.clear()
             self._engine_events[handle] = ev
         return ev
@@ -292,8 +294,11 @@ class CudaDevicePath:
         buffer (IPC-opened device memory) and pinned L1 objects: device -> host on the store
         lane (``to_host``), host -> device on the retrieve lane. No kernel runs in the daemon's
         CUDA context: the engine gathers / scatters in its own. The copies follow
-        ``engine_event`` (interprocess handle, or b""); ``out_event`` (or None) is recorded
-        after them; ``done(err)`` runs on the loop when they completed.
+        ``engine_event`` (interprocess handle, or b""): if it has not completed yet the lane's
+        issuer thread polls it from the CPU and enqueues the copies then (the DMA stream never
+        waits on another process's event). ``out_event`` (or None) is recorded after the
+        copies when they are enqueued, so with an ``engine_event`` its handle must not be handed
+        out before ``done``. ``done(err)`` runs on the loop when they completed.
 
         Raises (nothing enqueued):
             RequestError(ENGINE_MEMORY): the engine's event cannot be opened.

@@ -38,7 +38,7 @@ ENV_SO = "KVDEPOT_KERNELS_SO"
 ENV_NO_JIT = "KVDEPOT_NO_JIT"
 # built at install (setup.py) for `build.INSTALL_ARCHS` when nvcc was there
 PACKAGED_SO = Path(__file__).parent / "_lib" / "libkvdepot_kernels.so"
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 KVD_OK, KVD_EINVAL, KVD_EALIGN, KVD_ECUDA = 0, 1, 2, 3
 
@@ -109,6 +109,7 @@ class Kernels:
         lib.kvd_event_create_ipc.argtypes = [i32, ctypes.POINTER(vp), ctypes.c_char_p]
         lib.kvd_event_open_ipc.argtypes = [ctypes.c_char_p, i32, ctypes.POINTER(vp)]
         lib.kvd_event_destroy.argtypes = [vp]
+        lib.kvd_lane_retire_event.argtypes = [vp, vp]
         self.ipc_handle_bytes = lib.kvd_ipc_handle_bytes()
         self.ipc_event_handle_bytes = lib.kvd_ipc_event_handle_bytes()
         self.lib = lib
@@ -254,6 +255,11 @@ class Kernels:
 
     def event_destroy(self, event: int) -> None:
         self._check(self.lib.kvd_event_destroy(event), "cudaEventDestroy")
+
+    def lane_retire_event(self, lane: int, event: int) -> None:
+        """Destroy an event opened by `event_open_ipc` once no deferred `kvd_dma` request of
+        ``lane`` waits on it any more (at once if none does)."""
+        self._check(self.lib.kvd_lane_retire_event(lane, event), "cudaEventDestroy")
 
     def error_text(self, rc: int) -> str:
         return {KVD_EINVAL: "invalid arguments", KVD_EALIGN: "misaligned",

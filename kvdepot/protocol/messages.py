@@ -217,7 +217,9 @@ class Store(Msg, tag="store"):
     staging_offset: >= 0: the engine already gathered the chunks into its registered staging
         buffer, chunk j at byte ``staging_offset + j * object_bytes`` in the canonical object
         format, and ``event`` follows that gather; the daemon reads only the staging buffer
-        (``block_ids`` are still checked). -1: the daemon gathers from the blocks.
+        (``block_ids`` are still checked), and replies once the chunks are in L1 whatever
+        ``reply_early`` says (the engine's blocks were free once its gather ran; the staging
+        region is free on the reply). -1: the daemon gathers from the blocks.
     Reply: `StoreReply`.
     """
 

@@ -607,10 +607,13 @@ class Daemon:
         skipped = n - present - len(new)
         if reason:
             self.metrics.store_skipped_chunks.labels(reason).inc(skipped)
-        early = req.reply_early and reg.cuda_device is not None
+        # A staged store replies after its copies: the engine's own stream already read the
+        # blocks (nothing to wait for before reusing them), and the copies may start later than
+        # this enqueue (after the engine's gather, polled from the CPU), so an event recorded
+        # behind them could not be handed out now.
+        early = req.reply_early and reg.cuda_device is not None and not staged
         reply = m.StoreReply(rid=req.rid, stored=len(new), present=present, skipped=skipped,
-                             # staged: the engine's own stream already read the blocks
-                             event=reg.engine.gathered_event_handle if early and new and not staged else b"",
+                             event=reg.engine.gathered_event_handle if early and new else b"",
                              stored_event=reg.engine.stored_event_handle if early and new else b"")
 
         def release_held() -> None:
@@ -657,7 +660,7 @@ class Daemon:
                 base = self.pool.base_ptr
                 self._cuda.path(reg.cuda_device).copy_staged(
                     True, [staged_ptrs[j] for j, _ in new], [base + e.offset for _, e in new], lay.object_bytes, req.event,
-                    reg.engine.stored_event if early else None, finish)
+                    None, finish)
             else:
                 base = self.pool.base_ptr
                 self._cuda.path(reg.cuda_device).store(

@@ -51,6 +51,12 @@ def _ids(rng, groups, n_chunks):
     return [rng.sample(range(NUM_BLOCKS), n_chunks * CHUNK // g.tokens_per_block) for g in groups]
 
 
+def _disjoint_ids(rng, groups, n_chunks, count):
+    """``count`` requests' block ids, no block in two of them (per gid)."""
+    per_group = [rng.sample(range(NUM_BLOCKS), count * n_chunks * CHUNK // g.tokens_per_block) for g in groups]
+    return [[ids[r * len(ids) // count:(r + 1) * len(ids) // count] for ids in per_group] for r in range(count)]
+
+
 def test_ring_wraps_and_reclaims_under_outstanding_requests(daemon):
     probe_c, _, _, probe = _engine(daemon, 1 << 20)
     ob = probe.object_bytes
@@ -90,8 +96,8 @@ def test_ring_wraps_and_reclaims_under_outstanding_requests(daemon):
                 assert c.lookup(keys, CHUNK) == 2
             cache.storage.fill_(0x33)
             outs = []  # all submitted before any result: the ring reclaims results not yet taken
-            for keys, ref, _ in prompts:
-                ids = _ids(rng, groups, 2)
+            # disjoint blocks: every retrieve's bytes are read back after the last one
+            for (keys, ref, _), ids in zip(prompts, _disjoint_ids(rng, groups, 2, len(prompts))):
                 outs.append((ids, ref, c.submit_retrieve(reg, keys, ids)))
             for ids, ref, pend in outs:
                 assert pend.result(before=s) == 2
@@ -103,6 +109,47 @@ def test_ring_wraps_and_reclaims_under_outstanding_requests(daemon):
                 assert torch.equal(a, b)
         assert None not in offsets and len(offsets) == 24
         assert offsets.count(0) >= 4, offsets  # the ring wrapped many times
+    finally:
+        c.unregister(reg)
+        c.close()
+
+
+def test_stores_behind_a_busy_engine_stream_wait_for_its_gather(daemon):
+    """The engine's stream is busy (a 10 ms sleep kernel) when each store arrives, so the
+    daemon's copies are deferred until the gather's event completes (the lane's issuer polls
+    it); bytes copied before the gather would be the ring's stale contents."""
+    c, cache, groups, reg = _engine(daemon, 32 << 20)
+    try:
+        assert reg.staging is not None
+        rng = random.Random(7)
+        s = torch.cuda.Stream()
+        prompts = []
+        with torch.cuda.stream(s):
+            for p in range(6):
+                keys = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
+                ids = _ids(rng, groups, 1)
+                torch.cuda._sleep(20_000_000)  # about 10 ms: the request reaches the daemon long before
+                cache.storage.copy_(torch.randint(0, 256, (cache.size_bytes,), dtype=torch.uint8, device="cuda"))
+                ref = [cache.read_tokens(li, ids[gid], as_bytes=True).clone()
+                       for li, gid in enumerate(cache.layer_gids)]
+                prompts.append((keys, ref, c.submit_store(reg, keys, ids, after=s, early=p % 2 == 0)))
+            for _, _, pend in prompts:
+                r = pend.result()
+                # staged stores reply after their copies, early or not
+                assert (r.stored, r.event, r.stored_event) == (1, b"", b"")
+            for keys, _, _ in prompts:
+                assert c.lookup(keys, CHUNK) == 1
+            cache.storage.fill_(0x5A)
+            outs = []
+            for keys, ref, _ in prompts:
+                ids = _ids(rng, groups, 1)
+                assert c.retrieve(reg, keys, ids, before=s) == 1
+                outs.append(([cache.read_tokens(li, ids[gid], as_bytes=True).clone()
+                              for li, gid in enumerate(cache.layer_gids)], ref))
+        s.synchronize()
+        for got, ref in outs:
+            for a, b in zip(got, ref):
+                assert torch.equal(a, b)
     finally:
         c.unregister(reg)
         c.close()

@@ -291,6 +291,18 @@ int kvd_host_unregister(void* ptr) { return kvd_check(cudaHostUnregister(ptr)); 
 
 #define KVD_MAX_SLOTS 8
 
+// A kvd_dma request waiting for its engine event (see KvdLane::deferred).
+struct KvdDeferred {
+  cudaEvent_t wait;
+  std::vector<uint64_t> srcs, dsts;
+  uint64_t bytes;
+  int to_host;
+  cudaEvent_t out_event;
+  int fd;
+  uint64_t token;
+  int64_t since_ns;
+};
+
 // A completion to report: when `ev` has completed, write `token` (bit 63 set if the GPU
 // reported an error) to `fd`.
 struct KvdWatch {
@@ -326,6 +338,17 @@ struct KvdLane {
   double ns_per_byte = 1.0 / 60.0;  // observed PCIe time per byte, starts at 60 GB/s (optimistic)
   int64_t busy_until_ns = 0;        // expected end of the last request queued
   cudaEvent_t piece = nullptr;      // hand-off between the streams per piece (re-recorded)
+  // deferred DMA (kvd_dma): a request whose engine event has not completed when it arrives is
+  // queued here; the issuer thread polls the event from the CPU and enqueues the copies once it
+  // completed, so the DMA stream never waits on another process's event (a cross-context GPU
+  // wait was measured to cost 150-250 us). Under issue_mu: the queue, `retired`, and every
+  // enqueue on ds by kvd_dma (requests of a lane are issued in arrival order).
+  std::mutex issue_mu;
+  std::condition_variable issue_cv;
+  std::deque<struct KvdDeferred> deferred;
+  std::vector<cudaEvent_t> retired;  // engine events to destroy once no queued request waits on them
+  bool issue_stop = false;
+  std::thread issuer;
 };
 
 #define KVD_MAX_PIECES 64
@@ -426,9 +449,98 @@ static int lane_watch(KvdLane* lane, cudaStream_t last, int fd, uint64_t token, 
   return KVD_OK;
 }
 
+// Enqueue one kvd_dma request's copies on ds, then its out event and its completion watch.
+// Caller holds issue_mu. `*notified` = 1 once the watch is queued (its token will be written).
+static int dma_issue(KvdLane* lane, const uint64_t* srcs, const uint64_t* dsts, uint64_t bytes, int64_t n,
+                     int to_host, cudaEvent_t out_event, int fd, uint64_t token, int* notified) {
+  const cudaMemcpyKind kind = to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
+  int rc = KVD_OK;
+  for (int64_t k = 0; !rc && k < n; ++k)
+    rc = kvd_check(cudaMemcpyAsync(reinterpret_cast<void*>(dsts[k]), reinterpret_cast<const void*>(srcs[k]), bytes,
+                                   kind, lane->ds));
+  if (!rc && out_event != nullptr) rc = kvd_check(cudaEventRecord(out_event, lane->ds));
+  // a failed enqueue is reported through the watch too (bit 63): the request completes once
+  // what was enqueued has drained, as failed
+  const int nrc = lane_watch(lane, lane->ds, fd, rc ? (token | (1ULL << 63)) : token, n * (int64_t)bytes);
+  if (nrc == KVD_OK) *notified = 1;
+  return rc ? rc : nrc;
+}
+
+#define KVD_DEFER_GPU_WAIT_NS 2000000000LL  // after 2 s of polling, hand the wait to the GPU
+
+// The issuer thread: polls the oldest deferred request's engine event from the CPU (spinning
+// for 20 us, then naps growing from 2 us to 200 us as the wait lengthens), then issues it.
+// A failure is reported as the request's token with bit 63 set.
+static void issuer_main(KvdLane* lane) {
+  cudaSetDevice(lane->device);
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+  std::unique_lock<std::mutex> lk(lane->issue_mu);
+  for (;;) {
+    lane->issue_cv.wait(lk, [lane] { return lane->issue_stop || !lane->deferred.empty(); });
+    if (lane->deferred.empty()) return;  // stopping, and everything issued
+    cudaEvent_t wait = lane->deferred.front().wait;
+    const int64_t since = lane->deferred.front().since_ns;
+    lk.unlock();  // kvd_dma only appends while the queue is non-empty: the front stays put
+    cudaError_t e;
+    bool gpu_wait = false;
+    while ((e = cudaEventQuery(wait)) == cudaErrorNotReady) {
+      const int64_t waited = now_ns() - since;
+      if (waited > KVD_DEFER_GPU_WAIT_NS) {
+        gpu_wait = true;
+        break;
+      }
+      if (waited > 20000) {
+        struct timespec d = {0, waited < 1000000 ? 2000L : waited < 100000000 ? 20000L : 200000L};
+        nanosleep(&d, nullptr);
+      }
+    }
+    if (e != cudaSuccess && !gpu_wait) cudaGetLastError();
+    lk.lock();
+    KvdDeferred job = std::move(lane->deferred.front());
+    lane->deferred.pop_front();
+    int rc = KVD_OK, notified = 0;
+    if (gpu_wait) {
+      rc = kvd_check(cudaStreamWaitEvent(lane->ds, job.wait, 0));
+    } else if (e != cudaSuccess) {
+      rc = KVD_ECUDA;  // the engine's event failed (its process died?): copy nothing
+    }
+    if (!rc) rc = dma_issue(lane, job.srcs.data(), job.dsts.data(), job.bytes, (int64_t)job.srcs.size(), job.to_host,
+                            job.out_event, job.fd, job.token, &notified);
+    if (rc) {
+      cudaGetLastError();
+      if (!notified) {  // nothing will report it: wait out what was enqueued, then fail it
+        cudaStreamSynchronize(lane->ds);
+        cudaGetLastError();
+        write_token(job.fd, job.token | (1ULL << 63));
+      }  // else the watch carries the error bit
+    }
+    // destroy a retired engine event no queued request waits on any more
+    for (size_t i = 0; i < lane->retired.size();) {
+      bool used = false;
+      for (const KvdDeferred& d : lane->deferred) used = used || d.wait == lane->retired[i];
+      if (used) {
+        ++i;
+      } else {
+        cudaEventDestroy(lane->retired[i]);
+        lane->retired[i] = lane->retired.back();
+        lane->retired.pop_back();
+      }
+    }
+  }
+}
+
 void kvd_lane_destroy(KvdLane* lane) {
   if (lane == nullptr) return;
   cudaSetDevice(lane->device);
+  if (lane->issuer.joinable()) {
+    {
+      std::lock_guard<std::mutex> g(lane->issue_mu);
+      lane->issue_stop = true;
+    }
+    lane->issue_cv.notify_one();
+    lane->issuer.join();  // issues what is still deferred first
+  }
+  for (cudaEvent_t ev : lane->retired) cudaEventDestroy(ev);
   if (lane->ks) cudaStreamSynchronize(lane->ks);
   if (lane->ds) cudaStreamSynchronize(lane->ds);
   if (lane->watcher.joinable()) {
@@ -475,6 +587,7 @@ int kvd_lane_create(int device, uint64_t slot_bytes, int nslots, KvdLane** out) 
   if (!rc) {
     try {
       lane->watcher = std::thread(watcher_main, lane);
+      lane->issuer = std::thread(issuer_main, lane);
     } catch (...) {
       rc = KVD_EINVAL;
     }
@@ -858,10 +971,13 @@ int kvd_engine_scatter(const KvdEngine* eng, const int32_t* ids, int64_t total_c
 
 // Daemon side: n copies of `bytes` each, srcs[k] -> dsts[k], on the lane's DMA stream
 // (to_host = 1: device -> pinned host, 0: host -> device). wait_event (or null): the engine's
-// interprocess event the copies follow; one that already completed is not waited on (a GPU wait
-// on another process's event costs the stream a context switch); otherwise the DMA stream waits
-// on it. out_event (or null) is recorded after the copies. Completion note and *notified as in
-// kvd_store.
+// interprocess event the copies follow. The DMA stream never waits on it (a GPU wait on another
+// process's event costs 150-250 us of context switching): if it has not completed, or an earlier
+// request of the lane is still deferred, the request is queued and the lane's issuer thread
+// enqueues it once the event completed (polled from the CPU). out_event (or null) is recorded
+// after the copies, when they are enqueued: with a wait_event its record may come later than
+// this call, so the caller must not hand it out before the request completed. Completion note
+// and *notified as in kvd_store (a deferred request is always notified).
 int kvd_dma(KvdLane* lane, cudaEvent_t wait_event, const uint64_t* srcs, const uint64_t* dsts, uint64_t bytes,
             int64_t n, int to_host, cudaEvent_t out_event, int fd, uint64_t token, int* notified) {
   if (notified == nullptr) return KVD_EINVAL;
@@ -869,18 +985,45 @@ int kvd_dma(KvdLane* lane, cudaEvent_t wait_event, const uint64_t* srcs, const u
   if (lane == nullptr || srcs == nullptr || dsts == nullptr || n <= 0 || bytes == 0) return KVD_EINVAL;
   int rc = use_device(lane->device);
   if (rc) return rc;
-  if (wait_event != nullptr && cudaEventQuery(wait_event) != cudaSuccess) {
-    cudaGetLastError();
-    rc = kvd_check(cudaStreamWaitEvent(lane->ds, wait_event, 0));
+  std::lock_guard<std::mutex> g(lane->issue_mu);
+  if (wait_event != nullptr && (!lane->deferred.empty() || cudaEventQuery(wait_event) != cudaSuccess)) {
+    cudaGetLastError();  // cudaErrorNotReady (or a failed event: the issuer reports it)
+    KvdDeferred job;
+    try {
+      job.srcs.assign(srcs, srcs + n);
+      job.dsts.assign(dsts, dsts + n);
+    } catch (...) {
+      return KVD_EINVAL;
+    }
+    job.wait = wait_event;
+    job.bytes = bytes;
+    job.to_host = to_host;
+    job.out_event = out_event;
+    job.fd = fd;
+    job.token = token;
+    job.since_ns = now_ns();
+    lane->deferred.push_back(std::move(job));
+    lane->issue_cv.notify_one();
+    *notified = 1;  // the issuer reports it
+    return KVD_OK;
   }
-  const cudaMemcpyKind kind = to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
-  for (int64_t k = 0; !rc && k < n; ++k)
-    rc = kvd_check(cudaMemcpyAsync(reinterpret_cast<void*>(dsts[k]), reinterpret_cast<const void*>(srcs[k]), bytes,
-                                   kind, lane->ds));
-  if (!rc && out_event != nullptr) rc = kvd_check(cudaEventRecord(out_event, lane->ds));
-  const int nrc = lane_watch(lane, lane->ds, fd, token, n * (int64_t)bytes);
-  if (nrc == KVD_OK) *notified = 1;
-  return rc ? rc : nrc;
+  return dma_issue(lane, srcs, dsts, bytes, n, to_host, out_event, fd, token, notified);
+}
+
+// Destroy an engine's event opened by kvd_event_open_ipc, or, while a deferred kvd_dma request
+// on `lane` still waits on it, once that request was issued.
+int kvd_lane_retire_event(KvdLane* lane, void* ev) {
+  if (lane == nullptr || ev == nullptr) return KVD_EINVAL;
+  {
+    std::lock_guard<std::mutex> g(lane->issue_mu);
+    for (const KvdDeferred& d : lane->deferred) {
+      if (d.wait == static_cast<cudaEvent_t>(ev)) {
+        lane->retired.push_back(static_cast<cudaEvent_t>(ev));
+        return KVD_OK;
+      }
+    }
+  }
+  return kvd_check(cudaEventDestroy(static_cast<cudaEvent_t>(ev)));
 }
 
 // Interprocess events (cudaEventInterprocess | cudaEventDisableTiming).
@@ -929,7 +1072,7 @@ int kvd_lane_synchronize(KvdLane* lane) {
 
 int kvd_ipc_handle_bytes(void) { return (int)sizeof(cudaIpcMemHandle_t); }
 
-int kvd_abi_version(void) { return 5; }
+int kvd_abi_version(void) { return 6; }
 
 // First 16 hex digits of the SHA-256 of this file, passed by the build (-DKVD_SOURCE_HASH=...);
 // the loader refuses a library built from other source (a stale build would misread arguments).
