@@ -332,7 +332,7 @@ class KVDepotClient:
             try:
                 staging.gather(block_ids, len(keys), region.offset, stream)
             except BaseException:
-                region.is_free = lambda: True
+                region.release()
                 raise
             offset = region.offset
             event = self._record_event(stream)
@@ -344,9 +344,9 @@ class KVDepotClient:
                                       request=request, event=event, reply_early=early, staging_offset=offset))
         except BaseException:
             if region is not None:
-                region.is_free = lambda: True  # nothing was sent: no copy reads it
+                region.release()  # nothing was sent: no copy reads it
             raise
-        return PendingStore(self, rid, region, staging.device if region is not None else None)
+        return PendingStore(self, rid, region)
 
     def retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
                  skip_tokens: int = 0, request: str = "", before=None, cpu_wait: bool = False) -> int:
@@ -381,7 +381,7 @@ class KVDepotClient:
                                          request=request, staging_offset=region.offset if region else -1))
         except BaseException:
             if region is not None:
-                region.is_free = lambda: True
+                region.release()
             raise
         pending = PendingRetrieve(self, rid)
         if region is not None:
@@ -448,15 +448,21 @@ class KVDepotClient:
         return self.call(m.Flush(rid=0, model=model, cache_salt=cache_salt, tier=tier))
 
 
+def region_reusable_after(error: KVDepotError) -> bool:
+    """Whether a failed staged request's ring region may be reused: not when the request was
+    lost in a timeout or with the connection (the daemon may still copy into or out of it)."""
+    return error.code not in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED)
+
+
 class PendingStore:
     """A submitted STORE (`KVDepotClient.submit_store`)."""
 
-    def __init__(self, client: KVDepotClient, rid: int, region=None, device=None) -> None:
-        self.client, self.rid, self._device = client, rid, device
+    def __init__(self, client: KVDepotClient, rid: int, region=None) -> None:
+        self.client, self.rid = client, rid
         self._reply: m.StoreReply | None = None
         self._error: BaseException | None = None
-        self._stored_event = None  # staged + early: the daemon's event after its copies
-        self._region = region  # staged: the ring region the daemon copies out of
+        # staged: the ring region the daemon copies out of; its reply comes after the copies
+        self._region = region
         if region is not None:
             region.is_free = self._region_free
             region.reclaim = self._reclaim
@@ -465,8 +471,6 @@ class PendingStore:
         if self._reply is None and self._error is None:
             try:
                 self._reply = self.client.wait(self.rid, timeout_s)
-                if self._region is not None and self._reply.stored_event:
-                    self._stored_event = self.client._open_event(self._reply.stored_event, self._device)
             except KVDepotError as exc:
                 self._error = exc
         if self._error is not None:
@@ -475,33 +479,25 @@ class PendingStore:
 
     def _region_free(self) -> bool:
         if self._error is not None:
-            # lost in a timeout or the connection: the daemon may still copy out of the region
-            return self._error.code not in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED)
-        if self._reply is None:
-            return False
-        return self._stored_event is None or self._stored_event.query()
+            return region_reusable_after(self._error)
+        return self._reply is not None
 
     def _reclaim(self) -> bool:
         try:
             self._await()
         except KVDepotError:
-            return self._region_free()
-        if self._stored_event is not None:
-            self._stored_event.synchronize()
-        return True
+            pass
+        return self._region_free()
 
     def result(self, before=None, timeout_s: float | None = None, cpu_wait: bool = False,
                in_l1: bool = False) -> m.StoreReply:
         """Wait for the reply; with an early reply, ``before`` (a ``torch.cuda.Stream``) is made
         to wait until the daemon has read the blocks, or with ``cpu_wait`` this call waits for
         that (``in_l1``: until the bytes are in L1). With engine-side staging the blocks were
-        read on the stream given to `submit_store`, so nothing is waited for but ``in_l1``.
-        Raises KVDepotError as `KVDepotClient.store`."""
+        read on the stream given to `submit_store` and the reply comes once the bytes are in
+        L1, so nothing more is waited for. Raises KVDepotError as `KVDepotClient.store`."""
         r = self._await(timeout_s)
-        if self._region is not None:
-            if cpu_wait and in_l1 and self._stored_event is not None:
-                self._stored_event.synchronize()
-        elif r.event and cpu_wait:
+        if r.event and cpu_wait:  # (a staged store's reply carries no event)
             ev = r.stored_event if in_l1 and r.stored_event else r.event
             self.client._open_event(ev, before.device if before is not None else None).synchronize()
         elif r.event and before is not None:
@@ -527,7 +523,7 @@ class PendingRetrieve:
 
     def _region_free(self) -> bool:
         if self._error is not None:
-            return self._error.code not in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED)
+            return region_reusable_after(self._error)
         if self._retrieved is None:
             return False
         return self._done_event is None or self._done_event.query()

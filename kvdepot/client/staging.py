@@ -53,6 +53,11 @@ class StagingRegion:
         self.is_free: Callable[[], bool] = lambda: False
         self.reclaim: Callable[[], bool] = lambda: False
 
+    def release(self) -> None:
+        """Free at once: no copy will read or write it (e.g. its request was never sent)."""
+        self.is_free = lambda: True
+
+
 
 class StagingRing:
     """First-in first-out allocator of 256-byte aligned regions in ``size_bytes`` bytes (the
