@@ -8,8 +8,8 @@ chunks::
     kernel stream: wait(engine's interprocess event) -> wait(slot free) -> gather launches
     DMA stream:    wait(gathered) -> D2H staging -> each L1 object -> mark slot free
 
-RETRIEVE is the mirror on its own lane (H2D, then scatter), and the daemon records the
-registration's interprocess event after the scatter; the engine waits on it before reading
+RETRIEVE is the mirror on its own lane (H2D, then scatter), and the daemon records one of the
+registration's interprocess events after the scatter; the engine waits on it before reading
 its blocks, so the reply goes out as soon as the work is enqueued. With two slots per lane,
 gathering batch i+1 overlaps the PCIe copy of batch i, and the two directions overlap.
 
@@ -48,6 +48,10 @@ DEFAULT_BATCH_BYTES = 64 << 20  # staging bytes per slot (2 slots per direction 
 PIECE_BYTES = int(os.environ.get("KVDEPOT_PIECE_BYTES", str(8 << 20)))
 _MAX_OPEN_EVENTS = 1024  # engines' interprocess events kept open per GPU
 _GPU_ERROR_BIT = 1 << 63  # set in a completion token when the GPU reported an error
+# interprocess events a registration's retrieves record in turn: a reply's event is re-recorded
+# only this many retrieves later, so an engine that waits on it soon waits for its own copies,
+# not for the copies of the retrieves queued behind it
+RETRIEVE_EVENTS = 32
 
 
 def device_index_by_uuid(uuid: str) -> int:
@@ -401,10 +405,11 @@ class CudaRuntime:
         return CudaOpenedStorage(base, base + spec.handle_offset_bytes, device, spec.size_bytes)
 
     def open_engine(self, device: int, layout: EngineLayout, opened: Sequence[CudaOpenedStorage]
-                    ) -> tuple[object, object, bytes]:
+                    ) -> tuple[object, list[tuple[object, bytes]]]:
         """The registration's engine (a `NativeEngine` in the library, with the lanes' staging
         grown to hold one of its objects; a torch `CudaTransferEngine` without the library) and
-        the interprocess event its retrieves record: (engine, event, event handle bytes).
+        the `RETRIEVE_EVENTS` interprocess events its retrieves record in turn:
+        (engine, [(event, event handle bytes)]).
 
         Raises:
             RequestError(LAYOUT / ENGINE_MEMORY): the library refuses the layout, or CUDA fails.
@@ -417,46 +422,43 @@ class CudaRuntime:
             engine = CudaTransferEngine(layout, [o.ptr for o in opened], [o.size_bytes for o in opened], dev,
                                         use_kernels=False)
             with torch.cuda.device(dev):
-                event = torch.cuda.Event(interprocess=True)
+                events = [torch.cuda.Event(interprocess=True) for _ in range(RETRIEVE_EVENTS)]
                 engine.gathered_event = torch.cuda.Event(interprocess=True)
                 engine.stored_event = torch.cuda.Event(interprocess=True)
             engine.gathered_event_handle = bytes(engine.gathered_event.ipc_handle())
             engine.stored_event_handle = bytes(engine.stored_event.ipc_handle())
-            return engine, event, bytes(event.ipc_handle())
+            return engine, [(ev, bytes(ev.ipc_handle())) for ev in events]
         engine = NativeEngine(self.kernels, device, layout, [o.ptr for o in opened])
+        events: list[tuple[int, bytes]] = []
         try:
             path.reserve(layout.object_bytes)
-            event, handle = self.kernels.event_create_ipc(device)
-            try:
-                engine.gathered_event, engine.gathered_event_handle = self.kernels.event_create_ipc(device)
-                engine.stored_event, engine.stored_event_handle = self.kernels.event_create_ipc(device)
-            except BaseException:
-                self.kernels.event_destroy(event)
-                if engine.gathered_event:
-                    self.kernels.event_destroy(engine.gathered_event)
-                raise
-        except KernelError as exc:
+            for _ in range(RETRIEVE_EVENTS):
+                events.append(self.kernels.event_create_ipc(device))
+            engine.gathered_event, engine.gathered_event_handle = self.kernels.event_create_ipc(device)
+            engine.stored_event, engine.stored_event_handle = self.kernels.event_create_ipc(device)
+        except BaseException as exc:
+            self._destroy_events(engine, events)
             engine.close()
-            raise RequestError(ErrorCode.ENGINE_MEMORY, f"CUDA set-up of the registration failed: {exc}") from None
-        except BaseException:
-            engine.close()
+            if isinstance(exc, KernelError):
+                raise RequestError(ErrorCode.ENGINE_MEMORY, f"CUDA set-up of the registration failed: {exc}") from None
             raise
-        return engine, event, handle
+        return engine, events
 
-    def release(self, engine: NativeEngine, event: int, opened: Sequence[CudaOpenedStorage]) -> None:
+    def _destroy_events(self, engine: NativeEngine, events: Sequence[tuple[int, bytes]]) -> None:
+        for ev in [engine.gathered_event, engine.stored_event] + [e for e, _ in events]:
+            if ev:
+                try:
+                    self.kernels.event_destroy(ev)
+                except KernelError as exc:
+                    log.warning("destroying an event failed: %s", exc)
+        engine.gathered_event = engine.stored_event = 0
+
+    def release(self, engine: NativeEngine, events: Sequence[tuple[object, bytes]],
+                opened: Sequence[CudaOpenedStorage]) -> None:
         """Free a registration's CUDA state (no transfer of it may still be running)."""
         if self.kernels is not None:
-            for ev in (engine.gathered_event, engine.stored_event):
-                if ev:
-                    try:
-                        self.kernels.event_destroy(ev)
-                    except KernelError as exc:
-                        log.warning("destroying a store event failed: %s", exc)
+            self._destroy_events(engine, events)
             engine.close()
-            try:
-                self.kernels.event_destroy(event)
-            except KernelError as exc:
-                log.warning("destroying a retrieve event failed: %s", exc)
         self.close_storages(opened)
 
     def close_storages(self, opened: Sequence[CudaOpenedStorage]) -> None:

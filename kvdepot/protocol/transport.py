@@ -225,6 +225,23 @@ class StreamSocket:
             if _monotonic_ms() >= deadline:
                 return 0
 
+    def poll_s(self, timeout_s: float) -> int:
+        """`poll` with a timeout in seconds at microsecond resolution (``select(2)``; ``poll(2)``
+        rounds up to whole milliseconds)."""
+        self._check_open()
+        if self._frame_end() >= 0:
+            return zmq.POLLIN
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left > 0:
+                select.select((self._sock,), (), (), left)
+            self._fill(0)
+            if self._frame_end() >= 0:
+                return zmq.POLLIN
+            if left <= 0:
+                return 0
+
     def recv(self, flags: int = 0) -> bytes:
         """The next message's body; ``flags=zmq.NOBLOCK``: ``zmq.Again`` if none has arrived."""
         if not self.poll(0 if flags & zmq.NOBLOCK else -1):

@@ -82,8 +82,10 @@ class Registration:
     # CUDA engines: device ordinal, IPC-opened storages, the interprocess event retrieves record
     cuda_device: int | None = None
     cuda_storages: list = dataclasses.field(default_factory=list)
-    retrieve_event: object = None
-    retrieve_event_handle: bytes = b""  # its cudaIpcEventHandle_t (asked once: the call is not free)
+    # the interprocess events retrieves record in turn, with their cudaIpcEventHandle_t (asked
+    # once: the call is not free), and the index of the next one
+    retrieve_events: list = dataclasses.field(default_factory=list)
+    next_retrieve_event: int = 0
     # the engine's staging buffer (`Register.staging`), IPC-opened: device pointer and bytes (0: none)
     staging_ptr: int = 0
     staging_bytes: int = 0
@@ -443,13 +445,13 @@ class Daemon:
         try:
             if req.staging is not None:
                 staging = rt.open_staging(dev, req.staging)
-            engine, event, handle = rt.open_engine(dev, layout, opened)
+            engine, events = rt.open_engine(dev, layout, opened)
         except BaseException:
             rt.close_storages(opened + ([staging] if staging else []))
             raise
         reg = Registration("", req.model, req.shard, req.pid, req.device, layout, None, engine, cuda_device=dev,
-                           cuda_storages=opened + ([staging] if staging else []), retrieve_event=event,
-                           retrieve_event_handle=handle, on_release=lambda storages: rt.release(engine, event, storages))
+                           cuda_storages=opened + ([staging] if staging else []), retrieve_events=events,
+                           on_release=lambda storages: rt.release(engine, events, storages))
         if staging is not None:
             reg.staging_ptr, reg.staging_bytes = staging.ptr, staging.size_bytes
         return reg
@@ -756,7 +758,8 @@ class Daemon:
 
         trace_point(req.rid, "enqueue")
         base = self.pool.base_ptr
-        event_handle = reg.retrieve_event_handle
+        event, event_handle = reg.retrieve_events[reg.next_retrieve_event]
+        reg.next_retrieve_event = (reg.next_retrieve_event + 1) % len(reg.retrieve_events)
         try:
             if req.staging_offset >= 0:
                 first = req.skip_tokens // reg.layout.chunk_size  # wholly skipped chunks need no copy
@@ -765,14 +768,14 @@ class Daemon:
                 if chunks:
                     self._cuda.path(reg.cuda_device).copy_staged(
                         False, [base + entries[j].offset for j in chunks], dst_ptrs, reg.layout.object_bytes, b"",
-                        reg.retrieve_event, done)
+                        event, done)
                 else:
                     event_handle = b""
                     done(None)
             else:
                 self._cuda.path(reg.cuda_device).retrieve(
                     reg.engine, req.block_ids, len(req.keys), [base + e.offset for e in entries], req.skip_tokens,
-                    reg.retrieve_event, done)
+                    event, done)
         except BaseException:  # raised before anything was enqueued
             done(None)
             raise

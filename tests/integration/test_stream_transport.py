@@ -191,3 +191,33 @@ def test_stream_socket_refuses_bad_identities(tmp_path):
         StreamSocket(str(tmp_path / "x"), b"")
     with pytest.raises(OSError):
         StreamSocket(str(tmp_path / "missing.stream"), b"id")
+
+
+def test_wait_sleeping_until_spin_from_still_takes_an_early_reply(module_daemon):
+    """A wait told the reply is not due for 2 s (``spin_from``) returns as soon as it comes."""
+    with KVDepotClient(module_daemon.endpoint, spin_us=200) as c:
+        for _ in range(3):
+            t0 = time.monotonic()
+            rid = c.submit(m.Ping(rid=0))
+            reply = c.wait(rid, timeout_s=5, spin_from=t0 + 2.0)
+            assert isinstance(reply, m.Pong) and reply.rid == rid
+            assert time.monotonic() - t0 < 1.0, "the wait slept to spin_from although the reply had come"
+
+
+def test_stream_socket_poll_s_times_out_below_a_millisecond(module_daemon):
+    """``poll_s`` sleeps for sub-millisecond timeouts (``poll(2)`` would round them up to 1 ms)
+    and reports a message that is already there at once."""
+    s = StreamSocket(stream_path(module_daemon.endpoint), b"poll-s-test")
+    try:
+        waits = []
+        for _ in range(20):
+            t0 = time.monotonic()
+            assert s.poll_s(200e-6) == 0
+            waits.append(time.monotonic() - t0)
+        assert min(waits) >= 200e-6
+        assert min(waits) < 1e-3, "poll_s rounded a 200 us timeout up to a millisecond"
+        s.send(codec.encode(m.Hello(rid=7, protocol_version=m.PROTOCOL_VERSION, client="t", pid=os.getpid())))
+        assert s.poll_s(5.0)
+        assert codec.decode_reply(s.recv()).rid == 7
+    finally:
+        s.close()

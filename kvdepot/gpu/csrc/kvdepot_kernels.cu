@@ -467,9 +467,12 @@ static int dma_issue(KvdLane* lane, const uint64_t* srcs, const uint64_t* dsts, 
 }
 
 #define KVD_DEFER_GPU_WAIT_NS 2000000000LL  // after 2 s of polling, hand the wait to the GPU
+#define KVD_DEFER_SPIN_NS 300000LL          // spin this long on a deferred request's event first
 
 // The issuer thread: polls the oldest deferred request's engine event from the CPU (spinning
-// for 20 us, then naps growing from 2 us to 200 us as the wait lengthens), then issues it.
+// for KVD_DEFER_SPIN_NS, then naps growing from 2 us to 200 us as the wait lengthens), then
+// issues it. The spin covers an engine's gather of a large chunk (32 MiB: ~25 us with its
+// launch): a nap costs tens of microseconds of wake-up on a VM, on the lone request's path.
 // A failure is reported as the request's token with bit 63 set.
 static void issuer_main(KvdLane* lane) {
   cudaSetDevice(lane->device);
@@ -489,7 +492,7 @@ static void issuer_main(KvdLane* lane) {
         gpu_wait = true;
         break;
       }
-      if (waited > 20000) {
+      if (waited > KVD_DEFER_SPIN_NS) {
         struct timespec d = {0, waited < 1000000 ? 2000L : waited < 100000000 ? 20000L : 200000L};
         nanosleep(&d, nullptr);
       }
