@@ -981,8 +981,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "blocking request each")
     p.add_argument("--spin-us", type=float, default=200.0, help="the clients' spin before a wait sleeps")
     p.add_argument("--stream-wait", choices=("gpu", "cpu"), default="gpu",
-                   help="pipelined retrieves: the engine waits for the daemon's copies on its stream (gpu) or "
-                        "on the CPU (cpu_wait)")
+                   help="pipelined retrieves with --staging daemon: the engine waits for the daemon's copies on "
+                        "its stream (gpu) or on the CPU (cpu_wait); engine-side staging always waits on the CPU")
     p.add_argument("--bytes-per-point", type=float, default=2e9, help="bytes per stream measurement (about)")
     p.add_argument("--baseline-bytes", type=float, default=5e8, help="bytes per baseline measurement (about)")
     p.add_argument("--iters", type=int, default=5, help="repetitions of each stream / roofline measurement")

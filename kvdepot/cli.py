@@ -88,6 +88,8 @@ def describe_text(info) -> str:
         lines.append(f"engine {e.registration}  model {e.model}  shard {e.shard}  pid {e.pid}  device {e.device}  "
                      f"chunk {e.chunk_size} tokens = {_fmt_bytes(e.object_bytes)}  stored {e.stored_chunks}  "
                      f"retrieved {e.retrieved_chunks}")
+        if e.device != "cpu":
+            lines.append(f"  transfers: {'engine-side staging, ring ' + _fmt_bytes(e.staging_bytes) if e.staging_bytes else 'the daemon gathers and scatters'}")
         lines.append(f"  {'GID':>4} {'LAYOUT':<11}{'DTYPE':<10}{'KV DTYPE':<14}{'LAYERS':>7}{'BLOCKS':>8}"
                      f"{'TOK/BLK':>8}{'HEADS':>6}{'KV':>3}{'ROW B':>7}{'B/TOKEN':>9}")
         for g in e.groups:

@@ -5,7 +5,7 @@ that does not come within ``timeout_s`` (code TIMEOUT). After a timeout the sock
 rebuilt, so a late reply is never mistaken for the next request's.
 
 The client notices a daemon restart (the boot id in `Pong` / `RegisterReply` changes, or a
-registration comes back UNKNOWN_REGISTRATION); `Registration.ensure` re-registers.
+registration comes back UNKNOWN_REGISTRATION); `KVDepotClient.reregister` registers again.
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ class Registration:
 
 # interprocess events a client records in turn on each stream it stores from (`_record_event`)
 STORE_EVENTS_PER_STREAM = 16
+# the daemon's events a client keeps open (each registration's retrieves use 32 in turn)
+_MAX_PEER_EVENTS = 1024
 
 
 class KVDepotClient:
@@ -284,8 +286,13 @@ class KVDepotClient:
         return Registration(r.registration, r.layout_fingerprint, r.object_bytes, r.boot_id, req, staging)
 
     def reregister(self, reg: Registration) -> Registration:
-        """Register ``reg``'s caches again (after a daemon restart)."""
-        return self._register(reg.request, reg.staging)
+        """Register ``reg``'s caches again (after a daemon restart). The staging ring starts
+        empty: the old daemon, gone, copies nothing more, and the regions of requests lost with
+        it would otherwise stay taken."""
+        new = self._register(reg.request, reg.staging)
+        if new.staging is not None and new.boot_id != reg.boot_id:
+            new.staging.ring.reset()
+        return new
 
     def unregister(self, reg: Registration) -> None:
         self.call(m.Unregister(rid=0, registration=reg.id))
@@ -448,6 +455,8 @@ class KVDepotClient:
 
         ev = self._peer_events.get(handle)
         if ev is None:
+            if len(self._peer_events) >= _MAX_PEER_EVENTS:  # registrations of daemons long gone
+                self._peer_events.clear()
             dev = device if device is not None else torch.device("cuda", torch.cuda.current_device())
             ev = self._peer_events[handle] = torch.cuda.Event.from_ipc_handle(dev, handle)
         return ev

@@ -85,6 +85,14 @@ class StagingRing:
         # wrapped: taken [tail, end) and [0, head); free: [head, tail) (empty when head == tail)
         return self.head if self.head + nbytes <= tail else None
 
+    def reset(self) -> None:
+        """Forget every region: call only when no copy can touch the ring any more, e.g. after
+        the daemon restarted (requests lost with it keep their regions taken for good, since
+        the client cannot tell whether their copies ran)."""
+        with self._lock:
+            self.live.clear()
+            self.head = 0
+
     def alloc(self, nbytes: int, owner: object = None) -> StagingRegion | None:
         """A region of at least ``nbytes`` for ``owner``'s request; while there is no room it
         reclaims the oldest region (`StagingRegion.reclaim`) if ``owner`` owns it, else polls it.

@@ -119,6 +119,9 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     groups: list[LayerGroupInfo]
     stored_chunks: int = 0
     retrieved_chunks: int = 0
+    # CUDA engines: bytes of the engine's staging ring the daemon copies to and from (engine-side
+    # staging, `Register.staging`); 0: the daemon gathers and scatters the blocks itself
+    staging_bytes: int = 0
 
 
 class TierInfo(msgspec.Struct, omit_defaults=True):

@@ -810,7 +810,7 @@ class Daemon:
                 registration=r.id, model=r.model, shard=r.shard, pid=r.pid, device=r.device,
                 chunk_size=r.layout.chunk_size, object_bytes=r.layout.object_bytes,
                 layout_fingerprint=r.layout.fingerprint, groups=[g.info() for g in r.layout.groups],
-                stored_chunks=r.stored_chunks, retrieved_chunks=r.retrieved_chunks)
+                stored_chunks=r.stored_chunks, retrieved_chunks=r.retrieved_chunks, staging_bytes=r.staging_bytes)
             for r in self.registrations.values()
         ]
         info = m.DaemonInfo(

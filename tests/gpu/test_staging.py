@@ -188,6 +188,7 @@ def test_retrieve_replies_rotate_through_the_registrations_events(daemon):
 
     c, cache, groups, reg = _engine(daemon, 8 << 20)
     try:
+        assert [e.staging_bytes for e in c.describe().engines if e.registration == reg.id] == [8 << 20]
         rng = random.Random(3)
         s = torch.cuda.current_stream()
         keys = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
@@ -202,7 +203,8 @@ def test_retrieve_replies_rotate_through_the_registrations_events(daemon):
             handles.append(r.event)
         assert len(set(handles[:RETRIEVE_EVENTS])) == RETRIEVE_EVENTS
         assert handles[RETRIEVE_EVENTS] == handles[0]
-        torch.cuda.synchronize()
+        # the daemon's scatters ran in its own context, in order: its last event covers them all
+        c._open_event(handles[-1], cache.storage.device).synchronize()
         for cpu_wait in (False, True):  # staged: the client waits on the CPU either way
             cache.storage.fill_(0x11)
             dst = _ids(rng, groups, 1)

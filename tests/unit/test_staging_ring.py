@@ -73,3 +73,16 @@ def test_another_clients_region_is_polled_never_reclaimed():
     assert ring.alloc(256, owner="client-b") is None  # gave up after foreign_wait_s
     r.is_free = lambda: True
     assert ring.alloc(256, owner="client-b").offset == 0
+
+
+def test_reset_frees_regions_lost_with_a_dead_daemon():
+    """A region whose request was lost (timeout, dead daemon) stays taken until `reset`, which
+    `KVDepotClient.reregister` calls once a new daemon boot has the registration."""
+    ring = StagingRing(1024)
+    lost = ring.alloc(512)  # its reclaim() answers False: the client cannot tell if copies still run
+    ring.alloc(256).release()
+    assert ring.alloc(768) is None
+    ring.reset()
+    again = ring.alloc(768)
+    assert again is not None and again.offset == 0 and list(ring.live) == [again]
+    assert lost not in ring.live
