@@ -179,10 +179,11 @@ class KVDepotClient:
                 try:
                     ready = False
                     if spin_from > now:
+                        nap_s = min(spin_from, deadline) - now
                         if isinstance(sock, StreamSocket):
-                            ready = sock.poll_s(spin_from - now)
+                            ready = sock.poll_s(nap_s)
                         else:  # ZMQ polls in whole milliseconds: sleep no longer than asked
-                            ready = sock.poll(int((spin_from - now) * 1000))
+                            ready = sock.poll(int(nap_s * 1000))
                         now = spin_from  # once: the spin follows
                     while not ready and time.monotonic() < spin_until:
                         ready = sock.poll(0)
