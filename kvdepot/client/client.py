@@ -605,8 +605,8 @@ class PendingRetrieve:
         stream = before if before is not None else torch.cuda.current_stream(staging.device)
         if r.retrieved and r.event:
             # on the CPU whatever cpu_wait says: with stores and retrieves in flight together, an
-            # engine stream's GPU wait on the daemon's event held both directions to 65-70 GB/s
-            # (H100 and H200, 256-token chunks), against 91-99 GB/s waiting here; the wait only
+            # engine stream's GPU wait on the daemon's event held both directions to 65-79 GB/s
+            # (H100 and H200, 256-token chunks), against 88-99 GB/s waiting here; the wait only
             # covers this retrieve's copies (the daemon's events rotate, RETRIEVE_EVENTS)
             self.client._open_event(r.event, stream.device).synchronize()
         if r.retrieved:
