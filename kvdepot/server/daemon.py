@@ -702,8 +702,8 @@ class Daemon:
             raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                f"skip_tokens {req.skip_tokens} must be a multiple of every group's tokens per block "
                                f"{lay.tokens_per_block} and less than {n * lay.chunk_size}")
-        if req.staging_offset >= 0:
-            self._staging_ptrs(reg, req.staging_offset, range(n))  # refuse before acquiring anything
+        # staged: chunk j's address in the engine's ring (refused here, before acquiring anything)
+        staged_ptrs = self._staging_ptrs(reg, req.staging_offset, range(n)) if req.staging_offset >= 0 else None
         entries: list[Entry] = []
         for key in req.keys:
             e = self.index.ready(key)
@@ -712,7 +712,7 @@ class Daemon:
             self.index.acquire(e)
             entries.append(e)
         if reg.cuda_device is not None:
-            return self._retrieve_cuda(reg, req, entries)
+            return self._retrieve_cuda(reg, req, entries, staged_ptrs)
         if not entries:
             return m.RetrieveReply(rid=req.rid, retrieved=0)
         reg.active += 1
@@ -737,9 +737,11 @@ class Daemon:
             finish(exc)
         return None
 
-    def _retrieve_cuda(self, reg: Registration, req: m.Retrieve, entries: list[Entry]) -> m.Msg:
+    def _retrieve_cuda(self, reg: Registration, req: m.Retrieve, entries: list[Entry],
+                       staged_ptrs: list[int] | None) -> m.Msg:
         """Enqueue the copies and reply at once with the interprocess event the engine waits on;
-        the entries stay acquired until the GPU finished reading them."""
+        the entries stay acquired until the GPU finished reading them. ``staged_ptrs``: chunk
+        j's address in the engine's staging ring (staged), else None (the daemon scatters)."""
         if not entries:
             self.index.touch_chain([])
             return m.RetrieveReply(rid=req.rid, retrieved=0)
@@ -761,14 +763,12 @@ class Daemon:
         event, event_handle = reg.retrieve_events[reg.next_retrieve_event]
         reg.next_retrieve_event = (reg.next_retrieve_event + 1) % len(reg.retrieve_events)
         try:
-            if req.staging_offset >= 0:
+            if staged_ptrs is not None:
                 first = req.skip_tokens // reg.layout.chunk_size  # wholly skipped chunks need no copy
-                chunks = list(range(first, len(entries)))
-                dst_ptrs = self._staging_ptrs(reg, req.staging_offset, chunks)
-                if chunks:
+                if first < len(entries):
                     self._cuda.path(reg.cuda_device).copy_staged(
-                        False, [base + entries[j].offset for j in chunks], dst_ptrs, reg.layout.object_bytes, b"",
-                        event, done)
+                        False, [base + e.offset for e in entries[first:]], staged_ptrs[first:len(entries)],
+                        reg.layout.object_bytes, b"", event, done)
                 else:
                     event_handle = b""
                     done(None)
