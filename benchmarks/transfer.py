@@ -671,7 +671,15 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
                 ha[:ob].copy_(da[:ob], non_blocking=True)
             s1.synchronize()
 
+        def one_memcpy_h2d() -> None:
+            with torch.cuda.stream(s1):
+                da[:ob].copy_(ha[:ob], non_blocking=True)
+            s1.synchronize()
+
+        # a plain lone copy's own time beyond the link time (launch, ramp, wake-up): the floor
+        # under a lone request's overhead
         res["lone_memcpy_d2h_us"] = timed(one_memcpy, 20) * 1e6
+        res["lone_memcpy_h2d_us"] = timed(one_memcpy_h2d, 20) * 1e6
 
         # store / retrieve streams through the daemon
         st_clients, st_streams = ctx.clients[:k], ctx.streams[:k]
@@ -827,8 +835,11 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
             if i >= 20:
                 pings.append(time.perf_counter() - t0)
         res["lone_store_us"] = statistics.median(lat_s) * 1e6
+        # spread of the lone figures (these VMs are noisy): 10th / 90th percentiles
+        res["lone_store_us_p10_p90"] = [q * 1e6 for q in _p10_p90(lat_s)]
+        res["lone_retrieve_us_p10_p90"] = [q * 1e6 for q in _p10_p90(lat_r)]
         res["lone_retrieve_us"] = statistics.median(lat_r) * 1e6
-        res["lone_retrieve_reply_us"] = statistics.median(reply_r) * 1e6  # until the reply (copy enqueued)
+        res["lone_retrieve_reply_us"] = statistics.median(reply_r) * 1e6  # until retrieve() returned (staged: after its CPU wait for the copies)
         res["link_d2h_us"] = ob / (res["roofline_d2h_gbps"] * 1e9) * 1e6
         res["link_h2d_us"] = ob / (res["roofline_h2d_gbps"] * 1e9) * 1e6
         res["lone_store_overhead_us"] = res["lone_store_us"] - res["link_d2h_us"]
@@ -880,6 +891,11 @@ def _x(r: dict, key: str) -> str:
     return f"x{v:.2f}" if v else "n/a"
 
 
+def _p10_p90(xs: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(xs, n=10)
+    return q[0], q[-1]
+
+
 def format_row(r: dict) -> str:
     st = (f"{r['store_gbps']:5.1f} ({100 * r['store_vs_roofline']:5.1f}% {_x(r, 'store_vs_batched_dma'):>6} "
           f"{_x(r, 'store_vs_torch_per_layer'):>6})")
@@ -904,7 +920,15 @@ def baseline_line(r: dict) -> str:
             label = f" [{b['method']}]" if "method" in b else ""
             parts.append(f"{name}{label}: store {b['store_gbps']:.1f} retrieve {b['retrieve_gbps']:.1f} GB/s")
     return ("      baselines: " + "; ".join(parts)
-            + f"; lone retrieve reply {r.get('lone_retrieve_reply_us', 0):.0f} us"
+            + (f"; a plain lone pinned memcpy {r['lone_memcpy_d2h_us'] - r['link_d2h_us']:+.0f} (d2h) / "
+               f"{r['lone_memcpy_h2d_us'] - r['link_h2d_us']:+.0f} (h2d) us over the link"
+               if "lone_memcpy_h2d_us" in r else "")
+            + (f"; lone store p10-p90 {r['lone_store_us_p10_p90'][0] - r['link_d2h_us']:+.0f}.."
+               f"{r['lone_store_us_p10_p90'][1] - r['link_d2h_us']:+.0f} us, retrieve "
+               f"{r['lone_retrieve_us_p10_p90'][0] - r['link_h2d_us']:+.0f}.."
+               f"{r['lone_retrieve_us_p10_p90'][1] - r['link_h2d_us']:+.0f} us over the link"
+               if "lone_store_us_p10_p90" in r else "")
+            + f"; lone retrieve call returned after {r.get('lone_retrieve_reply_us', 0):.0f} us"
             + f"; lone early store, blocks reusable after {r.get('lone_store_early_reusable_us', 0):.0f} us"
             + f" ({r.get('lone_store_early_reusable_cpu_wait_us', 0):.0f} us with cpu_wait)"
             + f"; lone retrieve with cpu_wait {r.get('lone_retrieve_cpu_wait_overhead_us', 0):+.0f} us over the link"

@@ -10,9 +10,12 @@ registration comes back UNKNOWN_REGISTRATION); `KVDepotClient.reregister` regist
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import os
+import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -68,6 +71,30 @@ class Registration:
 STORE_EVENTS_PER_STREAM = 16
 # the daemon's events a client keeps open (each registration's retrieves use 32 in turn)
 _MAX_PEER_EVENTS = 1024
+
+
+
+_PR_GET_TIMERSLACK = 30
+_slack = threading.local()
+
+
+def timer_slack_s() -> float:
+    """This thread's timer slack in seconds (Linux ``prctl(PR_GET_TIMERSLACK)``): how late a
+    timed sleep (``select``, ``poll``, ``nanosleep``) may wake. 50 us by default, which is most
+    of a lone request's overhead budget, so a wait that naps ends its nap this much earlier.
+    Elsewhere, or if it cannot be read: 50 us."""
+    got = getattr(_slack, "s", None)
+    if got is None:
+        got = 50e-6
+        if sys.platform.startswith("linux"):
+            try:
+                ns = ctypes.CDLL(None, use_errno=True).prctl(_PR_GET_TIMERSLACK, 0, 0, 0, 0)
+            except (OSError, AttributeError):
+                ns = -1
+            if ns >= 0:
+                got = ns / 1e9
+        _slack.s = got
+    return got
 
 
 class KVDepotClient:
@@ -179,7 +206,8 @@ class KVDepotClient:
                 try:
                     ready = False
                     if spin_from > now:
-                        nap_s = min(spin_from, deadline) - now
+                        # a nap may end up to the thread's timer slack late (50 us by default)
+                        nap_s = max(0.0, min(spin_from - timer_slack_s(), deadline) - now)
                         if isinstance(sock, StreamSocket):
                             ready = sock.poll_s(nap_s)
                         else:  # ZMQ polls in whole milliseconds: sleep no longer than asked

@@ -648,9 +648,10 @@ class Daemon:
                     return
                 for _, e in new:
                     self.index.commit(e)
-                self._count_transfer(reg, "store", len(new), time.perf_counter() - t0)
-                if not replied:
+                elapsed_s = time.perf_counter() - t0
+                if not replied:  # before the metrics: a lone store waits for this reply
                     self._reply(identity, reply)
+                self._count_transfer(reg, "store", len(new), elapsed_s)
             finally:
                 release_held()
 
