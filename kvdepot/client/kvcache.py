@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -96,7 +97,7 @@ class ShmKVCache:
         num_blocks: blocks per layer, one number for all gids or one per gid.
         layout: one of `ALL_LAYOUTS`.
         name: shared-memory name (default: a fresh unique name). The segment is unlinked by
-            `close`.
+            `close` (or, failing that, when the object is collected or the interpreter exits).
 
     Attributes:
         storage: uint8 tensor over the whole segment.
@@ -163,6 +164,9 @@ class ShmKVCache:
             self.storage = torch.zeros(self.size_bytes, dtype=torch.uint8, device=self.device)
         else:
             self.storage = create_shm(self.name, self.size_bytes)
+            # unlinked by close(), else when this object is collected or the interpreter exits:
+            # a forgotten close() must not hold the segment's memory until the machine reboots
+            self._unlink = weakref.finalize(self, unlink_shm, self.name)
             self.storage.zero_()  # commit the pages now, as an engine does when it allocates its cache
         self.layer_names = [f"layer.{i}" for i in range(len(layers))]
         self.layer_gids = [g.gid for g, _ in layers]
@@ -251,7 +255,7 @@ class ShmKVCache:
     def close(self) -> None:
         """Unlink the segment (the mapping lives on until this object is dropped)."""
         if self.device.type != "cuda":
-            unlink_shm(self.name)
+            self._unlink()
 
     def __enter__(self) -> ShmKVCache:
         return self

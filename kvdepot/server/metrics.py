@@ -7,43 +7,192 @@ Conventions (prometheus-client): ``kvdepot_`` prefix, base units, counters end i
 
 Labels come from small fixed sets only: ``model`` (registered model names), ``op``
 (store | retrieve), ``tier`` (l1), ``code`` (ErrorCode names). Never request ids or hashes.
+
+Values are plain Python numbers that the event loop updates, and prometheus-client reads them
+at scrape time through a custom collector (its documented way for values kept elsewhere).
+prometheus-client's own ``Counter`` / ``Histogram`` take a lock per update (about 1 us each on
+a server CPU, several per request); these updates are an attribute increment. Only the loop
+thread updates them; a scrape (prometheus-client's HTTP thread) reads numbers the GIL keeps
+whole, so a scrape sees every update made before it.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import bisect
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 _TRANSFER_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
-class Metrics:
-    """The daemon's metrics in their own `CollectorRegistry` (so tests can run several daemons
-    in one process)."""
+class CounterCell:
+    """One labelled series of a counter."""
+
+    __slots__ = ("value",)
 
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.lookup_requested_tokens = Counter(
-            "kvdepot_lookup_requested_tokens", "Prompt tokens asked about by lookups.", ["model"], registry=r)
-        self.lookup_hit_tokens = Counter(
-            "kvdepot_lookup_hit_tokens", "Leading prompt tokens found cached by lookups.", ["model"], registry=r)
-        self.lookups = Counter("kvdepot_lookups", "Lookup requests.", ["model"], registry=r)
-        self.tokens = Counter(
-            "kvdepot_transferred_tokens", "Tokens copied between engines and the daemon.", ["model", "op"], registry=r)
-        self.bytes = Counter(
-            "kvdepot_transferred_bytes", "Bytes copied between engines and the daemon.", ["model", "op"], registry=r)
-        self.transfer_seconds = Histogram(
-            "kvdepot_transfer_seconds", "Time of one store/retrieve request's copies.", ["op"],
-            buckets=_TRANSFER_BUCKETS_S, registry=r)
-        self.tier_used_bytes = Gauge("kvdepot_tier_used_bytes", "Bytes held by cached objects.", ["tier"], registry=r)
-        self.tier_capacity_bytes = Gauge("kvdepot_tier_capacity_bytes", "Capacity of a tier.", ["tier"], registry=r)
-        self.tier_objects = Gauge("kvdepot_tier_objects", "Cached chunk objects.", ["tier"], registry=r)
-        self.evictions = Counter("kvdepot_evictions", "Chunk objects evicted.", ["tier"], registry=r)
-        self.store_skipped_chunks = Counter(
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        """Add ``amount`` (>= 0; counters only go up).
+
+        Raises:
+            ValueError: a negative amount.
+        """
+        if amount < 0:
+            raise ValueError(f"counters only increase; got {amount}")
+        self.value += amount
+
+
+class GaugeCell:
+    """One labelled series of a gauge: a value, or a function read at scrape time."""
+
+    __slots__ = ("value", "fn")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.fn: Callable[[], float] | None = None
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+        self.fn = None
+
+    def set_function(self, fn: Callable[[], float]) -> None:
+        """Report ``fn()`` at each scrape instead of a stored value."""
+        self.fn = fn
+
+    def get(self) -> float:
+        return float(self.fn()) if self.fn is not None else self.value
+
+
+class HistogramCell:
+    """One labelled series of a histogram: per-bucket counts (upper bounds inclusive, as
+    Prometheus' ``le``) and the sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class _Family:
+    """A metric with label names; ``labels(*values)`` gives (creating on first use) its series."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (), make=CounterCell) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        self._make = make
+        self.cells: dict[tuple[str, ...], object] = {}
+
+    def labels(self, *values: str):
+        """The series of these label values (as many as the label names).
+
+        Raises:
+            ValueError: a different number of values than label names.
+        """
+        cell = self.cells.get(values)
+        if cell is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected, got {len(values)}")
+            key = tuple(str(v) for v in values)
+            cell = self.cells.get(key)
+            if cell is None:
+                cell = self.cells[key] = self._make()
+        return cell
+
+    def series(self) -> list[tuple[tuple[str, ...], object]]:
+        return list(self.cells.items())  # one C-level copy: safe against the loop adding a series
+
+
+class CounterFamily(_Family):
+    def collect(self) -> Metric:
+        fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, cell in self.series():
+            fam.add_metric(list(values), cell.value)
+        return fam
+
+
+class GaugeFamily(_Family):
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
+        super().__init__(name, documentation, labelnames, GaugeCell)
+
+    def set(self, value: float) -> None:
+        """Set the series of a gauge without labels."""
+        self.labels().set(value)
+
+    def collect(self) -> Metric:
+        fam = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, cell in self.series():
+            fam.add_metric(list(values), cell.get())
+        return fam
+
+
+class HistogramFamily(_Family):
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float]) -> None:
+        bounds = tuple(sorted(float(b) for b in buckets if not math.isinf(b)))
+        super().__init__(name, documentation, labelnames, lambda: HistogramCell(bounds))
+        self._le = [floatToGoString(b) for b in bounds] + ["+Inf"]
+
+    def collect(self) -> Metric:
+        fam = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, cell in self.series():
+            counts, total = list(cell.counts), cell.sum
+            cum, buckets = 0, []
+            for le, c in zip(self._le, counts):
+                cum += c
+                buckets.append((le, cum))
+            fam.add_metric(list(values), buckets, total)
+        return fam
+
+
+class _Collector(Collector):
+    def __init__(self, families: Sequence[_Family]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        for f in self.families:
+            yield f.collect()
+
+
+class Metrics:
+    """The daemon's metrics in their own `CollectorRegistry` (so tests can run several daemons
+    in one process). Update them from the event loop thread only."""
+
+    def __init__(self) -> None:
+        self.lookup_requested_tokens = CounterFamily(
+            "kvdepot_lookup_requested_tokens", "Prompt tokens asked about by lookups.", ["model"])
+        self.lookup_hit_tokens = CounterFamily(
+            "kvdepot_lookup_hit_tokens", "Leading prompt tokens found cached by lookups.", ["model"])
+        self.lookups = CounterFamily("kvdepot_lookups", "Lookup requests.", ["model"])
+        self.tokens = CounterFamily(
+            "kvdepot_transferred_tokens", "Tokens copied between engines and the daemon.", ["model", "op"])
+        self.bytes = CounterFamily(
+            "kvdepot_transferred_bytes", "Bytes copied between engines and the daemon.", ["model", "op"])
+        self.transfer_seconds = HistogramFamily(
+            "kvdepot_transfer_seconds", "Time of one store/retrieve request's copies.", ["op"], _TRANSFER_BUCKETS_S)
+        self.tier_used_bytes = GaugeFamily("kvdepot_tier_used_bytes", "Bytes held by cached objects.", ["tier"])
+        self.tier_capacity_bytes = GaugeFamily("kvdepot_tier_capacity_bytes", "Capacity of a tier.", ["tier"])
+        self.tier_objects = GaugeFamily("kvdepot_tier_objects", "Cached chunk objects.", ["tier"])
+        self.evictions = CounterFamily("kvdepot_evictions", "Chunk objects evicted.", ["tier"])
+        self.store_skipped_chunks = CounterFamily(
             "kvdepot_store_skipped_chunks", "Chunks a store could not keep (parent missing or tier full).",
-            ["reason"], registry=r)
-        self.errors = Counter("kvdepot_errors", "Error replies sent, and store copies that failed after an early reply.",
-                              ["code"], registry=r)
-        self.registered_engines = Gauge("kvdepot_registered_engines", "Live engine registrations.", registry=r)
+            ["reason"])
+        self.errors = CounterFamily("kvdepot_errors", "Error replies sent, and store copies that failed after an "
+                                    "early reply.", ["code"])
+        self.registered_engines = GaugeFamily("kvdepot_registered_engines", "Live engine registrations.")
+        self.registered_engines.set(0)
+        self.registry = CollectorRegistry()
+        self.registry.register(_Collector([v for v in vars(self).values() if isinstance(v, _Family)]))
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """Expose ``/metrics`` on ``addr:port`` (a daemon thread of prometheus-client)."""
