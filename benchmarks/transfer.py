@@ -892,6 +892,8 @@ def _x(r: dict, key: str) -> str:
 
 
 def _p10_p90(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return (xs[0], xs[0]) if xs else (0.0, 0.0)
     q = statistics.quantiles(xs, n=10)
     return q[0], q[-1]
 
