@@ -72,8 +72,6 @@ STORE_EVENTS_PER_STREAM = 16
 # the daemon's events a client keeps open (each registration's retrieves use 32 in turn)
 _MAX_PEER_EVENTS = 1024
 
-
-
 _PR_GET_TIMERSLACK = 30
 _slack = threading.local()
 
