@@ -90,6 +90,15 @@ def _daemon_with_registration(group: KVGroupShape, chunk_size: int, l1_bytes: in
 
 
 def measure(group: KVGroupShape, chunk_size: int, requests: int, l1_bytes: int, sock_dir: str) -> dict:
+    """Median over passes 2 and 3 (pass 1 fills L1) of the microseconds per request the loop
+    spends on ``requests`` staged one-chunk STOREs, then RETRIEVEs of the chunks still cached,
+    then as many 16-chunk LOOKUPs; ``l1_bytes`` below ``requests`` chunks makes stores evict.
+    Also: ``object_bytes``, ``l1_objects``, ``evictions`` (all passes), ``lookup_hit_chunks``.
+
+    Raises:
+        RuntimeError: a store stored nothing or a retrieve of a cached chunk got nothing (the
+            daemon changed under the benchmark).
+    """
     d, reg, lay = _daemon_with_registration(group, chunk_size, l1_bytes, sock_dir)
     sent: list[bytes] = []
     d._send = lambda identity, frame: sent.append(frame)
