@@ -58,7 +58,6 @@ class StagingRegion:
         self.is_free = lambda: True
 
 
-
 class StagingRing:
     """First-in first-out allocator of 256-byte aligned regions in ``size_bytes`` bytes (the
     offsets only; the memory is `EngineStaging.buffer`). Thread-safe: several clients (one per
