@@ -59,12 +59,12 @@ class Registration:
         return self.request.chunk_size
 
     def seed(self, cache_salt: str = "") -> bytes:
-        """Namespace seed of this registration's chunk keys for one tenant."""
-        return namespace_seed(self.request.model, self.layout_fingerprint, self.request.shard, cache_salt)
+        """Namespace seed of this registration's chunk chains for one tenant."""
+        return namespace_seed(self.request.model, self.layout_fingerprint, cache_salt)
 
     def keys(self, token_ids: Sequence[int], cache_salt: str = "") -> list[bytes]:
-        """Chunk keys of the whole chunks of ``token_ids``."""
-        return chunk_keys(self.seed(cache_salt), token_ids, self.request.chunk_size)
+        """This shard's chunk keys of the whole chunks of ``token_ids``."""
+        return chunk_keys(self.seed(cache_salt), token_ids, self.request.chunk_size, self.request.shard)
 
 
 # interprocess events a client records in turn on each stream it stores from (`_record_event`)

@@ -30,7 +30,7 @@ import math
 import os
 from typing import Any
 
-from kvdepot.client.hashing import chunk_keys, namespace_seed, shard_name
+from kvdepot.client.hashing import chain_hashes, namespace_seed, shard_keys, shard_mask, shard_name
 from kvdepot.client.vllm.channel import DaemonChannel
 from kvdepot.client.vllm.config import ConnectorConfig
 from kvdepot.client.vllm.layout import TransferGroup
@@ -48,6 +48,7 @@ class _Req:
     seed_salt: str  # cache_salt plus LoRA / reset epoch: part of the key namespace
     cache_salt: str  # the request's cache_salt as is (Store.cache_salt, what `kvdepot flush` matches)
     keys: list[list[bytes]]  # per shard: keys of the whole chunks hashed so far
+    chain: list[bytes]  # shard-independent chain values of those chunks (`kvdepot.client.hashing`)
     hashed_tokens: int  # tokens covered by ``keys`` (a multiple of chunk_size)
     lookup_rid: int | None = None  # outstanding Lookup
     hit_chunks: int | None = None  # the answer (None: not known yet)
@@ -113,7 +114,7 @@ class SchedulerSide:
             self._ineligible.add(rid)
             return None
         salt, cache_salt = self._seed_salt(request)
-        st = _Req(request, salt, cache_salt, [[] for _ in self.shards], 0)
+        st = _Req(request, salt, cache_salt, [[] for _ in self.shards], [], 0)
         self._hash(st, len(request.prompt_token_ids))
         self._reqs[rid] = st
         return st
@@ -126,10 +127,11 @@ class SchedulerSide:
             return
         tokens = (st.request.prompt_token_ids if end <= len(st.request.prompt_token_ids)
                   else st.request.all_token_ids)[st.hashed_tokens:end]
-        for s, shard in enumerate(self.shards):
-            chain = st.keys[s]
-            seed = chain[-1] if chain else namespace_seed(self.model_id, self.fingerprint, shard, st.seed_salt)
-            chain.extend(chunk_keys(seed, tokens, c))
+        seed = namespace_seed(self.model_id, self.fingerprint, st.seed_salt)
+        new = chain_hashes(st.chain[-1] if st.chain else seed, tokens, c)  # each token hashed once
+        st.chain.extend(new)
+        for chain, keys in zip(st.keys, shard_keys(new, [shard_mask(seed, shard) for shard in self.shards])):
+            chain.extend(keys)
         st.hashed_tokens = end
 
     def _send_lookup(self, st: _Req) -> None:
@@ -328,7 +330,7 @@ class SchedulerSide:
             if st.lookup_rid is not None:
                 self.channel.forget(st.lookup_rid)
             st.seed_salt, _ = self._seed_salt(st.request)
-            st.keys, st.hashed_tokens = [[] for _ in self.shards], 0
+            st.keys, st.chain, st.hashed_tokens = [[] for _ in self.shards], [], 0
             self._hash(st, len(st.request.prompt_token_ids))
             st.lookup_rid = st.hit_chunks = None
             st.next_store_chunk = 0
