@@ -30,7 +30,7 @@ from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, RequestError
 from kvdepot.protocol.transport import ipc_path, make_socket, stream_path
-from kvdepot.server.index import ChunkIndex, Entry
+from kvdepot.server.index import ChunkIndex, Entry, EntryState
 from kvdepot.server.metrics import Metrics
 from kvdepot.server.pool import HostPool
 from kvdepot.server.stream import StreamServer
@@ -582,22 +582,28 @@ class Daemon:
         present = 0
         reason = ""
         parent = req.parent
+        # A parent (or a chunk of this request) still being written by an earlier store counts
+        # as present: an engine whose stores are in flight sends a request's next chunks before
+        # the previous ones are in L1. Their children stay invisible until every chunk before
+        # them is READY (lookups walk the chain from chunk 0), and an aborted write drops its
+        # descendants (`ChunkIndex.abort`), so nothing is ever served without its prefix.
         if parent:
-            p = self.index.ready(parent)
+            p = self.index.get(parent)
             if p is None:
                 reason = "parent_missing"
-            else:
+            elif p.state is EntryState.READY:
                 self.index.acquire(p)
                 held.append(p)
         if not reason:
             for j, key in enumerate(req.keys):
                 e = self.index.get(key)
                 if e is not None:
-                    if self.index.ready(key) is None or (e.size_bytes != lay.object_bytes):
-                        reason = "parent_missing"  # being written by another request: its children wait
+                    if e.size_bytes != lay.object_bytes:
+                        reason = "parent_missing"  # another object format under this key: never chain onto it
                         break
-                    self.index.acquire(e)
-                    held.append(e)
+                    if e.state is EntryState.READY:  # (else WRITING: no reader may hold it; its children keep it)
+                        self.index.acquire(e)
+                        held.append(e)
                     present += 1
                 else:
                     off = self._alloc(lay.object_bytes)

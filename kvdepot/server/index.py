@@ -12,7 +12,9 @@ Entry states (checked transitions)::
        +---abort----------+---evict / flush---> (gone; freed now, or when readers reach 0)
 
 Only READY entries are visible to lookups and retrieves (fail closed: a chunk is never
-answered before its copy completed). An entry with readers (a retrieve in progress or a
+answered before its copy completed). A WRITING entry may already have children (a store of
+the next chunks arrived while it was being written); they are served only once it is READY,
+and dropped if it aborts. An entry with readers (a retrieve in progress or a
 lookup pin) or in WRITING is never evicted; flushing it hides it at once and frees its
 memory when the last reader leaves.
 """
@@ -95,8 +97,13 @@ class ChunkIndex:
 
     def abort(self, e: Entry) -> None:
         """Drop a WRITING entry whose copy failed and free its memory. Abort a request's
-        entries tail first (children before parents)."""
+        entries tail first (children before parents). Entries another store chained onto it
+        while it was being written are dropped too (`drop_where`): they would never be served
+        without it, and could not be evicted either."""
         assert e.state is EntryState.WRITING, f"abort from {e.state}"
+        if e.children:
+            key = e.key
+            self.drop_where(lambda x: x.parent == key)
         self._remove(e)
         e.state = None
         self._free(e)

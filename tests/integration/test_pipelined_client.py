@@ -66,3 +66,27 @@ def test_a_timeout_loses_every_outstanding_request(daemon):
         # was dropped is not defined)
         assert client.ping() == client.boot_id
         assert client.store(reg, reg.keys(list(range(CHUNK, 2 * CHUNK))), [[2, 3]]).stored == 1
+
+
+def test_next_chunks_chain_onto_a_store_still_in_flight(daemon):
+    """An engine that does not wait for its stores sends a request's next chunks while the
+    previous ones are still being copied: they chain onto the parent in flight (never skipped
+    as parent_missing), and become visible with it."""
+    big = [KVGroupShape(0, 8, 8, 128, 16, torch.bfloat16)]  # 1 MiB chunks: the copies take a while
+    with ShmKVCache(big, 64, "LBNHC") as a, ShmKVCache(big, 64, "LBHNC") as b, \
+            KVDepotClient(daemon.endpoint) as client:
+        a.storage.copy_(torch.randint(0, 256, (a.size_bytes,), dtype=torch.uint8))
+        reg_a, reg_b = _register(client, a), _register(client, b)
+        keys = reg_a.keys(list(range(8 * CHUNK)))
+        bpc = CHUNK // 16
+        ids = list(range(8 * bpc))
+        first = client.submit_store(reg_a, keys[:4], [ids[:4 * bpc]], request="r")
+        second = client.submit_store(reg_a, keys[4:], [ids[4 * bpc:]], parent=keys[3], request="r")
+        r2, r1 = second.result(), first.result()
+        assert (r1.stored, r1.skipped) == (4, 0)
+        assert (r2.stored, r2.present, r2.skipped) == (4, 0, 0)
+        assert client.lookup(keys, CHUNK) == 8
+        dst = list(range(63, 63 - 8 * bpc, -1))
+        assert client.retrieve(reg_b, keys, [dst]) == 8
+        for layer in range(big[0].num_layers):
+            assert torch.equal(a.read_tokens(layer, ids, as_bytes=True), b.read_tokens(layer, dst, as_bytes=True))

@@ -266,6 +266,34 @@ def test_abort_tail_first(index, freed):
     assert freed.keys == [k("c"), k("b"), k("a")] and len(index) == 0
 
 
+def test_children_of_a_writing_parent_are_dropped_when_it_aborts(index, freed):
+    """A store in flight: the next chunks (another store) chain onto a WRITING parent. They
+    are never visible before it is READY, and go with it if its copy fails."""
+    a = put(index, "a")
+    b = index.begin_write(k("b"), k("a"), SIZE, SIZE, "m", "")  # store 1, copy in flight
+    c = index.begin_write(k("c"), k("b"), 2 * SIZE, SIZE, "m", "")  # store 2 chains onto it
+    d = index.begin_write(k("d"), k("c"), 3 * SIZE, SIZE, "m", "")
+    index.commit(c)  # store 2's first copy ended before store 1's
+    assert index.ready(k("c")) is c and index.ready(k("b")) is None
+    assert index.evict_one() is None  # a READY entry whose parent is WRITING is still a parent
+    index.abort(b)
+    assert index.get(k("b")) is None and index.get(k("c")) is None and index.get(k("d")) is None
+    assert freed.keys == [k("c"), k("b")]  # d's memory is its writer's to free
+    index.commit(d)  # store 2's last copy ends after the abort: freed, never published
+    assert freed.keys == [k("c"), k("b"), k("d")] and index.get(k("d")) is None
+    assert a.children == 0 and index.evict_one() is a and len(index) == 0
+
+
+def test_children_of_a_writing_parent_survive_its_commit(index, freed):
+    put(index, "a")
+    b = index.begin_write(k("b"), k("a"), SIZE, SIZE, "m", "")
+    c = index.begin_write(k("c"), k("b"), 2 * SIZE, SIZE, "m", "")
+    index.commit(c)
+    index.commit(b)
+    assert index.ready(k("b")) is b and index.ready(k("c")) is c and b.children == 1
+    assert evict_all(index) == [k("c"), k("b"), k("a")]
+
+
 # --------------------------------------------------------------------------- checked transitions
 
 
