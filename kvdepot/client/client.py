@@ -6,6 +6,13 @@ rebuilt, so a late reply is never mistaken for the next request's.
 
 The client notices a daemon restart (the boot id in `Pong` / `RegisterReply` changes, or a
 registration comes back UNKNOWN_REGISTRATION); `KVDepotClient.reregister` registers again.
+
+For engines whose step must never wait on the daemon (the vLLM connector), everything also
+works without blocking: `submit` / `submit_store` / `submit_retrieve` return at once, `poll`
+collects the replies that arrived, ``done()`` of a pending request says whether its reply is
+in, `generation` counts daemon restarts, and `available` / `mark_down` keep a daemon that
+stopped answering from being asked again before a ping (at most every ``retry_interval_s``)
+says it is back. An ``ipc://`` daemon that is not running fails a call at once (UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
+import msgspec
 import zmq
 
 from kvdepot.client.hashing import chunk_keys, namespace_seed
@@ -105,10 +113,17 @@ class KVDepotClient:
         spin_us: a wait polls for its reply without sleeping for this long first: a reply that
             comes within it (a retrieve's, an early store's) is seen without a wake-up of the
             waiting thread, which costs tens of microseconds on a VM. 0 = sleep at once.
+        connect: say hello to the daemon now (raises if it does not answer); False: on first
+            use, so a client can be made while the daemon is down.
+        retry_interval_s: after `mark_down`, `available` pings the daemon at most this often.
+
+    Raises:
+        KVDepotError: with ``connect``: UNAVAILABLE (no daemon at an ``ipc://`` endpoint),
+            TIMEOUT, VERSION_MISMATCH.
     """
 
     def __init__(self, endpoint: str | None = None, timeout_s: float = 10.0, name: str = "",
-                 spin_us: float = 200.0) -> None:
+                 spin_us: float = 200.0, connect: bool = True, retry_interval_s: float = 1.0) -> None:
         self.endpoint = endpoint or default_endpoint()
         self.timeout_s = timeout_s
         self.spin_s = max(0.0, spin_us) / 1e6
@@ -127,19 +142,33 @@ class KVDepotClient:
         # staged store's wait sleeps until shortly before such a reply could come, then spins
         self._staged_store_s_per_byte: float | None = None
         self.boot_id: str | None = None
-        try:
-            self.hello()
-        except BaseException:
-            self.close()  # no caller can close a client whose constructor failed
-            raise
+        self.generation = 0  # daemon boots seen after the first (a restart bumps it)
+        self.retry_interval_s = retry_interval_s
+        self.up = True  # False after mark_down(), until a ping is answered
+        self._probe_rid: int | None = None
+        self._next_probe_s = 0.0
+        self._hello_rid: int | None = None  # the Hello sent on a (re)connected socket
+        self._greeted = not connect  # greet every connection but the one hello() below greets
+        if connect:
+            try:
+                self.hello()
+            except BaseException:
+                self.close()  # no caller can close a client whose constructor failed
+                raise
 
     # ------------------------------------------------------------------ transport
 
     def _socket(self) -> zmq.Socket | StreamSocket:
         if self._sock is not None and self._sock.closed:  # a stream connection the daemon closed
-            self._reset()
+            self._reset(ErrorCode.DISCONNECTED, "the daemon closed the connection")
         if self._sock is None:
             self._sock = connect_socket(self._ctx, self.endpoint, self._identity)
+            if self._greeted:
+                # the daemon ties pins and liveness to a connection's first Hello (our pid)
+                hello = m.Hello(rid=next(self._rid), protocol_version=m.PROTOCOL_VERSION, client=self.name,
+                                pid=os.getpid())
+                self._sock.send(codec.encode(hello))
+                self._hello_rid = hello.rid
         return self._sock
 
     @property
@@ -147,12 +176,85 @@ class KVDepotClient:
         """``"stream"`` (the daemon's Unix stream socket) or ``"zmq"``: what the next request uses."""
         return "stream" if isinstance(self._socket(), StreamSocket) else "zmq"
 
-    def _reset(self) -> None:
+    def _reset(self, code: ErrorCode = ErrorCode.TIMEOUT, why: str = "an earlier wait timed out") -> None:
+        """Drop the socket; every outstanding request is lost, and its wait or ``done()`` says so
+        (``code``): a late reply on a new socket is never taken for another request."""
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+        for rid in self._outstanding:
+            if rid not in self._replies:
+                self._replies[rid] = m.ErrorReply(rid=rid, code=int(code), message=f"request {rid} was lost: {why}")
         self._outstanding.clear()
-        self._replies.clear()
+        self._hello_rid = self._probe_rid = None
+
+    def _on_reply(self, got: m.Msg) -> m.Msg | None:
+        """Book one arrived reply: boot ids, the Hello / ping of a reconnect; returns it if it
+        answers an outstanding request (kept for its wait), else None."""
+        boot = getattr(got, "boot_id", None)
+        if isinstance(boot, str) and boot:
+            if self.boot_id is not None and boot != self.boot_id:
+                self.generation += 1
+            self.boot_id = boot
+        if got.rid == self._probe_rid:
+            self._probe_rid = None
+            if not isinstance(got, m.ErrorReply):
+                self.up = True
+            return None
+        if got.rid == self._hello_rid:
+            self._hello_rid = None
+            return None
+        if got.rid in self._outstanding:
+            self._outstanding.discard(got.rid)
+            self._replies[got.rid] = got
+            return got
+        return None  # a late reply to a request lost in a timeout
+
+    def poll(self, timeout_s: float = 0.0) -> None:
+        """Collect every reply that has arrived (waiting at most ``timeout_s`` for the first);
+        never raises: a connection the daemon closed loses its outstanding requests
+        (DISCONNECTED, see `PendingStore.done`)."""
+        sock = self._sock
+        if sock is None:
+            return
+        ms = max(0, int(timeout_s * 1000))
+        try:
+            while sock.poll(ms):
+                ms = 0
+                self._on_reply(codec.decode_reply(sock.recv()))
+        except zmq.ZMQError as exc:
+            self._reset(ErrorCode.DISCONNECTED, str(exc))
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            self._reset(ErrorCode.MALFORMED, "undecodable reply")
+
+    def done(self, rid: int) -> bool:
+        """Whether `wait` of ``rid`` returns at once (its reply, error or loss is in); after `poll`."""
+        return rid in self._replies or rid not in self._outstanding
+
+    def mark_down(self) -> None:
+        """The daemon does not answer: `available` is False until a ping is answered."""
+        if self.up:
+            self.up = False
+            self._next_probe_s = 0.0
+
+    def available(self) -> bool:
+        """Never blocks: True while the daemon is considered up; while down, sends a ping at
+        most every ``retry_interval_s`` and turns True when one is answered."""
+        self.poll()
+        if self.up:
+            return True
+        now = time.monotonic()
+        if now < self._next_probe_s:
+            return False
+        self._next_probe_s = now + self.retry_interval_s
+        if self._probe_rid is not None:
+            self._reset(ErrorCode.TIMEOUT, "the daemon did not answer a ping")  # start over on a new connection
+        try:
+            self._probe_rid = self.submit(m.Ping(rid=0))
+            self._outstanding.discard(self._probe_rid)  # booked by _on_reply, never waited for
+        except (KVDepotError, zmq.ZMQError, OSError):
+            self._probe_rid = None
+        return False
 
     def call(self, req: m.Msg, timeout_s: float | None = None) -> m.Msg:
         """Send one request (its ``rid`` is assigned here) and return its reply.
@@ -175,7 +277,7 @@ class KVDepotClient:
         except zmq.ZMQError:
             # the daemon closed our stream connection (it restarted) before this request: nothing
             # of it was delivered, and requests still outstanding are lost with the connection
-            self._reset()
+            self._reset(ErrorCode.DISCONNECTED, "the daemon closed the connection")
             self._socket().send(frame)
         self._outstanding.add(req.rid)
         return req.rid
@@ -194,7 +296,7 @@ class KVDepotClient:
         reply = self._replies.pop(rid, None)
         if reply is None:
             if rid not in self._outstanding:
-                raise KVDepotError(ErrorCode.TIMEOUT, f"request {rid} was lost when an earlier wait timed out or the daemon closed the connection")
+                raise KVDepotError(ErrorCode.TIMEOUT, f"request {rid} is not outstanding (its reply was taken)")
             sock = self._socket()
             now = time.monotonic()
             deadline = now + (self.timeout_s if timeout_s is None else timeout_s)
@@ -216,27 +318,27 @@ class KVDepotClient:
                     ready = ready or (left_ms > 0 and sock.poll(left_ms))
                     frame = sock.recv() if ready else None
                 except zmq.ZMQError as exc:  # the stream connection closed under the request
-                    self._reset()
-                    raise KVDepotError(ErrorCode.DISCONNECTED, f"request {rid} lost: {exc}") from None
+                    self._reset(ErrorCode.DISCONNECTED, str(exc))
+                    reply = self._replies.pop(rid)
+                    break
                 if frame is None:
+                    self._outstanding.discard(rid)
                     self._reset()
                     raise KVDepotError(ErrorCode.TIMEOUT, f"no reply from {self.endpoint} within "
                                                           f"{self.timeout_s if timeout_s is None else timeout_s} s; "
                                                           "is `kvdepot serve` running?")
-                got = codec.decode_reply(frame)
-                if got.rid == rid:
-                    reply = got
+                got = self._on_reply(codec.decode_reply(frame))
+                if got is not None and got.rid == rid:
+                    reply = self._replies.pop(rid)
                     break
-                if got.rid in self._outstanding:
-                    self._replies[got.rid] = got
-                # else: a late reply to a request lost in a timeout
         self._outstanding.discard(rid)
         if isinstance(reply, m.ErrorReply):
             raise KVDepotError(reply.code, reply.message)
         return reply
 
     def close(self) -> None:
-        self._reset()
+        self._reset(ErrorCode.DISCONNECTED, "the client was closed")
+        self._replies.clear()
         self._ctx.term()
 
     def __enter__(self) -> KVDepotClient:
@@ -250,6 +352,7 @@ class KVDepotClient:
     def hello(self) -> m.HelloReply:
         r = self.call(m.Hello(rid=0, protocol_version=m.PROTOCOL_VERSION, client=self.name, pid=os.getpid()))
         self.boot_id = r.boot_id
+        self._greeted = True
         return r
 
     def ping(self) -> str:
@@ -356,20 +459,23 @@ class KVDepotClient:
 
     def submit_store(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
                      parent: bytes = b"", cache_salt: str = "", request: str = "", after=None,
-                     early: bool = False) -> PendingStore:
+                     early: bool = False, wait_for_room: bool = True) -> PendingStore | None:
         """`store` without waiting: ``.result(before)`` of the returned handle gives the
         `StoreReply`. The blocks must not be overwritten before then (``early``: before work on
         ``before``, which is made to wait until the daemon has read them).
 
         With engine-side staging (`register`'s ``local_storages``) the blocks are gathered into
         the staging ring here, on ``after`` (default: the current stream), so work enqueued on
-        that stream later may overwrite them at once."""
+        that stream later may overwrite them at once. ``wait_for_room=False``: if the ring has
+        no room for the chunks now, nothing is sent and None is returned (never blocks)."""
         event = b""
         offset = -1
         region = None
         staging = reg.staging
         if staging is not None and keys:
-            region = staging.ring.alloc(len(keys) * reg.object_bytes, self)
+            region = staging.ring.alloc(len(keys) * reg.object_bytes, self, wait=wait_for_room)
+            if region is None and not wait_for_room:
+                return None
         if region is not None:
             import torch
 
@@ -522,6 +628,11 @@ class PendingStore:
             region.is_free = self._region_free
             region.reclaim = self._reclaim
 
+    def done(self) -> bool:
+        """Whether `result` returns at once (reply, error or loss in); never blocks (call the
+        client's `poll` first to collect replies)."""
+        return self._reply is not None or self._error is not None or self.client.done(self.rid)
+
     def _await(self, timeout_s: float | None = None) -> m.StoreReply:
         if self._reply is None and self._error is None:
             c = self.client
@@ -579,6 +690,28 @@ class PendingRetrieve:
         self._retrieved: int | None = None
         self._error: BaseException | None = None
         self._done_event = None  # staged: local event after the scatter
+        self._reply: m.RetrieveReply | None = None  # staged: the reply, once taken by done()
+
+    def done(self) -> bool:
+        """Whether `result` returns without waiting on the daemon: its reply (or error, or loss)
+        is in and, staged, the daemon's copies into the ring have completed (the event is
+        queried, never waited for). Call the client's `poll` first to collect replies."""
+        if self._retrieved is not None or self._error is not None:
+            return True
+        if not self.client.done(self.rid):
+            return False
+        if self._region is None:
+            return True
+        if self._reply is None:
+            try:
+                self._reply = self.client.wait(self.rid, 0)
+            except KVDepotError as exc:
+                self._error = exc
+                return True
+        ev = self._reply.event
+        if not (self._reply.retrieved and ev):
+            return True
+        return self.client._open_event(ev, self._reg.staging.device).query()
 
     def _staged(self, reg: Registration, region, block_ids, num_chunks: int, skip_tokens: int) -> None:
         self._reg, self._region, self._block_ids = reg, region, block_ids
@@ -622,11 +755,13 @@ class PendingRetrieve:
             raise self._error
         import torch
 
-        try:
-            r = self.client.wait(self.rid, timeout_s)
-        except KVDepotError as exc:
-            self._error = exc
-            raise
+        r = self._reply
+        if r is None:
+            try:
+                r = self.client.wait(self.rid, timeout_s)
+            except KVDepotError as exc:
+                self._error = exc
+                raise
         staging = self._reg.staging
         stream = before if before is not None else torch.cuda.current_stream(staging.device)
         if r.retrieved and r.event:

@@ -92,11 +92,11 @@ class StagingRing:
             self.live.clear()
             self.head = 0
 
-    def alloc(self, nbytes: int, owner: object = None) -> StagingRegion | None:
+    def alloc(self, nbytes: int, owner: object = None, wait: bool = True) -> StagingRegion | None:
         """A region of at least ``nbytes`` for ``owner``'s request; while there is no room it
         reclaims the oldest region (`StagingRegion.reclaim`) if ``owner`` owns it, else polls it.
         None: larger than the ring, or the oldest region cannot be reclaimed in time (the
-        caller then goes the daemon-gathers way)."""
+        caller then goes the daemon-gathers way), or (``wait=False``) no room right now."""
         nbytes = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         if nbytes > self.size_bytes or nbytes == 0:
             return None
@@ -112,6 +112,8 @@ class StagingRing:
                     self.head = off + nbytes
                     return region
                 oldest = self.live[0]
+            if not wait:
+                return None
             if oldest.owner is owner:
                 if not oldest.reclaim():
                     log.warning("staging ring: the oldest region cannot be reclaimed; this request goes unstaged")

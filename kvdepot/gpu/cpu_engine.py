@@ -21,16 +21,17 @@ _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Split block ids into runs of consecutive ids.
+    """Split block ids into runs of consecutive ids; ids < 0 (blocks left alone) are in no run.
 
     Returns ``(index_in_list, first_block_id, length)`` triples, e.g.
-    ``[4, 5, 6, 9] -> [(0, 4, 3), (3, 9, 1)]``.
+    ``[4, 5, 6, 9] -> [(0, 4, 3), (3, 9, 1)]``, ``[-1, 0, 1, -1] -> [(1, 0, 2)]``.
     """
     runs: list[tuple[int, int, int]] = []
     start = 0
     for i in range(1, len(block_ids) + 1):
-        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
-            runs.append((start, block_ids[start], i - start))
+        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1 or block_ids[i - 1] < 0:
+            if block_ids[start] >= 0:
+                runs.append((start, block_ids[start], i - start))
             start = i
     return runs
 

@@ -344,6 +344,8 @@ def copy_blocks_torch(group: LayerGroup, layer_tensors: Sequence[torch.Tensor], 
     for slot in range(first_slot, first_slot + num_slots):
         j, i = divmod(slot, bpc)
         b = block_ids[slot]
+        if b < 0:  # left unwritten (a RETRIEVE's -1)
+            continue
         for layer, t in enumerate(layer_tensors):
             eng = torch.as_strided(t, (v.block_size, v.num_heads, v.num_kv, v.row_bytes),
                                    (v.token_stride, v.head_stride, v.kv_stride, 1),

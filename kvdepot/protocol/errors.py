@@ -22,6 +22,7 @@ class ErrorCode(enum.IntEnum):
     TIMEOUT = 9  # client side only: no reply within the client's timeout_s
     UNSUPPORTED = 10  # a valid request this daemon build cannot serve (e.g. CUDA IPC without CUDA)
     DISCONNECTED = 11  # client side only: the daemon closed the connection (it stopped or restarted)
+    UNAVAILABLE = 12  # client side only: no daemon listens at the endpoint (connection refused, no socket file)
 
 
 class KVDepotError(Exception):

@@ -30,6 +30,9 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 PosInt = Annotated[int, Meta(gt=0)]
 ChunkKey = Annotated[bytes, Meta(min_length=8, max_length=64)]
 BlockIds = list[NonNegInt]
+# a RETRIEVE's block ids may be -1: that block is left unwritten (vLLM's null block, which a
+# sliding-window group's table holds for tokens outside the window)
+TargetBlockIds = list[Annotated[int, Meta(ge=-1)]]
 Name = Annotated[str, Meta(max_length=4096)]
 
 
@@ -240,7 +243,7 @@ class Store(Msg, tag="store"):
 class Retrieve(Msg, tag="get"):
     """Copy cached chunks into engine blocks.
 
-    keys / block_ids: as in `Store`.
+    keys / block_ids: as in `Store`; a block id of -1 leaves that block unwritten.
     skip_tokens: leading tokens of ``keys[0]`` whose blocks must not be written (the engine
         already holds them, e.g. from its own prefix cache); a multiple of every group's
         tokens_per_block.
@@ -253,7 +256,7 @@ class Retrieve(Msg, tag="get"):
 
     registration: Name
     keys: list[ChunkKey]
-    block_ids: list[BlockIds]
+    block_ids: list[TargetBlockIds]
     skip_tokens: NonNegInt = 0
     request: Name = ""
     staging_offset: Annotated[int, Meta(ge=-1)] = -1

@@ -26,6 +26,7 @@ import time
 
 import zmq
 
+from kvdepot.protocol.errors import ErrorCode, KVDepotError
 from kvdepot.protocol.codec import MAX_FRAME_BYTES  # a longer message on a stream socket ends the connection
 
 ENV_ENDPOINT = "KVDEPOT_ENDPOINT"  # default endpoint for `kvdepot serve` and clients
@@ -276,11 +277,19 @@ def connect_socket(ctx: zmq.Context, endpoint: str, identity: bytes) -> zmq.Sock
 
     Raises:
         ValueError, zmq.ZMQError: as `make_socket`.
+        KVDepotError: UNAVAILABLE at once, for an ``ipc://`` endpoint no daemon listens at (its
+            socket file is missing, or its stream socket refuses: the daemon that made it is
+            gone). A ``tcp://`` endpoint, or ``$KVDEPOT_TRANSPORT=zmq``, cannot tell: requests
+            queue until a daemon binds, and only a reply timeout says it is not there.
     """
     path = stream_path(endpoint)
     if path is not None and os.environ.get(ENV_TRANSPORT, "").lower() != "zmq":
         try:
             return StreamSocket(path, identity)
+        except (ConnectionRefusedError, FileNotFoundError) as exc:
+            if isinstance(exc, ConnectionRefusedError) or not os.path.exists(ipc_path(endpoint)):
+                raise KVDepotError(ErrorCode.UNAVAILABLE, f"no kvdepot daemon listens at {endpoint} ({exc.strerror}); "
+                                                          "is `kvdepot serve` running?") from None
         except OSError:
-            pass  # no stream socket there (an older daemon, or none yet): ZMQ queues until one binds
+            pass  # no stream socket there (an older daemon): ZMQ
     return make_socket(ctx, zmq.DEALER, endpoint, bind=False, identity=identity)

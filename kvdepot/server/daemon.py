@@ -353,7 +353,7 @@ class Daemon:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                    f"gid {gid}: {len(ids)} block ids for {num_chunks} chunks, need {need}")
             nb = num_blocks[gid]
-            if ids and max(ids) >= nb:  # ids are >= 0 (the decoder checks)
+            if ids and max(ids) >= nb:  # ids are >= 0, or -1 in a RETRIEVE (the decoder checks)
                 raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                    f"gid {gid}: block id {max(ids)} out of range [0, {nb})")
 

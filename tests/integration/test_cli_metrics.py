@@ -151,12 +151,13 @@ def test_prometheus_counts_errors_by_code(module_daemon):
 
 
 def test_cli_without_daemon_fails_with_one_line(tmp_path):
+    """No daemon at an ipc:// endpoint fails at once (UNAVAILABLE), not after the timeout."""
     endpoint = f"ipc://{tmp_path}/nobody-serves-here.sock"
     commands = [  # (argv, words the one-line message must contain)
-        (["ping", "--endpoint", endpoint], ["TIMEOUT", endpoint]),
-        (["describe", "--endpoint", endpoint], ["TIMEOUT", endpoint]),
-        (["describe", "--json", "--endpoint", endpoint], ["TIMEOUT", endpoint]),
-        (["flush", "--model", "m", "--endpoint", endpoint], ["TIMEOUT", endpoint]),
+        (["ping", "--endpoint", endpoint], ["UNAVAILABLE", endpoint]),
+        (["describe", "--endpoint", endpoint], ["UNAVAILABLE", endpoint]),
+        (["describe", "--json", "--endpoint", endpoint], ["UNAVAILABLE", endpoint]),
+        (["flush", "--model", "m", "--endpoint", endpoint], ["UNAVAILABLE", endpoint]),
         (["ping", "--endpoint", "foo://bar"], ["foo://bar", "--endpoint"]),
     ]
     t0 = time.monotonic()
@@ -173,6 +174,33 @@ def test_cli_without_daemon_fails_with_one_line(tmp_path):
     assert time.monotonic() - t0 < 20
 
 
+def test_client_fails_fast_on_a_dead_daemons_socket(tmp_path):
+    """A socket file left by a daemon that is gone refuses connections: UNAVAILABLE at once."""
+    import socket as _socket
+
+    from kvdepot.client import KVDepotClient
+    from kvdepot.protocol.errors import ErrorCode, KVDepotError
+
+    path = tmp_path / "dead.sock"
+    for p in (path, tmp_path / "dead.sock.stream"):  # bound, then closed: nothing accepts
+        s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        s.bind(str(p))
+        s.close()
+    with pytest.raises(KVDepotError) as exc:
+        KVDepotClient(f"ipc://{path}", timeout_s=30)
+    assert exc.value.code == ErrorCode.UNAVAILABLE and "refused" in str(exc.value).lower()
+    client = KVDepotClient(f"ipc://{path}", timeout_s=30, connect=False)  # made while the daemon is down
+    try:
+        assert client.available()  # nothing tried yet
+        with pytest.raises(KVDepotError) as exc:
+            client.ping()
+        assert exc.value.code == ErrorCode.UNAVAILABLE
+        client.mark_down()
+        assert not client.available()  # the ping it sends fails at once; next one after retry_interval_s
+    finally:
+        client.close()
+
+
 def test_serve_refuses_an_endpoint_another_daemon_serves(module_daemon):
     r = kvdepot("serve", "--endpoint", module_daemon.endpoint, "--l1-bytes", "16m", "--metrics-port", "0")
     assert r.returncode == 1, r
@@ -183,9 +211,19 @@ def test_serve_refuses_an_endpoint_another_daemon_serves(module_daemon):
 
 
 def test_client_without_daemon_times_out_cleanly(tmp_path):
+    """tcp:// cannot tell a missing daemon from a slow one: the reply timeout says it (ipc://
+    fails at once, `test_client_fails_fast_on_a_dead_daemons_socket`)."""
+    import socket as _socket
+
+    with _socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     with pytest.raises(KVDepotError) as ei:
-        KVDepotClient(f"ipc://{tmp_path}/nobody-serves-here.sock", timeout_s=0.3)
+        KVDepotClient(f"tcp://127.0.0.1:{port}", timeout_s=0.3)
     assert ei.value.code is ErrorCode.TIMEOUT
+    with pytest.raises(KVDepotError) as ei:
+        KVDepotClient(f"ipc://{tmp_path}/nobody-serves-here.sock", timeout_s=30)
+    assert ei.value.code is ErrorCode.UNAVAILABLE
     gc.collect()  # a zmq context left open by the failed constructor would warn here (an error under pytest)
 
 

@@ -112,6 +112,9 @@ def new_object(engine: CpuTransferEngine) -> torch.Tensor:
     ([3, 2, 1], [(0, 3, 1), (1, 2, 1), (2, 1, 1)]),
     ([5, 5, 6], [(0, 5, 1), (1, 5, 2)]),
     ([9, 1, 2, 8, 9, 10, 0], [(0, 9, 1), (1, 1, 2), (3, 8, 3), (6, 0, 1)]),
+    ([-1, 0, 1, -1], [(1, 0, 2)]),  # -1: left alone (a retrieve's null block)
+    ([-1, -1], []),
+    ([3, -1, 4, 5], [(0, 3, 1), (2, 4, 2)]),
 ])
 def test_block_runs(ids, runs):
     assert block_runs(ids) == runs
@@ -251,6 +254,32 @@ def test_scatter_skip_tokens(layout, skip_tokens, model_groups, shm_kv_cache, se
         per_token = eng.layout.groups[gid].bytes_per_token
         sl = slice(start + skip_tokens * per_token, start + 64 * per_token)
         assert torch.equal(got[sl], obj[sl])
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_scatter_leaves_blocks_of_id_minus_one_alone(layout, model_groups, shm_kv_cache, seed, torch_rng):
+    """A retrieve's block id -1 (vLLM's null block in a sliding-window group) is never written;
+    every other block gets exactly what it gets without the -1."""
+    rng = random.Random(seed)
+    cache = shm_kv_cache(model_groups("gpt-oss-20b", tokens_per_block=(16, 32)), [8, 4], layout)
+    eng = engine_for(cache, 64)
+    obj = torch.randint(0, 256, (eng.layout.object_bytes,), dtype=torch.uint8, generator=torch_rng)
+    obj[obj == SENTINEL] = 0
+    ids = random_block_ids(cache, 64, rng)
+    hole = ids[1][0]  # the sliding-window group's first block of the chunk
+    gid1_layers = [li for li, lg in enumerate(cache.layer_gids) if lg == 1]
+    cache.storage.fill_(SENTINEL)
+    eng.scatter(obj, [list(ids[0]), [-1] + list(ids[1][1:])])
+    for li in gid1_layers:
+        assert bool((logical_rows(cache.layout, cache.engine_tensors[li])[hole] == SENTINEL).all())
+    holed = cache.storage.clone()
+    cache.storage.fill_(SENTINEL)
+    eng.scatter(obj, ids)
+    for li in gid1_layers:
+        rows = logical_rows(cache.layout, cache.engine_tensors[li])
+        assert not bool((rows[hole] == SENTINEL).all())
+        rows[hole] = SENTINEL
+    assert torch.equal(cache.storage, holed)
 
 
 def test_gather_into_arena_slice(model_groups, shm_kv_cache, torch_rng):

@@ -81,6 +81,7 @@ __global__ void kvd_copy_kernel(KvdGroupDesc d, const uint64_t* __restrict__ lay
   const int64_t j = slot / d.blocks_per_chunk;
   const int64_t i = slot - j * d.blocks_per_chunk;
   const int64_t b = ids.v[blockIdx.x];
+  if (b < 0) return;  // a block left alone (a retrieve's -1: vLLM's null block)
   const int hk_count = (int)(d.num_heads * d.num_kv);
   const int words_per_row = (int)(d.row_bytes / sizeof(Word));
   const int rows = (int)d.block_size * hk_count;
