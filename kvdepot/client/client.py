@@ -231,6 +231,17 @@ class KVDepotClient:
         """Whether `wait` of ``rid`` returns at once (its reply, error or loss is in); after `poll`."""
         return rid in self._replies or rid not in self._outstanding
 
+    @property
+    def connected(self) -> bool:
+        """Whether a connection is open (False before the first request and after the daemon
+        closed it: the next request connects afresh, and may reach a restarted daemon)."""
+        return self._sock is not None and not self._sock.closed
+
+    def forget(self, rid: int) -> None:
+        """Stop tracking ``rid`` (nobody will wait for it); a late reply is dropped."""
+        self._outstanding.discard(rid)
+        self._replies.pop(rid, None)
+
     def mark_down(self) -> None:
         """The daemon does not answer: `available` is False until a ping is answered."""
         if self.up:
@@ -517,7 +528,7 @@ class KVDepotClient:
         return self.submit_retrieve(reg, keys, block_ids, skip_tokens, request).result(before, cpu_wait=cpu_wait)
 
     def submit_retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
-                        skip_tokens: int = 0, request: str = "") -> PendingRetrieve:
+                        skip_tokens: int = 0, request: str = "", wait_for_room: bool = True) -> PendingRetrieve | None:
         """`retrieve` without waiting: ``.result(before)`` of the returned handle gives the
         number of chunks written (and makes ``before`` wait for them).
 
@@ -525,10 +536,14 @@ class KVDepotClient:
         event of a later reply covers every earlier one: with several outstanding, an engine
         may pass ``before`` only to the last ``result`` (each GPU wait on an interprocess
         event costs the waiting stream tens of microseconds). With engine-side staging each
-        ``result`` enqueues its own scatter, so pass ``before`` to every one."""
+        ``result`` enqueues its own scatter, so pass ``before`` to every one.
+        ``wait_for_room=False``: if the staging ring has no room now, nothing is sent and None
+        is returned. A block id of -1 leaves that block unwritten."""
         region = None
         if reg.staging is not None and keys:
-            region = reg.staging.ring.alloc(len(keys) * reg.object_bytes, self)
+            region = reg.staging.ring.alloc(len(keys) * reg.object_bytes, self, wait=wait_for_room)
+            if region is None and not wait_for_room:
+                return None
         try:
             rid = self.submit(m.Retrieve(rid=0, registration=reg.id, keys=list(keys),
                                          block_ids=[list(b) for b in block_ids], skip_tokens=skip_tokens,
@@ -745,7 +760,14 @@ class PendingRetrieve:
         the host waits on ``last_retrieve_event``, a local event after the scatter). Raises
         KVDepotError as `KVDepotClient.retrieve`."""
         if self._region is None:
-            return self.client._retrieved(self.client.wait(self.rid, timeout_s), before, cpu_wait)
+            if self._error is not None:
+                raise self._error
+            try:
+                r = self.client.wait(self.rid, timeout_s)
+            except KVDepotError as exc:
+                self._error = exc
+                raise
+            return self.client._retrieved(r, before, cpu_wait)
         if self._retrieved is not None:  # already scattered (by a ring reclaim): order `before` after it
             if before is not None and self._done_event is not None:
                 before.wait_event(self._done_event)

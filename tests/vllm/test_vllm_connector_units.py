@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm_harness as H  # noqa: E402
-from kvdepot.client.vllm.channel import DaemonChannel  # noqa: E402
+from kvdepot.client import KVDepotClient  # noqa: E402
 from kvdepot.client.vllm.config import ConnectorConfig, check_chunk_size  # noqa: E402
 from kvdepot.client.vllm.layout import (  # noqa: E402
     ShmSegments,
@@ -152,17 +152,19 @@ def test_cpu_views_outside_shared_memory_are_refused(model):
 # ---------------------------------------------------------------------- channel without a daemon
 
 
-def test_channel_without_a_daemon_times_out_then_fails_fast():
-    ch = DaemonChannel(NO_DAEMON, "test", retry_interval_s=0.1)
+def test_client_without_a_daemon_fails_fast_and_probes_at_its_interval():
+    """What the connector's two sides rely on: a client made while no daemon runs, calls that
+    fail at once (UNAVAILABLE), and `available` that never blocks and pings at most every
+    retry_interval_s."""
+    c = KVDepotClient(NO_DAEMON, timeout_s=5.0, connect=False, retry_interval_s=0.2)
     try:
         t0 = time.monotonic()
         with pytest.raises(KVDepotError) as e:
-            ch.call(m.Ping(rid=0), timeout_s=0.2)
-        assert e.value.code == ErrorCode.TIMEOUT and time.monotonic() - t0 < 1.0
-        assert not ch.up
+            c.call(m.Ping(rid=0))
+        assert e.value.code == ErrorCode.UNAVAILABLE and time.monotonic() - t0 < 0.5
+        c.mark_down()
         t0 = time.monotonic()
-        assert ch.send(m.Ping(rid=0)) is None  # down: nothing is sent, nothing waits
-        assert ch.call_tracked(m.Ping(rid=0), 5.0) == (None, None)
-        assert not ch.probe() and time.monotonic() - t0 < 0.05
+        assert [c.available() for _ in range(50)] == [False] * 50
+        assert time.monotonic() - t0 < 0.05
     finally:
-        ch.close()
+        c.close()

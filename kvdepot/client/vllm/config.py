@@ -22,6 +22,8 @@ key                     default      meaning
                                      answers again
 ``hold_max_s``          30.0         worker: longest time a request's blocks are kept after a store or
                                      retrieve timed out, waiting for the daemon's late answer
+``staging_bytes``       268435456    CUDA worker: bytes of the device staging ring (GPU memory beside
+                                     vLLM's KV cache); stores and loads move through it in pieces
 ======================  ===========  ==================================================================
 """
 
@@ -51,6 +53,7 @@ class ConnectorConfig:
     rpc_timeout_s: float = 5.0
     retry_interval_s: float = 1.0
     hold_max_s: float = 30.0
+    staging_bytes: int = 256 << 20
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -89,6 +92,8 @@ class ConnectorConfig:
                              "(the address `kvdepot serve --endpoint` binds)")
         if cfg.chunk_size <= 0:
             raise ValueError(f"{EXTRA_CONFIG}.chunk_size: {cfg.chunk_size} must be > 0")
+        if cfg.staging_bytes < (1 << 20):
+            raise ValueError(f"{EXTRA_CONFIG}.staging_bytes: {cfg.staging_bytes} must be >= 1 MiB (1048576)")
         for name in ("lookup_timeout_s", "rpc_timeout_s", "retry_interval_s", "hold_max_s"):
             if getattr(cfg, name) <= 0:
                 raise ValueError(f"{EXTRA_CONFIG}.{name}: must be > 0")

@@ -132,15 +132,19 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None and isinstance(connector_metadata, KVDepotMetadata):
             self.worker.bind(connector_metadata)
 
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        if self.worker is not None:
+            self.worker.handle_preemptions(kv_connector_metadata)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         assert self.worker is not None
         self.worker.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete (or are ordered on the GPU) before the request is scheduled
+        return  # loads are asynchronous: a request runs only after get_finished reported its load
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        return  # whole chunks are stored in wait_for_save, after the forward
+        return  # whole chunks are gathered in wait_for_save, after the forward
 
     def wait_for_save(self) -> None:
         assert self.worker is not None

@@ -260,7 +260,8 @@ class Registration:
     layers: list[LayerSpec]
     groups: list[KVGroupSpec]
     ratio: list[int]  # per daemon gid
-    views: dict[str, torch.Tensor]  # layer name -> int8 view [B, H, N, C] (for the null-block guard)
+    views: dict[str, torch.Tensor]  # layer name -> int8 view [B, H, N, C]
+    local: list[torch.Tensor]  # CUDA: the storages' tensors in this process (engine-side staging)
 
     def expand(self, daemon_gid: int, block_ids: Sequence[int]) -> list[int]:
         """Manager block ids of ``daemon_gid`` -> the registered (kernel) block ids."""
@@ -291,6 +292,7 @@ def build_registration(kv_caches: Mapping[str, torch.Tensor], kv_cache_config,
     layers: list[LayerSpec] = []
     views: dict[str, torch.Tensor] = {}
     ratio: list[int] = []
+    local: list[torch.Tensor] = []
     device = "cpu"
     for g in groups:
         group = kv_cache_config.kv_cache_groups[g.vllm_gid]
@@ -320,6 +322,7 @@ def build_registration(kv_caches: Mapping[str, torch.Tensor], kv_cache_config,
                     base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
                     storage_index[key] = len(storages)
                     storages.append(export_cuda_storage(base))
+                    local.append(base)
                 sid, offset = storage_index[key], t.data_ptr() - st.data_ptr()
             else:
                 found = find_shm_segment(t)
@@ -342,4 +345,4 @@ def build_registration(kv_caches: Mapping[str, torch.Tensor], kv_cache_config,
     kv_groups = [KVGroupSpec(gid=g.daemon_gid, tokens_per_block=g.block_size // ratio[g.daemon_gid]) for g in groups]
     if device == "cuda" and any(s.kind != "cuda_ipc" for s in storages):
         raise ValueError("KV-cache layers are split between CPU and CUDA memory")
-    return Registration(device, storages, layers, kv_groups, ratio, views)
+    return Registration(device, storages, layers, kv_groups, ratio, views, local)

@@ -85,9 +85,11 @@ class LoadJob:
     """Retrieve cached chunks into a request's newly allocated blocks (asynchronous load: the
     request waits in WAITING_FOR_REMOTE_KVS until the worker reports it in finished_recving).
 
-    keys: per shard (tensor-parallel rank), the keys of chunks ``[first_chunk, first_chunk + n)``.
+    chain: the shard-independent chain values of chunks ``[first_chunk, first_chunk + n)``
+        (`kvdepot.client.hashing`); each worker masks them with its own shard's mask of ``seed``.
+    seed: the request's namespace seed (model, layout fingerprint, cache_salt).
     block_ids: per daemon gid, the manager block ids of those chunks (may contain vLLM's null
-        block for groups that no longer need a block; the worker guards it).
+        block for groups that no longer need a block; the worker leaves it unwritten).
     skip_tokens: see `LoadPlan`.
     local_tokens / end_tokens: vLLM's own hit and the end of the promised range.
     fail_block_ids: single-group models: per daemon gid, the block ids covering tokens
@@ -95,7 +97,8 @@ class LoadJob:
     """
 
     req_id: str
-    keys: list[list[bytes]]
+    chain: list[bytes]
+    seed: bytes
     first_chunk: int
     skip_tokens: int
     block_ids: list[list[int]]
@@ -109,14 +112,16 @@ class StoreJob:
     """Store whole chunks ``[first_chunk, first_chunk + n)`` of a request (its blocks were
     written by this step's forward or earlier ones).
 
-    keys / parents: per shard; ``parents[s]`` is the key of the chunk before (b"" for chunk 0).
+    chain / seed: as in `LoadJob`; ``parent`` is the chain value of the chunk before (b"" for
+    chunk 0).
     block_ids: per daemon gid, manager block ids of those chunks (null blocks of
         sliding-window groups are read, never written: their bytes are never loaded back).
     """
 
     req_id: str
-    keys: list[list[bytes]]
-    parents: list[bytes]
+    chain: list[bytes]
+    parent: bytes
+    seed: bytes
     first_chunk: int
     block_ids: list[list[int]]
     cache_salt: str
@@ -127,8 +132,9 @@ class KVDepotMetadata(KVConnectorMetadata):
     """What the scheduler-side connector tells every worker for one step.
 
     release: finished requests whose blocks vLLM keeps until every worker reported them in
-        finished_sending (a worker does once no store or retrieve of the request may still
-        be running in the daemon).
+        finished_sending (a worker does once no store or retrieve of the request is in flight).
+    preempted: requests preempted this step (their blocks go to other requests in this step's
+        forward): a store that still reads their blocks must end before it, or not start.
     fingerprint: the layout fingerprint the scheduler seeded the keys with; a worker whose
         registration disagrees neither loads nor stores.
     null_block_id: vLLM's null block (``BlockPool.null_block``).
@@ -137,5 +143,6 @@ class KVDepotMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = dataclasses.field(default_factory=list)
     stores: list[StoreJob] = dataclasses.field(default_factory=list)
     release: list[str] = dataclasses.field(default_factory=list)
+    preempted: list[str] = dataclasses.field(default_factory=list)
     fingerprint: str = ""
     null_block_id: int = 0

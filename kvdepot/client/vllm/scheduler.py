@@ -28,14 +28,18 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from typing import Any
 
+import zmq
+
+from kvdepot.client.client import KVDepotClient
 from kvdepot.client.hashing import chain_hashes, namespace_seed, shard_keys, shard_mask, shard_name
-from kvdepot.client.vllm.channel import DaemonChannel
 from kvdepot.client.vllm.config import ConnectorConfig
 from kvdepot.client.vllm.layout import TransferGroup
 from kvdepot.client.vllm.plan import KVDepotMetadata, LoadJob, StoreJob, blocks_covering, chunk_block_ids, plan_load
 from kvdepot.protocol import messages as m
+from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
 log = logging.getLogger("kvdepot.vllm")
 
@@ -50,7 +54,9 @@ class _Req:
     keys: list[list[bytes]]  # per shard: keys of the whole chunks hashed so far
     chain: list[bytes]  # shard-independent chain values of those chunks (`kvdepot.client.hashing`)
     hashed_tokens: int  # tokens covered by ``keys`` (a multiple of chunk_size)
+    seed: bytes = b""  # namespace seed of the chain (model, layout fingerprint, seed_salt)
     lookup_rid: int | None = None  # outstanding Lookup
+    lookup_sent_s: float = 0.0  # time.monotonic() it was sent
     hit_chunks: int | None = None  # the answer (None: not known yet)
     pinned: bool = False  # a Lookup with pin_request was sent (EndRequest releases it)
     local_tokens: int = 0  # vLLM's own hit, as last given to get_num_new_matched_tokens
@@ -74,7 +80,8 @@ class SchedulerSide:
         self.lcm = math.lcm(*(g.block_size for g in groups)) if groups else 1
         tp = vllm_config.parallel_config.tensor_parallel_size
         self.shards = [shard_name(r, tp) for r in range(tp)]
-        self.channel = DaemonChannel(cfg.endpoint, f"vllm-scheduler-{os.getpid()}", cfg.retry_interval_s)
+        self.client = KVDepotClient(cfg.endpoint, timeout_s=cfg.lookup_timeout_s, name=f"vllm-scheduler-{os.getpid()}",
+                                    connect=False, retry_interval_s=cfg.retry_interval_s)
         self._reqs: dict[str, _Req] = {}
         self._ineligible: set[str] = set()
         self._pending_loads: list[tuple[str, tuple[list[int], ...], int, int]] = []  # (req, block ids, local, end)
@@ -127,28 +134,39 @@ class SchedulerSide:
             return
         tokens = (st.request.prompt_token_ids if end <= len(st.request.prompt_token_ids)
                   else st.request.all_token_ids)[st.hashed_tokens:end]
-        seed = namespace_seed(self.model_id, self.fingerprint, st.seed_salt)
-        new = chain_hashes(st.chain[-1] if st.chain else seed, tokens, c)  # each token hashed once
+        if not st.seed:
+            st.seed = namespace_seed(self.model_id, self.fingerprint, st.seed_salt)
+        new = chain_hashes(st.chain[-1] if st.chain else st.seed, tokens, c)  # each token hashed once
         st.chain.extend(new)
-        for chain, keys in zip(st.keys, shard_keys(new, [shard_mask(seed, shard) for shard in self.shards])):
+        for chain, keys in zip(st.keys, shard_keys(new, [shard_mask(st.seed, shard) for shard in self.shards])):
             chain.extend(keys)
         st.hashed_tokens = end
 
+    def _send(self, req: m.Msg) -> int | None:
+        """Send without waiting; None (and the daemon marked down) if it cannot be sent."""
+        try:
+            return self.client.submit(req)
+        except (KVDepotError, zmq.ZMQError, OSError) as exc:
+            log.warning("kvdepot: cannot send %s to %s: %s", type(req).__name__, self.cfg.endpoint, exc)
+            self.client.mark_down()
+            return None
+
     def _send_lookup(self, st: _Req) -> None:
-        if not self.channel.probe():
+        if not self.client.available():
             st.hit_chunks = 0  # daemon down: recompute, no waiting
             return
         n = len(st.keys[0])
         if n == 0:
             st.hit_chunks = 0
             return
-        rid = self.channel.send(m.Lookup(rid=0, keys=[list(k) for k in st.keys], chunk_size=self.cfg.chunk_size,
-                                         num_tokens=st.request.num_prompt_tokens, model=self.model_id,
-                                         pin_request=st.request.request_id))
+        rid = self._send(m.Lookup(rid=0, keys=st.keys, chunk_size=self.cfg.chunk_size,
+                                  num_tokens=st.request.num_prompt_tokens, model=self.model_id,
+                                  pin_request=st.request.request_id))
         if rid is None:
             st.hit_chunks = 0
         else:
             st.lookup_rid = rid
+            st.lookup_sent_s = time.monotonic()
             st.pinned = True
 
     def _lookup_answer(self, st: _Req) -> int | None:
@@ -159,24 +177,27 @@ class SchedulerSide:
             self._send_lookup(st)
             if st.hit_chunks is not None:
                 return st.hit_chunks
-        self.channel.poll(0)
-        reply = self.channel.take(st.lookup_rid)
-        if reply is None:
-            if (self.channel.up and self.channel.waiting(st.lookup_rid)
-                    and self.channel.age_s(st.lookup_rid) < self.cfg.lookup_timeout_s):
+        c = self.client
+        c.poll()
+        if not c.done(st.lookup_rid):
+            if c.up and time.monotonic() - st.lookup_sent_s < self.cfg.lookup_timeout_s:
                 return None
             log.warning("kvdepot: no lookup answer within %.1f s; request %s is computed without cached KV",
                         self.cfg.lookup_timeout_s, st.request.request_id)
-            self.channel.forget(st.lookup_rid)
-            self.channel.mark_down()
+            c.forget(st.lookup_rid)
+            c.mark_down()
             st.hit_chunks = 0
-        elif isinstance(reply, m.LookupReply):
-            st.hit_chunks = reply.hit_chunks
-            st.next_store_chunk = max(st.next_store_chunk, reply.hit_chunks)  # those are cached already
         else:
-            log.warning("kvdepot: lookup of request %s failed: %s", st.request.request_id,
-                        getattr(reply, "message", reply))
-            st.hit_chunks = 0
+            try:
+                reply = c.wait(st.lookup_rid, 0)
+            except KVDepotError as exc:
+                log.warning("kvdepot: lookup of request %s failed: %s", st.request.request_id, exc)
+                if exc.code in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED, ErrorCode.UNAVAILABLE):
+                    c.mark_down()
+                st.hit_chunks = 0
+            else:
+                st.hit_chunks = reply.hit_chunks
+                st.next_store_chunk = max(st.next_store_chunk, reply.hit_chunks)  # those are cached already
         st.lookup_rid = None
         return st.hit_chunks
 
@@ -213,12 +234,13 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output) -> KVDepotMetadata:
         meta = KVDepotMetadata(fingerprint=self.fingerprint, null_block_id=self._null_block_id)
-        self.channel.poll(0)
+        self.client.poll()
         for rid in scheduler_output.preempted_req_ids or ():
+            meta.preempted.append(rid)
             st = self._reqs.get(rid)
             if st is not None:  # its blocks are gone; ask the daemon again when it is rescheduled
                 if st.lookup_rid is not None:
-                    self.channel.forget(st.lookup_rid)
+                    self.client.forget(st.lookup_rid)
                 st.lookup_rid = st.hit_chunks = None
         for req_id, block_ids, local, end in self._pending_loads:
             job = self._load_job(req_id, block_ids, local, end)
@@ -248,7 +270,7 @@ class SchedulerSide:
             fail_ids.append(blocks_covering(table, g.block_size, local, end) if self.single_group else [])
         st.had_ops = True
         self._loading[req_id] = {b for table in block_ids for b in table}
-        return LoadJob(req_id=req_id, keys=[chain[p.first_chunk:p.first_chunk + p.num_chunks] for chain in st.keys],
+        return LoadJob(req_id=req_id, chain=st.chain[p.first_chunk:p.first_chunk + p.num_chunks], seed=st.seed,
                        first_chunk=p.first_chunk, skip_tokens=p.skip_tokens, block_ids=ids, local_tokens=local,
                        end_tokens=end, fail_block_ids=fail_ids)
 
@@ -285,8 +307,8 @@ class SchedulerSide:
             ids.append(got)
         st.next_store_chunk = end_chunk
         st.had_ops = True
-        return StoreJob(req_id=req_id, keys=[chain[first:end_chunk] for chain in st.keys],
-                        parents=[chain[first - 1] if first else b"" for chain in st.keys], first_chunk=first,
+        return StoreJob(req_id=req_id, chain=st.chain[first:end_chunk], parent=st.chain[first - 1] if first else b"",
+                        seed=st.seed, first_chunk=first,
                         block_ids=ids, cache_salt=st.cache_salt)
 
     def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
@@ -297,11 +319,11 @@ class SchedulerSide:
         if st is None:
             return False, None
         if st.lookup_rid is not None:
-            self.channel.forget(st.lookup_rid)
-        if st.pinned:
-            end = self.channel.send(m.EndRequest(rid=0, request=rid))
+            self.client.forget(st.lookup_rid)
+        if st.pinned and self.client.up:
+            end = self._send(m.EndRequest(rid=0, request=rid))
             if end is not None:
-                self.channel.forget(end)  # fire and forget: pins also expire by TTL
+                self.client.forget(end)  # fire and forget: pins also expire by TTL
         from vllm.v1.request import RequestStatus
 
         # a request aborted while its load runs is freed by vLLM on finished_recving
@@ -328,18 +350,18 @@ class SchedulerSide:
         self._epoch += 1
         for st in self._reqs.values():
             if st.lookup_rid is not None:
-                self.channel.forget(st.lookup_rid)
+                self.client.forget(st.lookup_rid)
             st.seed_salt, _ = self._seed_salt(st.request)
-            st.keys, st.chain, st.hashed_tokens = [[] for _ in self.shards], [], 0
+            st.keys, st.chain, st.seed, st.hashed_tokens = [[] for _ in self.shards], [], b"", 0
             self._hash(st, len(st.request.prompt_token_ids))
             st.lookup_rid = st.hit_chunks = None
             st.next_store_chunk = 0
         try:
-            self.channel.call(m.Flush(rid=0, model=self.model_id), self.cfg.lookup_timeout_s)
+            self.client.call(m.Flush(rid=0, model=self.model_id), self.cfg.lookup_timeout_s)
         except Exception as exc:  # noqa: BLE001 - the new namespace already protects correctness
             log.warning("kvdepot: flush of model %s failed: %s", self.model_id, exc)
             return False
         return True
 
     def shutdown(self) -> None:
-        self.channel.close()
+        self.client.close()
