@@ -669,6 +669,11 @@ class PendingStore:
         return self._reply
 
     def _region_free(self) -> bool:
+        if self._reply is None and self._error is None and self.client.done(self.rid):
+            try:  # the reply is in (collected by a poll): take it, without waiting
+                self._await(0)
+            except KVDepotError:
+                pass
         if self._error is not None:
             return region_reusable_after(self._error)
         return self._reply is not None

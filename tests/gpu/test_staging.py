@@ -68,8 +68,8 @@ def test_ring_wraps_and_reclaims_under_outstanding_requests(daemon):
         ring = reg.staging.ring
         offsets = []
         alloc = ring.alloc
-        def recording_alloc(nbytes, owner):
-            region = alloc(nbytes, owner)
+        def recording_alloc(nbytes, owner, **kw):
+            region = alloc(nbytes, owner, **kw)
             offsets.append(region.offset if region else None)
             return region
 

@@ -46,7 +46,7 @@ from kvdepot.client.client import KVDepotClient, PendingRetrieve, PendingStore
 from kvdepot.client.hashing import shard_keys, shard_mask, shard_name
 from kvdepot.client.vllm.config import ConnectorConfig
 from kvdepot.client.vllm.layout import Registration, TransferGroup, build_registration
-from kvdepot.client.vllm.plan import KVDepotMetadata, LoadJob, StoreJob
+from kvdepot.client.vllm.plan import KVDepotMetadata, LoadJob
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
 log = logging.getLogger("kvdepot.vllm")

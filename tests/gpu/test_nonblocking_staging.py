@@ -1,0 +1,147 @@
+"""The CUDA path the vLLM connector's worker takes, without vLLM: stores gathered on the
+engine's stream and never waited for (the next "forward" on that stream overwrites the blocks
+at once), a full staging ring answered with None instead of a wait, retrieves whose daemon
+event is queried (never waited on) before the scatter, and a block id of -1 (vLLM's null
+block) left unwritten by the scatter kernel. Skipped cleanly without CUDA."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+CHUNK = 64
+NUM_BLOCKS = 96
+GROUPS_ARGS = [(0, 4, 2, 128, 16), (1, 2, 2, 128, 32)]  # (gid, layers, heads, head dim, tokens per block)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = tmp_path_factory.mktemp("nonblocking-daemon")
+    ep = f"ipc://{d / 'kvdepot.sock'}"
+    log = open(d / "daemon.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kvdepot", "serve", "--endpoint", ep, "--l1-bytes", "2g"],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ))
+    assert "ready" in proc.stdout.readline(), (d / "daemon.log").read_text()
+    yield ep
+    proc.terminate()
+    rc = proc.wait(30)
+    proc.stdout.close()
+    log.close()
+    text = (d / "daemon.log").read_text()
+    assert rc == 0 and "Traceback" not in text, text
+
+
+def _engine(daemon, layout, staging_bytes=64 << 20):
+    from kvdepot.client import KVDepotClient
+    from kvdepot.client.kvcache import KVGroupShape, ShmKVCache
+
+    groups = [KVGroupShape(*a, torch.bfloat16) for a in GROUPS_ARGS]
+    cache = ShmKVCache(groups, NUM_BLOCKS, layout, device=torch.device("cuda"))
+    c = KVDepotClient(daemon, timeout_s=30, connect=False)
+    reg = c.register("nonblocking-test", "tp0of1", CHUNK, cache.storage_specs(), cache.layer_specs(),
+                     cache.group_specs(), device="cuda", local_storages=[cache.storage], staging_bytes=staging_bytes)
+    assert reg.staging is not None, "engine-side staging is off (no kernel library?)"
+    return c, cache, groups, reg
+
+
+def _poll_until(client, pendings, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not all(p.done() for p in pendings):
+        assert time.monotonic() < deadline, "no answer"
+        client.poll(0.001)
+
+
+def _tokens_of(cache, groups, ids):
+    return [cache.read_tokens(li, ids[gid], as_bytes=True).clone()
+            for li, gid in enumerate(cache.layer_gids)]
+
+
+def test_stores_never_wait_and_the_next_forward_may_overwrite_at_once(daemon):
+    rng = random.Random(3)
+    a, cache_a, groups, reg_a = _engine(daemon, "LBNHC")
+    b, cache_b, _, reg_b = _engine(daemon, "LBHNC")
+    try:
+        a.flush()
+        s = torch.cuda.Stream()
+        n_req = 6
+        want, keys, pendings = [], [], []
+        ids = [[rng.sample(range(1, NUM_BLOCKS), 2 * CHUNK // g.tokens_per_block) for g in groups]
+               for _ in range(n_req)]
+        with torch.cuda.stream(s):
+            for r in range(n_req):
+                # "forward": this step's KV into the request's blocks, on the engine's stream
+                cache_a.storage.random_(0, 256, generator=None)
+                want.append(_tokens_of(cache_a, groups, ids[r]))
+                k = reg_a.keys([r * 7919 + t for t in range(2 * CHUNK)])
+                keys.append(k)
+                t0 = time.perf_counter()
+                p = a.submit_store(reg_a, k, ids[r], request=f"r{r}", after=s, wait_for_room=False)
+                assert p is not None and time.perf_counter() - t0 < 0.05
+                pendings.append(p)
+            cache_a.storage.zero_()  # the next forward reuses the blocks before any reply came
+        _poll_until(a, pendings)
+        assert [p.result().stored for p in pendings] == [2] * n_req
+        # retrieve into other blocks of another layout; gid 1's first block is "vLLM's null block"
+        null = 0
+        cache_b.storage.fill_(0x5A)
+        torch.cuda.synchronize()
+        null_before = _tokens_of(cache_b, groups, [[null], [null]])
+        got_ids, gets = [], []
+        free = [rng.sample(range(1, NUM_BLOCKS), n_req * 2 * CHUNK // g.tokens_per_block) for g in groups]
+        for r in range(n_req):  # destinations: no block in two retrieves
+            dst = [f[r * len(f) // n_req:(r + 1) * len(f) // n_req] for f in free]
+            got_ids.append(dst)
+            holed = [list(dst[0]), [-1] + list(dst[1][1:])] if r == 0 else dst
+            p = b.submit_retrieve(reg_b, keys[r], holed, request=f"g{r}", wait_for_room=False)
+            assert p is not None
+            gets.append(p)
+        _poll_until(b, gets)  # done(): reply in and the daemon's event completed (queried)
+        with torch.cuda.stream(s):
+            assert [p.result(before=s) for p in gets] == [2] * n_req
+        s.synchronize()
+        for r in range(n_req):
+            got = _tokens_of(cache_b, groups, got_ids[r])
+            for li, gid in enumerate(cache_b.layer_gids):
+                if r == 0 and gid == 1:  # the first block was left alone: only the rest matches
+                    per = groups[1].tokens_per_block
+                    assert torch.equal(got[li][per:], want[r][li][per:]), (r, li)
+                    assert not torch.equal(got[li][:per], want[r][li][:per])
+                else:
+                    assert torch.equal(got[li], want[r][li]), (r, li)
+        assert all(torch.equal(x, y) for x, y in zip(null_before, _tokens_of(cache_b, groups, [[null], [null]])))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_full_ring_is_answered_with_none_never_a_wait(daemon):
+    rng = random.Random(4)
+    probe_c, _, _, probe = _engine(daemon, "LBNHC", 1 << 20)
+    ob = probe.object_bytes
+    probe_c.unregister(probe)
+    probe_c.close()
+    a, cache, groups, reg = _engine(daemon, "LBNHC", 3 * ob + 256)  # room for three chunks
+    try:
+        s = torch.cuda.Stream()
+        ids = [rng.sample(range(NUM_BLOCKS), CHUNK // g.tokens_per_block) for g in groups]
+        held = []
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(200_000_000)  # the gathers queue behind a long kernel: nothing frees
+            for r in range(5):
+                t0 = time.perf_counter()
+                p = a.submit_store(reg, reg.keys([r + 1] * CHUNK), ids, after=s, wait_for_room=False)
+                assert time.perf_counter() - t0 < 0.05, "a full ring must not be waited for"
+                held.append(p)
+        assert [p is not None for p in held] == [True, True, True, False, False]
+        _poll_until(a, [p for p in held if p is not None], timeout_s=60)
+        assert a.submit_store(reg, reg.keys([9] * CHUNK), ids, after=s, wait_for_room=False) is not None
+    finally:
+        a.close()
