@@ -6,14 +6,12 @@ block) left unwritten by the scatter kernel. Skipped cleanly without CUDA."""
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from gpu_daemon import serve
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -24,19 +22,7 @@ GROUPS_ARGS = [(0, 4, 2, 128, 16), (1, 2, 2, 128, 32)]  # (gid, layers, heads, h
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    d = tmp_path_factory.mktemp("nonblocking-daemon")
-    ep = f"ipc://{d / 'kvdepot.sock'}"
-    log = open(d / "daemon.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvdepot", "serve", "--endpoint", ep, "--l1-bytes", "2g"],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ))
-    assert "ready" in proc.stdout.readline(), (d / "daemon.log").read_text()
-    yield ep
-    proc.terminate()
-    rc = proc.wait(30)
-    proc.stdout.close()
-    log.close()
-    text = (d / "daemon.log").read_text()
-    assert rc == 0 and "Traceback" not in text, text
+    yield from serve(tmp_path_factory.mktemp("nonblocking-daemon"), "2g")
 
 
 def _engine(daemon, layout, staging_bytes=64 << 20):

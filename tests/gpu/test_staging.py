@@ -4,13 +4,11 @@ offsets get typed errors without harming the daemon. Skipped cleanly without CUD
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
+from gpu_daemon import serve
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -20,19 +18,7 @@ NUM_BLOCKS = 64
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    d = tmp_path_factory.mktemp("staging-daemon")
-    ep = f"ipc://{d / 'kvdepot.sock'}"
-    log = open(d / "daemon.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvdepot", "serve", "--endpoint", ep, "--l1-bytes", "1g"],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ))
-    assert "ready" in proc.stdout.readline(), (d / "daemon.log").read_text()
-    yield ep
-    proc.terminate()
-    rc = proc.wait(30)
-    proc.stdout.close()
-    log.close()
-    text = (d / "daemon.log").read_text()
-    assert rc == 0 and "Traceback" not in text, text
+    yield from serve(tmp_path_factory.mktemp("staging-daemon"), "1g")
 
 
 def _engine(daemon, staging_bytes):
