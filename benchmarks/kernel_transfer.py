@@ -192,7 +192,7 @@ def bench_shape(name, layers, heads, head_dim, chunk_size, num_chunks, iters, de
         roof = res["roofline_d2h_gbps"] if k.startswith("store") else res["roofline_h2d_gbps"]
         res[k.replace("_gbps", "_vs_roofline")] = res[k] / roof
     res["store_vs_baseline_torch"] = res["store_stream_gbps"] / res["baseline_torch_store_gbps"]
-    del storage, big_dev, big_dev2, host, host2
+    storage = big_dev = big_dev2 = host = host2 = None  # free (the closures hold these cells) before empty_cache
     torch.cuda.empty_cache()
     return res
 

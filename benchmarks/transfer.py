@@ -934,7 +934,7 @@ def baseline_line(r: dict) -> str:
             + f"; lone early store, blocks reusable after {r.get('lone_store_early_reusable_us', 0):.0f} us"
             + f" ({r.get('lone_store_early_reusable_cpu_wait_us', 0):.0f} us with cpu_wait)"
             + f"; lone retrieve with cpu_wait {r.get('lone_retrieve_cpu_wait_overhead_us', 0):+.0f} us over the link"
-            + f"; lone store, bytes in L1 with early+cpu_wait+in_l1 "
+            + "; lone store, bytes in L1 with early+cpu_wait+in_l1 "
             + f"{r.get('lone_store_in_l1_cpu_wait_overhead_us', 0):+.0f} us over the link"
             + f"; point {r.get('point_s', 0):.1f} s")
 

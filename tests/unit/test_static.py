@@ -1,5 +1,5 @@
-"""Static check of the package: GPU-only code paths never run in CI (no GPU there), so an
-undefined name in them must be caught without running them."""
+"""Static check of the package, the benchmarks and the GPU tests: GPU-only code paths never run
+in CI (no GPU there), so an undefined name in them must be caught without running them."""
 
 import pathlib
 
@@ -8,7 +8,8 @@ import pytest
 pyflakes_api = pytest.importorskip("pyflakes.api")
 from pyflakes.reporter import Reporter  # noqa: E402
 
-PKG = pathlib.Path(__file__).resolve().parents[2] / "kvdepot"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHECKED = [ROOT / "kvdepot", ROOT / "benchmarks", ROOT / "tests" / "gpu"]
 
 
 class _Collect(Reporter):
@@ -30,6 +31,6 @@ class _Collect(Reporter):
 
 def test_no_undefined_names_or_syntax_errors_in_the_package():
     rep = _Collect()
-    for path in sorted(PKG.rglob("*.py")):
+    for path in sorted(p for d in CHECKED for p in d.rglob("*.py")):
         pyflakes_api.checkPath(str(path), rep)
     assert not rep.problems, "\n".join(rep.problems)

@@ -67,7 +67,7 @@ def engines():
 
 def stored_chunks(endpoint: str, engine: H.Engine, rank: int = 0) -> int:
     """Chunks the daemon stored for the registration of ``engine``'s TP rank ``rank``."""
-    reg = engine.workers[rank].worker.registration_id
+    reg = engine.registration_id(rank)
     with KVDepotClient(endpoint, timeout_s=5) as c:
         return next(e.stored_chunks for e in c.describe().engines if e.registration == reg)
 
@@ -507,21 +507,25 @@ def test_messages_on_the_wire_are_protocol_messages(shared_daemon, cfg, engines)
 # ---------------------------------------------------------------------- tensor parallelism
 
 
-def test_tensor_parallel_ranks_store_and_load_their_own_shards(shared_daemon, cfg, engines):
+@pytest.mark.parametrize("rank_processes", [False, True], ids=["one-process", "rank-processes"])
+def test_tensor_parallel_ranks_store_and_load_their_own_shards(shared_daemon, cfg, engines, rank_processes):
     """TP=2: each rank registers its own shard and stores its own KV; another TP=2 instance
     loads each rank's chunks into that rank. The toy KV differs per rank, so a rank given the
-    other rank's shard fails its forward."""
-    a = engines(cfg(shared_daemon.endpoint), tp=2)
-    assert [w.worker.shard for w in a.workers] == ["tp0of2", "tp1of2"]
+    other rank's shard fails its forward. ``rank-processes``: rank 1 in a process of its own,
+    fed the pickled SchedulerOutput (connector metadata included), as vLLM's multiprocess
+    executor runs workers."""
+    a = engines(cfg(shared_daemon.endpoint), tp=2, rank_processes=rank_processes)
+    assert a.worker_conn.worker.shard == "tp0of2"
     prompt = H.tokens(5, 200)
     ra = a.add(prompt, max_tokens=3)
     a.run()
     assert a.runs[ra].computed == 200 + 2
-    for rank, w in enumerate(a.workers):
-        assert w.worker.stats["stored_chunks"] == 3 and w.worker.stats["store_failures"] == 0
+    for rank in range(2):
+        stats = a.worker_stats(rank)
+        assert stats["stored_chunks"] == 3 and stats["store_failures"] == 0
         assert stored_chunks(shared_daemon.endpoint, a, rank) == 3
 
-    b = engines(cfg(shared_daemon.endpoint, layout="LBHNC"), tp=2)
+    b = engines(cfg(shared_daemon.endpoint, layout="LBHNC"), tp=2, rank_processes=rank_processes)
     b.add(H.tokens(98, 40), max_tokens=1)  # other block ids than A's
     b.run()
     rb = b.add(prompt, max_tokens=3)
@@ -529,7 +533,7 @@ def test_tensor_parallel_ranks_store_and_load_their_own_shards(shared_daemon, cf
     run = b.runs[rb]
     assert run.computed == 200 - 3 * CHUNK + 2, "both ranks must load the 3 cached chunks"
     assert run.outputs == a.runs[ra].outputs
-    assert [w.worker.stats["loaded_chunks"] for w in b.workers] == [3, 3]
+    assert [b.worker_stats(rank)["loaded_chunks"] for rank in range(2)] == [3, 3]
 
 
 def test_tensor_parallel_prefix_hits_only_where_every_shard_is_cached(shared_daemon, cfg, engines):

@@ -127,7 +127,7 @@ def test_registration_of_vllm_views_matches_the_schedulers_fingerprint(model, la
     segs = ShmSegments()
     try:
         with segs.allocation_context():
-            caches = H.allocate_kv_cache(kcc, cfg.cache_config.get_resolved_kv_cache_layout())
+            caches = H.allocate_kv_cache(kcc, cfg.cache_config.get_resolved_kv_cache_layout(), H.torch.device("cpu"))
         assert len(segs.made) == 1 and find_shm_segment(next(iter(caches.values()))) is not None
         reg = build_registration(caches, kcc, groups)
         assert reg.device == "cpu" and [s.kind for s in reg.storages] == ["shm"]
@@ -144,7 +144,7 @@ def test_registration_of_vllm_views_matches_the_schedulers_fingerprint(model, la
 def test_cpu_views_outside_shared_memory_are_refused(model):
     cfg = H.make_vllm_config(model, NO_DAEMON)
     kcc, _, _, _ = H.plan_kv_cache(cfg, H.dense_specs(), 256)
-    caches = H.allocate_kv_cache(kcc, cfg.cache_config.get_resolved_kv_cache_layout())  # plain memory
+    caches = H.allocate_kv_cache(kcc, cfg.cache_config.get_resolved_kv_cache_layout(), H.torch.device("cpu"))  # plain memory
     with pytest.raises(ValueError, match="must live in shared memory"):
         build_registration(caches, kcc, transfer_groups(kcc)[0])
 

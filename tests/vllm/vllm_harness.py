@@ -27,13 +27,18 @@ What is vLLM's own code and what is this harness:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import itertools
 import json
+import multiprocessing
 import time
+import traceback
 import warnings
 from pathlib import Path
 
 import torch
+import vllm_stubs  # noqa: F401 - before vLLM: compiled modules absent here become empty modules
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"`torch\.jit\.script(_method)?` is deprecated",
@@ -106,7 +111,7 @@ def model_dir(root: Path) -> str:
 def make_vllm_config(model: str, endpoint: str, *, block_size: int = 16, chunk_size: int = 64,
                      extra: dict | None = None, max_num_batched_tokens: int = 2048, layout: str = "LBNHC",
                      policy: str = "recompute", connector: str = "KVDepotConnector",
-                     module: str = "kvdepot.client.vllm") -> VllmConfig:
+                     module: str = "kvdepot.client.vllm", device: str = "cpu") -> VllmConfig:
     """A VllmConfig for the toy model with the kvdepot connector (vLLM imports ``module`` and
     takes its ``connector`` class, as ``--kv-transfer-config`` makes it do)."""
     kv = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module,
@@ -126,11 +131,10 @@ def make_vllm_config(model: str, endpoint: str, *, block_size: int = 16, chunk_s
             scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
                                              max_model_len=2048, enable_chunked_prefill=True,
                                              is_encoder_decoder=False),
-            kv_transfer_config=kv, device_config=DeviceConfig("cpu"))
+            kv_transfer_config=kv, device_config=DeviceConfig(device))
     # vLLM keeps its hybrid KV-cache manager on for connectors that support it (SupportsHMA), but
-    # turns it off on platforms without hybrid support (this CPU machine has no vLLM platform):
-    # turn it back on, as on a CUDA machine, so hybrid models get one KV-cache group per layer type
-    assert cfg.scheduler_config.disable_hybrid_kv_cache_manager is True
+    # turns it off on platforms without hybrid support (a CPU machine has no vLLM platform): turn
+    # it back on, as on a CUDA machine, so hybrid models get one KV-cache group per layer type
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
     return cfg
 
@@ -176,13 +180,13 @@ def plan_kv_cache(vllm_config: VllmConfig, layer_specs: dict, num_blocks: int):
     return worker_cfg, sched_cfg, sbs, hbs
 
 
-def allocate_kv_cache(kv_cache_config, layout) -> dict[str, torch.Tensor]:
-    """``vllm.v1.worker.utils.allocate_kv_cache`` on CPU (that module imports einops, which a
-    --no-deps vLLM lacks): one int8 ``torch.zeros`` allocation, viewed per layer by vLLM's own
-    ``create_kv_cache_views``."""
+def allocate_kv_cache(kv_cache_config, layout, device: torch.device) -> dict[str, torch.Tensor]:
+    """``vllm.v1.worker.utils.allocate_kv_cache`` (that module imports einops, which a --no-deps
+    vLLM lacks): one int8 ``torch.zeros`` allocation on ``device``, viewed per layer by vLLM's
+    own ``create_kv_cache_views``."""
     sizes = {t.size for t in kv_cache_config.kv_cache_tensors}
     assert len(sizes) == 1
-    buf = torch.zeros(sizes.pop(), dtype=torch.int8, device=torch.device("cpu"))
+    buf = torch.zeros(sizes.pop(), dtype=torch.int8, device=device)
     caches = {}
     for tensor in kv_cache_config.kv_cache_tensors:
         spec = next(g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if tensor.layers[0] in g.layer_names)
@@ -239,10 +243,217 @@ def _as_tp_rank(rank: int):
         worker_mod._tp_rank = saved
 
 
-class Engine:
-    """One vLLM instance (scheduler + ``tp`` workers) on CPU with real kvdepot connectors."""
+class RankWorker:
+    """One tensor-parallel rank's worker: vLLM's worker-side connector, the rank's KV cache
+    (``allocate_kv_cache`` under the connector's ``get_mem_pool_context``) and the toy forward on
+    it. ``runs`` is the engine's request table (a rank in its own process keeps its own)."""
 
-    def __init__(self, vllm_config: VllmConfig, layer_specs: dict, num_blocks: int = 256, tp: int = 1) -> None:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config, groups, rank: int, runs: dict) -> None:
+        self.vllm_config = vllm_config
+        self.groups = groups
+        self.rank = rank
+        self.runs = runs
+        self.device = torch.device(vllm_config.device_config.device)
+        with _as_tp_rank(rank):
+            self.conn = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+        ctx = self.conn.get_mem_pool_context()
+        if self.device.type == "cpu":
+            assert ctx is not None, "a CPU worker's KV cache must go to shared memory"
+        else:
+            assert ctx is None, "a CUDA worker's KV cache is vLLM's own allocation"
+        with ctx or contextlib.nullcontext():
+            self.kv_caches = allocate_kv_cache(kv_cache_config, vllm_config.cache_config.get_resolved_kv_cache_layout(),
+                                               self.device)
+        self.conn.register_kv_caches(self.kv_caches)
+
+    def execute(self, so, update_states: bool) -> ModelRunnerOutput:
+        """``GPUModelRunner.execute_model`` of this rank, for the connector's purposes (tokens are
+        sampled by the engine once every rank ran). ``update_states``: this rank keeps the block
+        tables (one rank per request table)."""
+        saved = kv_transfer_state._KV_CONNECTOR_AGENT
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.conn
+        try:
+            self.conn.handle_preemptions(so.kv_connector_metadata)
+            if update_states:
+                self._update_states(so)
+            if not so.total_num_scheduled_tokens:
+                return KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.vllm_config)
+            with set_forward_context(None, self.vllm_config), \
+                    KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as kv_out:
+                self._forward(so)
+            ids = list(so.num_scheduled_tokens)
+            return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                     sampled_token_ids=[[] for _ in ids], kv_connector_output=kv_out)
+        finally:
+            kv_transfer_state._KV_CONNECTOR_AGENT = saved
+
+    def _update_states(self, so) -> None:
+        for new in so.scheduled_new_reqs:
+            run = self.runs[new.req_id]
+            run.table = [list(ids) for ids in new.block_ids]
+            run.sched_computed = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for i, r in enumerate(cached.req_ids):
+            run = self.runs[r]
+            new_ids = cached.new_block_ids[i]
+            if r in cached.resumed_req_ids:
+                run.table = [list(ids) for ids in new_ids]
+            elif new_ids is not None:
+                for g, ids in enumerate(new_ids):
+                    run.table[g].extend(ids)
+            run.sched_computed = cached.num_computed_tokens[i]
+
+    def _layer_id(self, name: str) -> int:
+        """Layer index in the toy KV formula; other per rank (each rank holds other heads)."""
+        return int(name.split(".")[2]) + 1000 * self.rank
+
+    def _layer_geometry(self, name: str):
+        v = self.kv_caches[name].view(torch.int8)
+        return v, v.shape[1], v.shape[3]
+
+    def _forward(self, so) -> None:
+        """The toy forward on this rank's cache; rank 0 keeps each request's checksum. On CUDA it
+        reads and writes on the current stream, as a model's attention would."""
+        for req_id, n in so.num_scheduled_tokens.items():
+            run = self.runs[req_id]
+            start = run.sched_computed
+            hashes = prefix_hashes(run.tokens[:start + n])
+            self._attend(run, req_id, start, hashes, record=self.rank == 0)  # the cached KV the new tokens read
+            self._write(run, start, start + n, hashes)
+            checksum = self._attend(run, req_id, start + n, hashes)  # what the last token attends to
+            if self.rank == 0:
+                run.checksum = checksum
+
+    def _visible(self, g: int, start: int) -> range:
+        spec = self.groups[g].kv_cache_spec
+        window = getattr(spec, "sliding_window", None)
+        lo = 0 if window is None else max(0, start - (window - 1))
+        return range(lo, start)
+
+    def _attend(self, run: _ReqRun, req_id: str, start: int, hashes: list[int], record: bool = False) -> int:
+        """Check every KV byte the token at position ``start`` attends to (positions before it);
+        a checksum of them. ``record``: keep the bytes found at a request's first forward."""
+        checksum = 0
+        first = record and run.loaded_bytes is None and start > 0
+        if first:
+            run.loaded_bytes = {}
+        for g, group in enumerate(self.groups):
+            pos = self._visible(g, start)
+            if not pos:
+                continue
+            bs = group.kv_cache_spec.block_size
+            blocks = torch.tensor([run.table[g][p // bs] for p in pos], device=self.device)
+            offs = torch.tensor([p % bs for p in pos], device=self.device)
+            for name in group.layer_names:
+                v, heads, row = self._layer_geometry(name)
+                got = v[blocks, :, offs, :].cpu()
+                want = expected_kv([hashes[p] for p in pos], self._layer_id(name), heads, row)
+                if not torch.equal(got, want):
+                    bad = (got != want).flatten(1).any(1).nonzero().flatten()
+                    raise AssertionError(f"{req_id}: wrong KV in layer {name} of rank {self.rank} at positions "
+                                         f"{[pos[i] for i in bad[:8].tolist()]} (of {len(pos)} visible)")
+                checksum = (checksum + int(got.to(torch.int64).sum())) & 0xFFFFFFFF
+                if first:
+                    run.loaded_bytes[(name, pos.start, pos.stop)] = got.clone()
+        return checksum
+
+    def _write(self, run: _ReqRun, start: int, end: int, hashes: list[int]) -> None:
+        for g, group in enumerate(self.groups):
+            bs = group.kv_cache_spec.block_size
+            pos = range(start, end)
+            ids = [run.table[g][p // bs] for p in pos]
+            assert 0 not in ids, "the toy forward would write vLLM's null block"
+            blocks = torch.tensor(ids, device=self.device)
+            offs = torch.tensor([p % bs for p in pos], device=self.device)
+            for name in group.layer_names:
+                v, heads, row = self._layer_geometry(name)
+                v[blocks, :, offs, :] = expected_kv(hashes[start:end], self._layer_id(name), heads, row).to(self.device)
+
+
+def _rank_process_main(pipe, vllm_config, kv_cache_config, groups, rank: int) -> None:
+    """A tensor-parallel rank in its own process, as vLLM's multiprocess executor runs each
+    worker: it gets every step's SchedulerOutput pickled (with the connector's metadata) and
+    answers with its pickled ModelRunnerOutput. Requests' tokens come with each step (a real
+    worker samples them itself)."""
+    try:
+        runs: dict[str, _ReqRun] = {}
+        worker = RankWorker(vllm_config, kv_cache_config, groups, rank, runs)
+        pipe.send(("ok", worker.conn.worker.registration_id))
+    except BaseException:
+        pipe.send(("error", traceback.format_exc()))
+        return
+    while True:
+        msg = pipe.recv()
+        try:
+            if msg[0] == "step":
+                _, so, tokens = msg
+                for r, toks in tokens.items():
+                    if r in runs:
+                        runs[r].tokens = toks
+                    else:
+                        runs[r] = _ReqRun(toks, 0, [[] for _ in groups])
+                out = worker.execute(so, update_states=True)
+                for r in so.finished_req_ids:
+                    runs.pop(r, None)
+                pipe.send(("ok", out))
+            elif msg[0] == "stats":
+                pipe.send(("ok", dict(worker.conn.worker.stats)))
+            elif msg[0] == "disable":
+                worker.conn.worker._disable(msg[1])
+                pipe.send(("ok", None))
+            elif msg[0] == "close":
+                worker.conn.shutdown()
+                pipe.send(("ok", None))
+                return
+        except BaseException:
+            pipe.send(("error", traceback.format_exc()))
+
+
+class RankProcess:
+    """The parent's handle of a `_rank_process_main` process (spawned: CUDA needs it)."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config, groups, rank: int, timeout_s: float = 120.0) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.pipe, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_rank_process_main, args=(child, vllm_config, kv_cache_config, groups, rank),
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        self.registration_id = self.reply()
+
+    def reply(self):
+        if not self.pipe.poll(self.timeout_s):
+            raise AssertionError(f"rank {self.rank} process silent for {self.timeout_s} s")
+        kind, value = self.pipe.recv()
+        if kind == "error":
+            raise AssertionError(f"rank {self.rank} process failed:\n{value}")
+        return value
+
+    def call(self, *msg):
+        self.pipe.send(msg)
+        return self.reply()
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("close")
+            finally:
+                self.proc.join(30)
+        self.pipe.close()
+
+
+_ENGINE_NUMBERS = itertools.count(1)
+
+
+class Engine:
+    """One vLLM instance (scheduler + ``tp`` workers) with real kvdepot connectors; its KV caches
+    on ``vllm_config.device_config.device`` (CPU or CUDA). ``rank_processes``: ranks 1.. run in
+    processes of their own (`RankProcess`), as vLLM's multiprocess executor runs them."""
+
+    def __init__(self, vllm_config: VllmConfig, layer_specs: dict, num_blocks: int = 256, tp: int = 1,
+                 rank_processes: bool = False) -> None:
         if tp > 1:
             vllm_config.parallel_config.tensor_parallel_size = tp  # before the scheduler's connector
         self.vllm_config = vllm_config
@@ -253,33 +464,29 @@ class Engine:
                                    structured_output_manager=StructuredOutputManager(vllm_config), block_size=sbs,
                                    hash_block_size=hbs, log_stats=True)
         self.sched_conn = self.scheduler.connector
-        # the worker side of each rank, as ensure_kv_transfer_initialized +
-        # GPUModelRunner.initialize_kv_cache do it
-        self.workers, self.rank_caches = [], []
-        for rank in range(tp):
-            with _as_tp_rank(rank):
-                conn = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
-            ctx = conn.get_mem_pool_context()
-            assert ctx is not None, "a CPU worker's KV cache must go to shared memory"
-            with ctx:
-                caches = allocate_kv_cache(self.kv_cache_config, vllm_config.cache_config.get_resolved_kv_cache_layout())
-            conn.register_kv_caches(caches)
-            self.workers.append(conn)
-            self.rank_caches.append(caches)
-        self.worker_conn = self.workers[0]
-        self.kv_caches = self.rank_caches[0]  # the rank the toy forward works on (0 outside a step)
-        self._rank = 0
-        self.aggregator = KVOutputAggregator(tp) if tp > 1 else None
         self.groups = sched_cfg.kv_cache_groups  # per-group specs (the worker's may wrap them per layer)
         self.runs: dict[str, _ReqRun] = {}
+        # the worker side of each rank, as ensure_kv_transfer_initialized +
+        # GPUModelRunner.initialize_kv_cache do it
+        self.ranks: list[RankWorker | RankProcess] = []
+        for rank in range(tp):
+            if rank and rank_processes:
+                self.ranks.append(RankProcess(vllm_config, self.kv_cache_config, self.groups, rank))
+            else:
+                self.ranks.append(RankWorker(vllm_config, self.kv_cache_config, self.groups, rank, self.runs))
+        self.workers = [r.conn for r in self.ranks if isinstance(r, RankWorker)]  # the in-process connectors
+        self.worker_conn = self.workers[0]
+        self.kv_caches = self.ranks[0].kv_caches  # rank 0's
+        self.aggregator = KVOutputAggregator(tp) if tp > 1 else None
         self.steps = 0
         self._ids = 0
+        self.number = next(_ENGINE_NUMBERS)  # request ids are unique across engines, as vLLM's are
 
     # ------------------------------------------------------------------ requests
 
     def add(self, prompt: list[int], max_tokens: int = 2, cache_salt: str | None = None, req_id: str = "") -> str:
         self._ids += 1
-        req_id = req_id or f"req-{id(self) % 10000}-{self._ids}"
+        req_id = req_id or f"req-e{self.number}-{self._ids}"
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         sp.update_from_generation_config({}, EOS)
         req = Request(req_id, list(prompt), sp, None, cache_salt=cache_salt,
@@ -307,74 +514,32 @@ class Engine:
     def step(self):
         self.steps += 1
         so = self.scheduler.schedule()
-        saved = kv_transfer_state._KV_CONNECTOR_AGENT
-        try:
-            outs = [self._execute(so, rank) for rank in range(self.tp)]
-        finally:
-            kv_transfer_state._KV_CONNECTOR_AGENT = saved
-            self._use_rank(0)
-        out = outs[0] if self.aggregator is None else self.aggregator.aggregate(outs, output_rank=0)
+        remote = [r for r in self.ranks if isinstance(r, RankProcess)]
+        if remote:
+            tokens = {r: self.runs[r].tokens for r in so.num_scheduled_tokens}
+            for r in remote:
+                r.pipe.send(("step", so, tokens))
+        outs = [r.execute(so, update_states=r.rank == 0) if isinstance(r, RankWorker) else r.reply()
+                for r in self.ranks]
+        for rank, o in enumerate(outs):
+            kv = o.kv_connector_output
+            strays = set(kv.finished_recving or ()) | set(kv.finished_sending or ()) if kv else set()
+            strays -= set(self.scheduler.requests)
+            if strays:  # vLLM's scheduler would assert; say which worker and why
+                raise AssertionError(f"engine {self.number} rank {rank} reported transfers of requests the "
+                                     f"scheduler does not have: {sorted(strays)}; recving={kv.finished_recving} "
+                                     f"sending={kv.finished_sending} stats={self.worker_stats(rank)}")
+        if self.aggregator is None:
+            out = copy.copy(outs[0])
+        else:
+            # vLLM's multiprocess executor receives each worker's output as a deserialized copy;
+            # in one process, a step without work returns vLLM's module-level
+            # EMPTY_MODEL_RUNNER_OUTPUT, into which `aggregate` would write this engine's
+            # finished requests for every later engine to find
+            out = self.aggregator.aggregate([copy.copy(o) for o in outs], output_rank=0)
         self._sample(so, out)
         self.scheduler.update_from_output(so, out)
         return so
-
-    def _use_rank(self, rank: int) -> None:
-        self._rank = rank
-        self.kv_caches = self.rank_caches[rank]
-
-    def _execute(self, so, rank: int) -> ModelRunnerOutput:
-        """``GPUModelRunner.execute_model`` of one rank, for the connector's purposes (tokens are
-        sampled by `_sample` once every rank ran)."""
-        conn = self.workers[rank]
-        kv_transfer_state._KV_CONNECTOR_AGENT = conn
-        self._use_rank(rank)
-        conn.handle_preemptions(so.kv_connector_metadata)
-        if rank == 0:
-            self._update_states(so)
-        if not so.total_num_scheduled_tokens:
-            return KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.vllm_config)
-        with set_forward_context(None, self.vllm_config), \
-                KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as kv_out:
-            self._forward(so)
-        ids = list(so.num_scheduled_tokens)
-        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=[[] for _ in ids], kv_connector_output=kv_out)
-
-    def _update_states(self, so) -> None:
-        for new in so.scheduled_new_reqs:
-            run = self.runs[new.req_id]
-            run.table = [list(ids) for ids in new.block_ids]
-            run.sched_computed = new.num_computed_tokens
-        cached = so.scheduled_cached_reqs
-        for i, r in enumerate(cached.req_ids):
-            run = self.runs[r]
-            new_ids = cached.new_block_ids[i]
-            if r in cached.resumed_req_ids:
-                run.table = [list(ids) for ids in new_ids]
-            elif new_ids is not None:
-                for g, ids in enumerate(new_ids):
-                    run.table[g].extend(ids)
-            run.sched_computed = cached.num_computed_tokens[i]
-
-    def _layer_id(self, name: str) -> int:
-        """Layer index in the toy KV formula; other per rank (each rank holds other heads)."""
-        return int(name.split(".")[2]) + 1000 * self._rank
-
-    def _layer_geometry(self, name: str):
-        v = self.kv_caches[name].view(torch.int8)
-        return v, v.shape[1], v.shape[3]
-
-    def _forward(self, so) -> None:
-        """The toy forward on the current rank's cache; rank 0 keeps each request's checksum."""
-        for req_id, n in so.num_scheduled_tokens.items():
-            run = self.runs[req_id]
-            start = run.sched_computed
-            hashes = prefix_hashes(run.tokens[:start + n])
-            self._attend(run, req_id, start, hashes, record=self._rank == 0)  # the cached KV the new tokens read
-            self._write(run, start, start + n, hashes)
-            checksum = self._attend(run, req_id, start + n, hashes)  # what the last token attends to
-            if self._rank == 0:
-                run.checksum = checksum
 
     def _sample(self, so, out) -> None:
         """Bookkeeping after every rank's forward; puts the sampled tokens into ``out``."""
@@ -395,68 +560,34 @@ class Engine:
                 sampled[req_id] = []  # a partial prefill chunk samples nothing
         out.sampled_token_ids = [sampled[r] for r in out.req_ids]
 
-    def _visible(self, g: int, start: int) -> range:
-        spec = self.groups[g].kv_cache_spec
-        window = getattr(spec, "sliding_window", None)
-        lo = 0 if window is None else max(0, start - (window - 1))
-        return range(lo, start)
-
-    def _attend(self, run: _ReqRun, req_id: str, start: int, hashes: list[int], record: bool = False) -> int:
-        """Check every KV byte the token at position ``start`` attends to (positions before it);
-        a checksum of them. ``record``: keep the bytes found at a request's first forward."""
-        checksum = 0
-        first = record and run.loaded_bytes is None and start > 0
-        if first:
-            run.loaded_bytes = {}
-        for g, group in enumerate(self.groups):
-            pos = self._visible(g, start)
-            if not pos:
-                continue
-            bs = group.kv_cache_spec.block_size
-            blocks = torch.tensor([run.table[g][p // bs] for p in pos])
-            offs = torch.tensor([p % bs for p in pos])
-            for name in group.layer_names:
-                v, heads, row = self._layer_geometry(name)
-                got = v[blocks, :, offs, :]
-                want = expected_kv([hashes[p] for p in pos], self._layer_id(name), heads, row)
-                if not torch.equal(got, want):
-                    bad = (got != want).flatten(1).any(1).nonzero().flatten()
-                    raise AssertionError(f"{req_id}: wrong KV in layer {name} at positions "
-                                         f"{[pos[i] for i in bad[:8].tolist()]} (of {len(pos)} visible)")
-                checksum = (checksum + int(got.to(torch.int64).sum())) & 0xFFFFFFFF
-                if first:
-                    run.loaded_bytes[(name, pos.start, pos.stop)] = got.clone()
-        return checksum
-
-    def _write(self, run: _ReqRun, start: int, end: int, hashes: list[int]) -> None:
-        for g, group in enumerate(self.groups):
-            bs = group.kv_cache_spec.block_size
-            pos = range(start, end)
-            ids = [run.table[g][p // bs] for p in pos]
-            assert 0 not in ids, "the toy forward would write vLLM's null block"
-            blocks, offs = torch.tensor(ids), torch.tensor([p % bs for p in pos])
-            for name in group.layer_names:
-                v, heads, row = self._layer_geometry(name)
-                v[blocks, :, offs, :] = expected_kv(hashes[start:end], self._layer_id(name), heads, row)
-
     # ------------------------------------------------------------------ inspection
 
+    def worker_stats(self, rank: int) -> dict:
+        """The connector's counters of TP rank ``rank`` (asked over the pipe for a rank process)."""
+        r = self.ranks[rank]
+        return dict(r.conn.worker.stats) if isinstance(r, RankWorker) else r.call("stats")
+
+    def registration_id(self, rank: int) -> str | None:
+        r = self.ranks[rank]
+        return r.conn.worker.registration_id if isinstance(r, RankWorker) else r.registration_id
+
     def kv_of(self, req_id: str, name: str, positions: range) -> torch.Tensor:
-        """Bytes ``[P, H, C]`` of layer ``name`` at ``positions`` of a running request."""
+        """Bytes ``[P, H, C]`` of rank 0's layer ``name`` at ``positions`` of a running request."""
         run = self.runs[req_id]
         g = next(i for i, grp in enumerate(self.groups) if name in grp.layer_names)
         bs = self.groups[g].kv_cache_spec.block_size
-        v, _, _ = self._layer_geometry(name)
-        return v[torch.tensor([run.table[g][p // bs] for p in positions]), :,
-                 torch.tensor([p % bs for p in positions]), :].clone()
+        v = self.kv_caches[name].view(torch.int8)
+        dev = v.device
+        return v[torch.tensor([run.table[g][p // bs] for p in positions], device=dev), :,
+                 torch.tensor([p % bs for p in positions], device=dev), :].cpu()
 
     def null_block_bytes(self) -> dict[str, torch.Tensor]:
-        return {name: t.view(torch.int8)[0].clone() for name, t in self.kv_caches.items()}
+        return {name: t.view(torch.int8)[0].cpu().clone() for name, t in self.kv_caches.items()}
 
     def close(self) -> None:
         self.sched_conn.shutdown()
-        for conn in self.workers:
-            conn.shutdown()
+        for r in self.ranks:
+            r.conn.shutdown() if isinstance(r, RankWorker) else r.close()
 
 
 def tokens(seed: int, n: int) -> list[int]:

@@ -1,0 +1,59 @@
+"""One vLLM engine in a process of its own, for the GPU connector tests: vLLM 0.33's real
+scheduler and worker-side connector classes (`tests/vllm/vllm_harness.py`) around the toy model,
+KV caches on CUDA.
+
+    python vllm_engine_proc.py '<json scenario>'
+
+Scenario keys: ``device`` (default cuda), ``endpoint``, ``model_id``, ``workdir``, ``layout`` (LBNHC / LBHNC), ``specs``
+(dense / hybrid), ``tp``, ``rank_processes``, ``warmup`` ([seed, tokens]: a request run first so
+that the prompt gets other block ids), ``prompt`` ([seed, tokens]), ``max_tokens``,
+``kill_daemon_pid`` (SIGKILL that pid once the scheduler's lookup was answered, then run on).
+Prints one JSON line: ``outputs``, ``computed`` (tokens the toy forward computed), per-rank
+``stats``, ``run_s``, ``stubbed`` (compiled vLLM modules that were absent).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))
+
+import vllm_harness as H  # noqa: E402
+import vllm_stubs  # noqa: E402
+
+
+def main(sc: dict) -> dict:
+    specs = H.hybrid_specs(sliding_window=16) if sc.get("specs") == "hybrid" else H.dense_specs()
+    model = H.model_dir(Path(sc["workdir"]))
+    cfg = H.make_vllm_config(model, sc["endpoint"], chunk_size=sc.get("chunk_size", 64), layout=sc["layout"],
+                             device=sc.get("device", "cuda"), extra={"model_id": sc["model_id"], "rpc_timeout_s": 2.0})
+    eng = H.Engine(cfg, specs, tp=sc.get("tp", 1), rank_processes=sc.get("rank_processes", False))
+    try:
+        if sc.get("warmup"):
+            eng.add(H.tokens(*sc["warmup"]), max_tokens=1)
+            eng.run()
+        rid = eng.add(H.tokens(*sc["prompt"]), max_tokens=sc.get("max_tokens", 3))
+        if sc.get("kill_daemon_pid"):
+            st = eng.sched_conn.scheduler._reqs[rid]
+            deadline = time.monotonic() + 10
+            while not (st.lookup_rid is not None and eng.sched_conn.scheduler.client.done(st.lookup_rid)):
+                eng.sched_conn.scheduler.client.poll(0.01)
+                assert time.monotonic() < deadline, "no lookup answer"
+            os.kill(sc["kill_daemon_pid"], signal.SIGKILL)
+        t0 = time.monotonic()
+        eng.run(timeout_s=60)
+        run = eng.runs[rid]
+        return {"outputs": run.outputs, "computed": run.computed, "run_s": time.monotonic() - t0,
+                "stats": [eng.worker_stats(r) for r in range(eng.tp)], "stubbed": vllm_stubs.STUBBED,
+                "registrations": [eng.registration_id(r) for r in range(eng.tp)]}
+    finally:
+        eng.close()
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]))), flush=True)
