@@ -104,14 +104,15 @@ def model_dir(root: Path) -> str:
     (d / "config.json").write_text(json.dumps({
         "architectures": [TOY_ARCH], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 1000,
-        "max_position_embeddings": 4096, "torch_dtype": "bfloat16", "eos_token_id": EOS}))
+        "max_position_embeddings": 32768, "torch_dtype": "bfloat16", "eos_token_id": EOS}))
     return str(d)
 
 
 def make_vllm_config(model: str, endpoint: str, *, block_size: int = 16, chunk_size: int = 64,
                      extra: dict | None = None, max_num_batched_tokens: int = 2048, layout: str = "LBNHC",
                      policy: str = "recompute", connector: str = "KVDepotConnector",
-                     module: str = "kvdepot.client.vllm", device: str = "cpu") -> VllmConfig:
+                     module: str = "kvdepot.client.vllm", device: str = "cpu", max_model_len: int = 2048,
+                     max_num_seqs: int = 16) -> VllmConfig:
     """A VllmConfig for the toy model with the kvdepot connector (vLLM imports ``module`` and
     takes its ``connector`` class, as ``--kv-transfer-config`` makes it do)."""
     kv = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module,
@@ -126,10 +127,11 @@ def make_vllm_config(model: str, endpoint: str, *, block_size: int = 16, chunk_s
         warnings.filterwarnings("ignore", message=r"`torch\.jit\.script(_method)?` is deprecated",
                                 category=DeprecationWarning)
         cfg = VllmConfig(
-            model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048),
+            model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16",
+                                     max_model_len=max_model_len),
             cache_config=cache,
-            scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
-                                             max_model_len=2048, enable_chunked_prefill=True,
+            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                             max_model_len=max_model_len, enable_chunked_prefill=True,
                                              is_encoder_decoder=False),
             kv_transfer_config=kv, device_config=DeviceConfig(device))
     # vLLM keeps its hybrid KV-cache manager on for connectors that support it (SupportsHMA), but
@@ -450,7 +452,10 @@ _ENGINE_NUMBERS = itertools.count(1)
 class Engine:
     """One vLLM instance (scheduler + ``tp`` workers) with real kvdepot connectors; its KV caches
     on ``vllm_config.device_config.device`` (CPU or CUDA). ``rank_processes``: ranks 1.. run in
-    processes of their own (`RankProcess`), as vLLM's multiprocess executor runs them."""
+    processes of their own (`RankProcess`), as vLLM's multiprocess executor runs them.
+    ``rank_worker_class``: the in-process ranks' class (a benchmark's faster forward)."""
+
+    rank_worker_class = RankWorker
 
     def __init__(self, vllm_config: VllmConfig, layer_specs: dict, num_blocks: int = 256, tp: int = 1,
                  rank_processes: bool = False) -> None:
@@ -473,7 +478,8 @@ class Engine:
             if rank and rank_processes:
                 self.ranks.append(RankProcess(vllm_config, self.kv_cache_config, self.groups, rank))
             else:
-                self.ranks.append(RankWorker(vllm_config, self.kv_cache_config, self.groups, rank, self.runs))
+                self.ranks.append(self.rank_worker_class(vllm_config, self.kv_cache_config, self.groups, rank,
+                                                         self.runs))
         self.workers = [r.conn for r in self.ranks if isinstance(r, RankWorker)]  # the in-process connectors
         self.worker_conn = self.workers[0]
         self.kv_caches = self.ranks[0].kv_caches  # rank 0's

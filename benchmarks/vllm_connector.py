@@ -1,0 +1,327 @@
+"""The vLLM connector on a GPU: what it costs the engine per step, and how fast KV moves through
+it next to `KVDepotClient` used directly and the same run's pinned-memcpy roofline.
+
+vLLM 0.33's real ``Scheduler``, KV-cache planning and connector lifecycle drive the connector
+(`tests/vllm/vllm_harness.py`; vLLM's compiled modules are stubbed where absent, see
+`tests/vllm/vllm_stubs.py`); the model is a "forward" that writes each scheduled token's blocks
+on the current stream. Per shape:
+
+* engine A prefills ``--requests`` prompts of 16 chunks each, one prompt per step (16 chunks
+  stored per step); engine B (another engine on the same daemon, other block ids) runs the same
+  prompts and loads them.
+* ``step_us``: CPU time spent inside the connector's methods per engine step, scheduler side
+  (lookup answer, allocation, metadata, finished requests) plus worker side (bind, load, save,
+  results), median and p99 over the steps that stored 16 chunks / that loaded.
+* ``store_gbps`` / ``load_gbps``: chunk bytes moved / wall time from the first step until vLLM
+  freed every request (A: every store reported finished; B: every load done and the request
+  finished), against ``direct_*``: the same chunks through `KVDepotClient` with engine-side
+  staging, 16 chunks per request, 4 requests in flight; and ``roofline_*``: one pinned
+  ``cudaMemcpyAsync`` of 16 chunks' bytes each way.
+
+    python benchmarks/vllm_connector.py --out result.json [--chunk 256] [--requests 24]
+
+Needs a CUDA GPU, the kernel library (``kvdepot build-kernels``) and vLLM's Python files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+
+import torch  # noqa: E402
+import vllm_harness as H  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
+
+from kvdepot.client import KVDepotClient  # noqa: E402
+
+CHUNKS_PER_STEP = 16
+SCHED_CALLS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+               "request_finished", "request_finished_all_groups", "update_connector_output")
+WORKER_CALLS = ("handle_preemptions", "bind_connector_metadata", "start_load_kv", "wait_for_save",
+                "get_transfer_results", "get_block_ids_with_load_errors", "clear_connector_metadata")
+
+
+def shapes() -> dict[str, dict]:
+    """Per-layer vLLM KV specs of the models measured (bf16, 16 tokens per block)."""
+    bf16 = torch.bfloat16
+
+    def dense(layers, heads, head):
+        return {f"model.layers.{i}.attn": FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=head,
+                                                            dtype=bf16) for i in range(layers)}
+
+    oss = {}
+    for i in range(24):  # gpt-oss-20b: full and 128-token sliding-window attention, alternating
+        cls = FullAttentionSpec if i % 2 else SlidingWindowSpec
+        kw = {} if i % 2 else {"sliding_window": 128}
+        oss[f"model.layers.{i}.attn"] = cls(block_size=16, num_kv_heads=8, head_size=64, dtype=bf16, **kw)
+    return {"Llama-3.1-8B TP1": dense(32, 8, 128), "Llama-3.1-70B TP4 shard": dense(80, 2, 128),
+            "gpt-oss-20b": oss}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class FillForward(H.RankWorker):
+    """The model: each scheduled token's blocks get one byte value, on the current stream."""
+
+    def _forward(self, so) -> None:
+        for req_id, n in so.num_scheduled_tokens.items():
+            run = self.runs[req_id]
+            start = run.sched_computed
+            for g, group in enumerate(self.groups):
+                bs = group.kv_cache_spec.block_size
+                ids = sorted({run.table[g][p // bs] for p in range(start, start + n)})
+                idx = torch.tensor(ids, device=self.device)
+                for name in group.layer_names:
+                    self.kv_caches[name].view(torch.int8)[idx] = (start // bs) % 127
+
+
+class FillEngine(H.Engine):
+    rank_worker_class = FillForward
+
+
+class CallTimer:
+    """Wraps the named methods of a connector instance; ``take()`` returns and resets the
+    seconds spent inside each since the last call."""
+
+    def __init__(self, obj, names) -> None:
+        self.spent_s: dict[str, float] = {}
+        for name in names:
+            if hasattr(obj, name):
+                setattr(obj, name, self._wrap(name, getattr(obj, name)))
+
+    def _wrap(self, name, fn):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.spent_s[name] = self.spent_s.get(name, 0.0) + time.perf_counter() - t0
+        return timed
+
+    def take(self) -> dict[str, float]:
+        s, self.spent_s = self.spent_s, {}
+        return s
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def drive(engine: H.Engine, prompts: list[list[int]], kind: str, timeout_s: float = 300.0) -> dict:
+    """Add every prompt, step until vLLM freed them all; the connector's CPU time in the steps
+    whose connector metadata carried ``kind`` jobs ("stores" or "loads"): in total, scheduler
+    side, worker side, and per method (median over those steps)."""
+    sched_t = CallTimer(engine.sched_conn, SCHED_CALLS)
+    work_t = CallTimer(engine.worker_conn, WORKER_CALLS)
+    before = dict(engine.worker_conn.worker.stats)
+    for p in prompts:
+        engine.add(p, max_tokens=1)
+    _sync()
+    steps, t0 = [], time.perf_counter()
+    deadline = time.monotonic() + timeout_s
+    while engine.scheduler.has_requests():
+        so = engine.step()
+        sched, work = sched_t.take(), work_t.take()
+        if getattr(so.kv_connector_metadata, kind, None):
+            steps.append((sched, work))
+        if not so.total_num_scheduled_tokens:
+            time.sleep(0.0002)
+        assert time.monotonic() < deadline, "engine did not finish"
+    _sync()
+    total = [1e6 * (sum(a.values()) + sum(b.values())) for a, b in steps]
+    names = sorted({n for a, b in steps for n in (*a, *b)})
+    per_call = {n: statistics.median([1e6 * (a.get(n, 0.0) + b.get(n, 0.0)) for a, b in steps]) for n in names}
+    med = statistics.median
+    return {"wall_s": time.perf_counter() - t0, "steps_measured": len(steps),
+            "step_us_median": med(total) if total else None, "step_us_p99": _pct(total, 0.99),
+            "sched_us_median": med([1e6 * sum(a.values()) for a, _ in steps]) if steps else None,
+            "worker_us_median": med([1e6 * sum(b.values()) for _, b in steps]) if steps else None,
+            "per_call_us_median": per_call,
+            "stats": {k: v - before.get(k, 0) for k, v in engine.worker_conn.worker.stats.items()}}
+
+
+def direct(reg, num_blocks: int, endpoint: str, chunk: int, requests: int, object_bytes: int, device: str,
+           staging_bytes: int) -> dict:
+    """The same chunk bytes through `KVDepotClient` (engine-side staging) over a closed engine's
+    KV caches (``reg``: its worker's `Registration`): 16 chunks per request, 4 in flight."""
+    blocks_per_chunk = [chunk // g.tokens_per_block for g in reg.groups]
+    with KVDepotClient(endpoint, timeout_s=60) as c:
+        c.flush()  # the engines' chunks: the direct run starts with an empty L1
+        r = c.register("direct-bench", "tp0of1", chunk, reg.storages, reg.layers, reg.groups, device=device,
+                       local_storages=reg.local if device == "cuda" else None, staging_bytes=staging_bytes)
+        keys = [[os.urandom(16) for _ in range(CHUNKS_PER_STEP)] for _ in range(requests)]
+        ids = [[[(1 + (i * CHUNKS_PER_STEP * n + j)) % (num_blocks - 1) + 1 for j in range(CHUNKS_PER_STEP * n)]
+                for n in blocks_per_chunk] for i in range(requests)]
+        out = {}
+        for op in ("store", "retrieve"):
+            _sync()
+            t0, inflight, moved = time.perf_counter(), [], 0
+            for i in range(requests):
+                if len(inflight) == 4:
+                    moved += _chunks(inflight.pop(0).result())
+                if op == "store":
+                    inflight.append(c.submit_store(r, keys[i], ids[i]))
+                else:
+                    inflight.append(c.submit_retrieve(r, keys[i], ids[i]))
+            for p in inflight:
+                moved += _chunks(p.result())
+            _sync()
+            out[f"direct_{op}_chunks"] = moved
+            out[f"direct_{op}_gbps"] = moved * object_bytes / (time.perf_counter() - t0) / 1e9
+        c.unregister(r)
+    return out
+
+
+def _chunks(result) -> int:
+    """Chunks a store (`StoreReply`) or a retrieve (int) moved."""
+    return result if isinstance(result, int) else result.stored
+
+
+def roofline(nbytes: int) -> dict:
+    """The link's best: the fastest of 10 pinned copies of ``nbytes`` each way (after a warm-up)."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+
+    def best(fn):
+        ts = []
+        for _ in range(11):
+            _sync()
+            t0 = time.perf_counter()
+            fn()
+            _sync()
+            ts.append(time.perf_counter() - t0)
+        return nbytes / min(ts[1:]) / 1e9
+
+    return {"roofline_d2h_gbps": best(lambda: host.copy_(dev, non_blocking=True)),
+            "roofline_h2d_gbps": best(lambda: dev.copy_(host, non_blocking=True))}
+
+
+def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int, requests: int,
+                device: str = "cuda", staging_bytes: int = 256 << 20) -> dict:
+    tokens = CHUNKS_PER_STEP * chunk
+    block_bytes = sum(s.page_size_bytes for s in specs.values())
+    num_blocks = (requests + 4) * tokens // 16 + 64
+    model = H.model_dir(workdir)
+
+    def engine():
+        cfg = H.make_vllm_config(model, endpoint, chunk_size=chunk, device=device, max_model_len=tokens + 64,
+                                 max_num_batched_tokens=tokens, max_num_seqs=requests,
+                                 extra={"model_id": f"bench-{name}", "rpc_timeout_s": 30.0,
+                                        "staging_bytes": staging_bytes,
+                                        "lookup_timeout_s": 5.0, "hold_max_s": 60.0})
+        return FillEngine(cfg, specs, num_blocks=num_blocks)
+
+    prompts = [H.tokens(1000 + i, tokens) for i in range(requests)]
+    res = {"shape": name, "chunk_tokens": chunk, "requests": requests, "chunk_bytes": block_bytes * chunk // 16,
+           "staging_bytes": staging_bytes}
+    a = engine()
+    try:
+        a.add(H.tokens(8, 1000), max_tokens=1)  # connect, register, first kernels: not measured
+        a.run(timeout_s=60)
+        store = drive(a, prompts, "stores")
+    finally:
+        a.close()
+    b = engine()
+    try:
+        b.add(H.tokens(7, 160), max_tokens=1)  # other block ids than A's
+        b.run(timeout_s=60)
+        load = drive(b, prompts, "loads")
+        if device == "cpu":  # B's shared-memory segments go with close()
+            res.update(direct(b.worker_conn.worker.reg, num_blocks, endpoint, chunk, requests, res["chunk_bytes"],
+                              device, staging_bytes))
+    finally:
+        b.close()
+    if device == "cuda":  # B's caches stay allocated; registered again once B's registration is gone
+        res.update(direct(b.worker_conn.worker.reg, num_blocks, endpoint, chunk, requests, res["chunk_bytes"],
+                          device, staging_bytes))
+    res["stored_chunks"] = store["stats"]["stored_chunks"]
+    res["loaded_chunks"] = load["stats"]["loaded_chunks"]
+    res["store_gbps"] = res["stored_chunks"] * res["chunk_bytes"] / store["wall_s"] / 1e9
+    res["load_gbps"] = res["loaded_chunks"] * res["chunk_bytes"] / load["wall_s"] / 1e9
+    for op, d in (("store", store), ("load", load)):
+        for k in ("step_us_median", "step_us_p99", "sched_us_median", "worker_us_median", "per_call_us_median",
+                  "steps_measured"):
+            res[f"{op}_{k}"] = d[k]
+    res["store_stats"], res["load_stats"] = store["stats"], load["stats"]
+    if device != "cuda":
+        return res  # a smoke run (no roofline on CPU)
+    res.update(roofline(CHUNKS_PER_STEP * res["chunk_bytes"]))
+    for op, roof in (("store", "roofline_d2h_gbps"), ("load", "roofline_h2d_gbps")):
+        res[f"{op}_vs_roofline"] = res[f"{op}_gbps"] / res[roof]
+    res["direct_store_vs_roofline"] = res["direct_store_gbps"] / res["roofline_d2h_gbps"]
+    res["direct_retrieve_vs_roofline"] = res["direct_retrieve_gbps"] / res["roofline_h2d_gbps"]
+    return res
+
+
+def report(r: dict) -> str:
+    calls = lambda op: ", ".join(f"{k} {v:.0f}" for k, v in sorted(r[f"{op}_per_call_us_median"].items(),  # noqa: E731
+                                                                   key=lambda kv: -kv[1]) if v >= 1)
+    return (f"{r['shape']:<24} chunk {r['chunk_tokens']:>3}, ring {r['staging_bytes'] >> 20} MiB:\n"
+            f"  store: {r['store_gbps']:.1f} GB/s = {100 * r['store_vs_roofline']:.1f}% of {r['roofline_d2h_gbps']:.1f}"
+            f" (direct {r['direct_store_gbps']:.1f} = {100 * r['direct_store_vs_roofline']:.1f}%); per step"
+            f" +{r['store_step_us_median']:.0f} us median, {r['store_step_us_p99']:.0f} p99 (scheduler"
+            f" {r['store_sched_us_median']:.0f}, worker {r['store_worker_us_median']:.0f}; {calls('store')})\n"
+            f"  load:  {r['load_gbps']:.1f} GB/s = {100 * r['load_vs_roofline']:.1f}% of {r['roofline_h2d_gbps']:.1f}"
+            f" (direct {r['direct_retrieve_gbps']:.1f} = {100 * r['direct_retrieve_vs_roofline']:.1f}%); per step"
+            f" +{r['load_step_us_median']:.0f} us median over {r['load_steps_measured']} steps (scheduler"
+            f" {r['load_sched_us_median']:.0f}, worker {r['load_worker_us_median']:.0f}; {calls('load')})\n"
+            f"  chunks stored {r['stored_chunks']}, loaded {r['loaded_chunks']}, direct {r['direct_store_chunks']}/"
+            f"{r['direct_retrieve_chunks']}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--chunk", type=int, default=256, help="tokens per chunk (default 256)")
+    p.add_argument("--requests", type=int, default=24, help="prompts of 16 chunks per shape (default 24)")
+    p.add_argument("--shapes", default="", help="comma-separated subset of the shape names")
+    p.add_argument("--l1-bytes", default="24g")
+    p.add_argument("--staging-bytes", type=int, default=256 << 20,
+                   help="the connector's staging ring (its staging_bytes setting; default 256 MiB, its default)")
+    p.add_argument("--out", default="", help="write the results as JSON here")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: a smoke run of the same steps with shared-memory KV caches (no roofline)")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
+        return 2
+    results = []
+    with tempfile.TemporaryDirectory() as td:
+        wd = Path(td)
+        ep = f"ipc://{wd / 'kvdepot.sock'}"
+        d = subprocess.Popen([sys.executable, "-m", "kvdepot", "serve", "--endpoint", ep, "--l1-bytes",
+                              args.l1_bytes], stdout=subprocess.PIPE, text=True)
+        try:
+            assert "ready" in d.stdout.readline()
+            wanted = [s for s in args.shapes.split(",") if s]
+            for name, specs in shapes().items():
+                if wanted and name not in wanted:
+                    continue
+                with KVDepotClient(ep, timeout_s=60) as c:
+                    c.flush()
+                r = bench_shape(name, specs, ep, wd, args.chunk, args.requests, args.device, args.staging_bytes)
+                print(report(r) if "store_vs_roofline" in r else json.dumps(r), flush=True)
+                results.append(r)
+        finally:
+            d.terminate()
+            d.wait(30)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

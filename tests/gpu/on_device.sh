@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root, with what tests/gpu/carry.sh built carried
+# (.whl, .carry, .kbuild). Usage: bash tests/gpu/on_device.sh "<pytest args>" "<benchmark command>"
+# Logs and JSON go to $OUT.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+[ -s .carry/vllm-py.tar.xz ] && tar xJf .carry/vllm-py.tar.xz -C /tmp/site
+export PYTHONPATH=/tmp/site:$PWD KVDEPOT_KERNELS_SO=$PWD/.kbuild/libkvdepot_kernels.so KVDEPOT_NO_JIT=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv | tee "$OUT/gpu.txt"
+if [ -n "${1:-}" ]; then
+  timeout "${PYTEST_TIMEOUT_S:-300}" python3 -m pytest -p no:cacheprovider -v -rs $1 2>&1 | tee "$OUT/pytest.log" | tail -40
+fi
+if [ -n "${2:-}" ]; then
+  timeout "${BENCH_TIMEOUT_S:-240}" bash -c "$2" 2>&1 | grep -v " INFO kvdepot" | tee "$OUT/bench.log" | tail -30
+fi
