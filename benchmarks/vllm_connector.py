@@ -11,7 +11,9 @@ on the current stream. Per shape:
   prompts and loads them.
 * ``step_us``: CPU time spent inside the connector's methods per engine step, scheduler side
   (lookup answer, allocation, metadata, finished requests) plus worker side (bind, load, save,
-  results), median and p99 over the steps that stored 16 chunks / that loaded.
+  results), median and p99 over the steps that stored 16 chunks / that loaded; per method too.
+  ``on_new_request`` (a prompt's keys hashed, its lookup sent) runs when vLLM adds a request,
+  not in a step: reported per request.
 * ``store_gbps`` / ``load_gbps``: chunk bytes moved / wall time from the first step until vLLM
   freed every request (A: every store reported finished; B: every load done and the request
   finished), against ``direct_*``: the same chunks through `KVDepotClient` with engine-side
@@ -74,7 +76,8 @@ def _sync() -> None:
 
 
 class FillForward(H.RankWorker):
-    """The model: each scheduled token's blocks get one byte value, on the current stream."""
+    """The model: each scheduled token's blocks get one byte value, on the current stream, and
+    the connector's ``save_kv_layer`` per layer, as vLLM's attention layers call it."""
 
     def _forward(self, so) -> None:
         for req_id, n in so.num_scheduled_tokens.items():
@@ -86,6 +89,7 @@ class FillForward(H.RankWorker):
                 idx = torch.tensor(ids, device=self.device)
                 for name in group.layer_names:
                     self.kv_caches[name].view(torch.int8)[idx] = (start // bs) % 127
+                    self.conn.save_kv_layer(name, self.kv_caches[name], None)  # as vLLM's attention layer does
 
 
 class FillEngine(H.Engine):
@@ -131,6 +135,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, timeout_s: floa
     for p in prompts:
         engine.add(p, max_tokens=1)
     _sync()
+    added = sched_t.take()  # on_new_request (keys hashed, lookup sent) at add time, not a step's
     steps, t0 = [], time.perf_counter()
     deadline = time.monotonic() + timeout_s
     while engine.scheduler.has_requests():
@@ -150,7 +155,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, timeout_s: floa
             "step_us_median": med(total) if total else None, "step_us_p99": _pct(total, 0.99),
             "sched_us_median": med([1e6 * sum(a.values()) for a, _ in steps]) if steps else None,
             "worker_us_median": med([1e6 * sum(b.values()) for _, b in steps]) if steps else None,
-            "per_call_us_median": per_call,
+            "per_call_us_median": per_call, "on_new_request_us_per_request": 1e6 * sum(added.values()) / len(prompts),
             "stats": {k: v - before.get(k, 0) for k, v in engine.worker_conn.worker.stats.items()}}
 
 
@@ -170,15 +175,16 @@ def direct(reg, num_blocks: int, endpoint: str, chunk: int, requests: int, objec
         for op in ("store", "retrieve"):
             _sync()
             t0, inflight, moved = time.perf_counter(), [], 0
+            wait = {"cpu_wait": True} if op == "retrieve" else {}  # the scatter done, not only enqueued
             for i in range(requests):
                 if len(inflight) == 4:
-                    moved += _chunks(inflight.pop(0).result())
+                    moved += _chunks(inflight.pop(0).result(**wait))
                 if op == "store":
                     inflight.append(c.submit_store(r, keys[i], ids[i]))
                 else:
                     inflight.append(c.submit_retrieve(r, keys[i], ids[i]))
             for p in inflight:
-                moved += _chunks(p.result())
+                moved += _chunks(p.result(**wait))
             _sync()
             out[f"direct_{op}_chunks"] = moved
             out[f"direct_{op}_gbps"] = moved * object_bytes / (time.perf_counter() - t0) / 1e9
@@ -254,7 +260,7 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
     res["load_gbps"] = res["loaded_chunks"] * res["chunk_bytes"] / load["wall_s"] / 1e9
     for op, d in (("store", store), ("load", load)):
         for k in ("step_us_median", "step_us_p99", "sched_us_median", "worker_us_median", "per_call_us_median",
-                  "steps_measured"):
+                  "steps_measured", "on_new_request_us_per_request"):
             res[f"{op}_{k}"] = d[k]
     res["store_stats"], res["load_stats"] = store["stats"], load["stats"]
     if device != "cuda":
@@ -279,7 +285,9 @@ def report(r: dict) -> str:
             f" (direct {r['direct_retrieve_gbps']:.1f} = {100 * r['direct_retrieve_vs_roofline']:.1f}%); per step"
             f" +{r['load_step_us_median']:.0f} us median over {r['load_steps_measured']} steps (scheduler"
             f" {r['load_sched_us_median']:.0f}, worker {r['load_worker_us_median']:.0f}; {calls('load')})\n"
-            f"  chunks stored {r['stored_chunks']}, loaded {r['loaded_chunks']}, direct {r['direct_store_chunks']}/"
+            f"  on_new_request (keys of {CHUNKS_PER_STEP * r['chunk_tokens']} tokens, lookup sent) "
+            f"{r['load_on_new_request_us_per_request']:.0f} us per request;"
+            f" chunks stored {r['stored_chunks']}, loaded {r['loaded_chunks']}, direct {r['direct_store_chunks']}/"
             f"{r['direct_retrieve_chunks']}")
 
 

@@ -7,6 +7,7 @@ KV caches on CUDA.
 Scenario keys: ``device`` (default cuda), ``endpoint``, ``model_id``, ``workdir``, ``layout`` (LBNHC / LBHNC), ``specs``
 (dense / hybrid), ``tp``, ``rank_processes``, ``warmup`` ([seed, tokens]: a request run first so
 that the prompt gets other block ids), ``prompt`` ([seed, tokens]), ``max_tokens``,
+``more_prompts`` (more [seed, tokens] added with it), ``extra`` (connector settings),
 ``kill_daemon_pid`` (SIGKILL that pid once the scheduler's lookup was answered, then run on).
 Prints one JSON line: ``outputs``, ``computed`` (tokens the toy forward computed), per-rank
 ``stats``, ``run_s``, ``stubbed`` (compiled vLLM modules that were absent).
@@ -31,13 +32,15 @@ def main(sc: dict) -> dict:
     specs = H.hybrid_specs(sliding_window=16) if sc.get("specs") == "hybrid" else H.dense_specs()
     model = H.model_dir(Path(sc["workdir"]))
     cfg = H.make_vllm_config(model, sc["endpoint"], chunk_size=sc.get("chunk_size", 64), layout=sc["layout"],
-                             device=sc.get("device", "cuda"), extra={"model_id": sc["model_id"], "rpc_timeout_s": 2.0})
+                             device=sc.get("device", "cuda"),
+                             extra={"model_id": sc["model_id"], "rpc_timeout_s": 2.0, **sc.get("extra", {})})
     eng = H.Engine(cfg, specs, tp=sc.get("tp", 1), rank_processes=sc.get("rank_processes", False))
     try:
         if sc.get("warmup"):
             eng.add(H.tokens(*sc["warmup"]), max_tokens=1)
             eng.run()
         rid = eng.add(H.tokens(*sc["prompt"]), max_tokens=sc.get("max_tokens", 3))
+        more = [eng.add(H.tokens(*p), max_tokens=sc.get("max_tokens", 3)) for p in sc.get("more_prompts", [])]
         if sc.get("kill_daemon_pid"):
             st = eng.sched_conn.scheduler._reqs[rid]
             deadline = time.monotonic() + 10
@@ -49,6 +52,7 @@ def main(sc: dict) -> dict:
         eng.run(timeout_s=60)
         run = eng.runs[rid]
         return {"outputs": run.outputs, "computed": run.computed, "run_s": time.monotonic() - t0,
+                "more_outputs": [eng.runs[r].outputs for r in more], "more_computed": [eng.runs[r].computed for r in more],
                 "stats": [eng.worker_stats(r) for r in range(eng.tp)], "stubbed": vllm_stubs.STUBBED,
                 "registrations": [eng.registration_id(r) for r in range(eng.tp)]}
     finally:

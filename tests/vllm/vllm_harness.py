@@ -370,6 +370,7 @@ class RankWorker:
             for name in group.layer_names:
                 v, heads, row = self._layer_geometry(name)
                 v[blocks, :, offs, :] = expected_kv(hashes[start:end], self._layer_id(name), heads, row).to(self.device)
+                self.conn.save_kv_layer(name, self.kv_caches[name], None)  # as vLLM's attention layer does
 
 
 def _rank_process_main(pipe, vllm_config, kv_cache_config, groups, rank: int) -> None:

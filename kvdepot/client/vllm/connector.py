@@ -144,7 +144,10 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         return  # loads are asynchronous: a request runs only after get_finished reported its load
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        return  # whole chunks are gathered in wait_for_save, after the forward
+        # whole chunks are gathered in wait_for_save, after the forward; per layer, earlier
+        # steps' pieces that wait for staging-ring room are sent as room frees up
+        if self.worker is not None:
+            self.worker.on_layer()
 
     def wait_for_save(self) -> None:
         assert self.worker is not None

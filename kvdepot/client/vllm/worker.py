@@ -53,6 +53,7 @@ log = logging.getLogger("kvdepot.vllm")
 
 # errors after which the daemon is treated as down (pinged until it answers) rather than as
 # having refused one request
+_LAYER_PUMP_INTERVAL_S = 100e-6  # between two `WorkerSide.on_layer` pumps
 _DOWN = (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE, ErrorCode.DISCONNECTED, ErrorCode.INTERNAL)
 
 
@@ -122,9 +123,10 @@ class WorkerSide:
         self._failed_recving: set[str] = set()
         self._invalid_blocks: set[int] = set()
         self._release: set[str] = set()  # finished requests vLLM keeps blocks for
+        self._layer_pump_s = 0.0  # time.monotonic() of the last `on_layer` pump
         self.stats = {"loads": 0, "load_failures": 0, "loaded_chunks": 0, "stores": 0, "stored_chunks": 0,
                       "store_failures": 0, "stores_skipped_ring_full": 0, "pieces_queued": 0, "late_ops": 0,
-                      "null_blocks_left_alone": 0}
+                      "null_blocks_left_alone": 0, "pieces_sent_mid_forward": 0}
 
     @property
     def registration_id(self) -> str | None:
@@ -299,6 +301,25 @@ class WorkerSide:
                                           parent=parent if s == 0 else keys[s - 1], cache_salt=job.cache_salt,
                                           queued_at=now))
         self._pump(stores_now=True)
+
+    def on_layer(self) -> None:
+        """One attention layer of the forward is done (vLLM's ``save_kv_layer``). Pieces waiting
+        for staging-ring room are sent now rather than at the next step's connector calls: a
+        forward lasts far longer than the ring's bytes take on the link, so a ring refilled only
+        once per step would cap stores at a ring per step. Never while a CUDA graph is being
+        captured (a gather launched then would be recorded into the graph); at most every
+        ``_LAYER_PUMP_INTERVAL_S``."""
+        if not self._queue:
+            return
+        now = time.monotonic()
+        if now - self._layer_pump_s < _LAYER_PUMP_INTERVAL_S:
+            return
+        if self.reg is not None and self.reg.device == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        self._layer_pump_s = now
+        waiting = len(self._queue)
+        self._pump()
+        self.stats["pieces_sent_mid_forward"] += waiting - len(self._queue)
 
     def _pump(self, stores_now: bool = False) -> None:
         """Send queued pieces, in order, while the staging ring has room (never waits for it).
