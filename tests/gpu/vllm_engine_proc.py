@@ -5,7 +5,7 @@ KV caches on CUDA.
     python vllm_engine_proc.py '<json scenario>'
 
 Scenario keys: ``device`` (default cuda), ``endpoint``, ``model_id``, ``workdir``, ``layout`` (LBNHC / LBHNC), ``specs``
-(dense / hybrid), ``tp``, ``rank_processes``, ``warmup`` ([seed, tokens]: a request run first so
+(dense / dense-wide / hybrid), ``tp``, ``rank_processes``, ``warmup`` ([seed, tokens]: a request run first so
 that the prompt gets other block ids), ``prompt`` ([seed, tokens]), ``max_tokens``,
 ``more_prompts`` (more [seed, tokens] added with it), ``extra`` (connector settings),
 ``kill_daemon_pid`` (SIGKILL that pid once the scheduler's lookup was answered, then run on).
@@ -29,7 +29,9 @@ import vllm_stubs  # noqa: E402
 
 
 def main(sc: dict) -> dict:
-    specs = H.hybrid_specs(sliding_window=16) if sc.get("specs") == "hybrid" else H.dense_specs()
+    specs = {"hybrid": lambda: H.hybrid_specs(sliding_window=16),
+             "dense-wide": lambda: H.dense_specs(heads=8, head_size=64),  # 512 KiB per 64-token chunk
+             "dense": H.dense_specs}[sc.get("specs", "dense")]()
     model = H.model_dir(Path(sc["workdir"]))
     cfg = H.make_vllm_config(model, sc["endpoint"], chunk_size=sc.get("chunk_size", 64), layout=sc["layout"],
                              device=sc.get("device", "cuda"),

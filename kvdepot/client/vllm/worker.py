@@ -303,14 +303,14 @@ class WorkerSide:
         self._pump(stores_now=True)
 
     def on_layer(self) -> None:
-        """One attention layer of the forward is done (vLLM's ``save_kv_layer``). Pieces waiting
-        for staging-ring room are sent now rather than at the next step's connector calls: a
+        """One attention layer of the forward is done (vLLM's ``save_kv_layer``). Store pieces
+        waiting for staging-ring room are sent now rather than at the next step's connector calls: a
         forward lasts far longer than the ring's bytes take on the link, so a ring refilled only
         once per step would cap stores at a ring per step. Never while a CUDA graph is being
         captured (a gather launched then would be recorded into the graph); at most every
         ``_LAYER_PUMP_INTERVAL_S``."""
-        if not self._queue:
-            return
+        if not self._queue or self._queue[0].kind != "store":
+            return  # loads wait while their requests are not running: steps are short then
         now = time.monotonic()
         if now - self._layer_pump_s < _LAYER_PUMP_INTERVAL_S:
             return
