@@ -12,6 +12,7 @@ Skipped without CUDA or without vLLM's Python files.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-              pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None, reason="needs vLLM")]
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")]
 
 HERE = Path(__file__).resolve().parent
 CHUNK = 64
