@@ -80,16 +80,20 @@ class FillForward(H.RankWorker):
     the connector's ``save_kv_layer`` per layer, as vLLM's attention layers call it."""
 
     def _forward(self, so) -> None:
+        gid = {name: g for g, group in enumerate(self.groups) for name in group.layer_names}
+        ids = {}  # (request, gid) -> block ids the scheduled tokens write
         for req_id, n in so.num_scheduled_tokens.items():
             run = self.runs[req_id]
             start = run.sched_computed
             for g, group in enumerate(self.groups):
                 bs = group.kv_cache_spec.block_size
-                ids = sorted({run.table[g][p // bs] for p in range(start, start + n)})
-                idx = torch.tensor(ids, device=self.device)
-                for name in group.layer_names:
-                    self.kv_caches[name].view(torch.int8)[idx] = (start // bs) % 127
-                    self.conn.save_kv_layer(name, self.kv_caches[name], None)  # as vLLM's attention layer does
+                blocks = sorted({run.table[g][p // bs] for p in range(start, start + n)})
+                ids[req_id, g] = (torch.tensor(blocks, device=self.device), (start // bs) % 127)
+        for name in self.kv_caches:  # layer by layer, as a model runs
+            for (_, g), (idx, value) in ids.items():
+                if g == gid[name]:
+                    self.kv_caches[name].view(torch.int8)[idx] = value
+            self.conn.save_kv_layer(name, self.kv_caches[name], None)  # as vLLM's attention layers do
 
 
 class FillEngine(H.Engine):

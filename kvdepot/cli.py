@@ -200,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--max-new-tokens", type=int, default=40)
     dm.add_argument("--threads", type=int, default=2, help="torch threads per engine process")
     dm.add_argument("--json-out", default=None, help="also write the results as JSON here")
+    dm.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the model runs and the engines' KV caches live (cuda: CUDA IPC and the kernels)")
+    dm.add_argument("--random-weights", action="store_true",
+                    help="the model's architecture with seeded random weights (no GGUF file needed; the byte "
+                         "and token checks stay exact, the answers are noise)")
     dm.set_defaults(func=cmd_demo)
     return p
 

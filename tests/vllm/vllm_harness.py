@@ -314,15 +314,24 @@ class RankWorker:
         return v, v.shape[1], v.shape[3]
 
     def _forward(self, so) -> None:
-        """The toy forward on this rank's cache; rank 0 keeps each request's checksum. On CUDA it
-        reads and writes on the current stream, as a model's attention would."""
+        """The toy forward on this rank's cache, layer by layer as a model runs (each layer
+        writes every scheduled token's KV, then calls the connector's ``save_kv_layer`` as
+        vLLM's attention layers do); rank 0 keeps each request's checksum. On CUDA it reads
+        and writes on the current stream, as a model's attention would."""
+        batch = []
         for req_id, n in so.num_scheduled_tokens.items():
             run = self.runs[req_id]
             start = run.sched_computed
             hashes = prefix_hashes(run.tokens[:start + n])
             self._attend(run, req_id, start, hashes, record=self.rank == 0)  # the cached KV the new tokens read
-            self._write(run, start, start + n, hashes)
-            checksum = self._attend(run, req_id, start + n, hashes)  # what the last token attends to
+            batch.append((req_id, run, start, start + n, hashes))
+        gid = {name: g for g, group in enumerate(self.groups) for name in group.layer_names}
+        for name in self.kv_caches:
+            for _, run, start, end, hashes in batch:
+                self._write(run, gid[name], name, start, end, hashes)
+            self.conn.save_kv_layer(name, self.kv_caches[name], None)
+        for req_id, run, _, end, hashes in batch:
+            checksum = self._attend(run, req_id, end, hashes)  # what the last token attends to
             if self.rank == 0:
                 run.checksum = checksum
 
@@ -359,18 +368,16 @@ class RankWorker:
                     run.loaded_bytes[(name, pos.start, pos.stop)] = got.clone()
         return checksum
 
-    def _write(self, run: _ReqRun, start: int, end: int, hashes: list[int]) -> None:
-        for g, group in enumerate(self.groups):
-            bs = group.kv_cache_spec.block_size
-            pos = range(start, end)
-            ids = [run.table[g][p // bs] for p in pos]
-            assert 0 not in ids, "the toy forward would write vLLM's null block"
-            blocks = torch.tensor(ids, device=self.device)
-            offs = torch.tensor([p % bs for p in pos], device=self.device)
-            for name in group.layer_names:
-                v, heads, row = self._layer_geometry(name)
-                v[blocks, :, offs, :] = expected_kv(hashes[start:end], self._layer_id(name), heads, row).to(self.device)
-                self.conn.save_kv_layer(name, self.kv_caches[name], None)  # as vLLM's attention layer does
+    def _write(self, run: _ReqRun, g: int, name: str, start: int, end: int, hashes: list[int]) -> None:
+        """Layer ``name`` (of vLLM gid ``g``): the KV of positions ``[start, end)``."""
+        bs = self.groups[g].kv_cache_spec.block_size
+        pos = range(start, end)
+        ids = [run.table[g][p // bs] for p in pos]
+        assert 0 not in ids, "the toy forward would write vLLM's null block"
+        blocks = torch.tensor(ids, device=self.device)
+        offs = torch.tensor([p % bs for p in pos], device=self.device)
+        v, heads, row = self._layer_geometry(name)
+        v[blocks, :, offs, :] = expected_kv(hashes[start:end], self._layer_id(name), heads, row).to(self.device)
 
 
 def _rank_process_main(pipe, vllm_config, kv_cache_config, groups, rank: int) -> None:
