@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_daemon import serve
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")]
@@ -30,26 +31,9 @@ HERE = Path(__file__).resolve().parent
 CHUNK = 64
 
 
-def _serve(workdir: Path):
-    ep = f"ipc://{workdir / 'kvdepot.sock'}"
-    log = open(workdir / "daemon.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvdepot", "serve", "--endpoint", ep, "--l1-bytes", "2g"],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ))
-    assert "ready" in proc.stdout.readline(), (workdir / "daemon.log").read_text()
-    return ep, proc, log
-
-
 @pytest.fixture
 def daemon(tmp_path):
-    ep, proc, log = _serve(tmp_path)
-    yield ep, proc
-    if proc.poll() is None:
-        proc.terminate()
-        assert proc.wait(30) == 0
-    proc.stdout.close()
-    log.close()
-    text = (tmp_path / "daemon.log").read_text()
-    assert "Traceback" not in text, text
+    yield from serve(tmp_path, "2g", with_process=True)
 
 
 def engine(tmp_path: Path, endpoint: str, model_id: str, **scenario) -> dict:
