@@ -71,6 +71,7 @@ class _Piece:
     load: _Load | None = None  # load: the job it belongs to
     index: int = 0  # load: piece number within the job
     queued_at: float = 0.0
+    waited: bool = False  # found the staging ring full at least once (counted in pieces_queued)
 
 
 @dataclasses.dataclass(slots=True)
@@ -365,7 +366,9 @@ class WorkerSide:
                     else:
                         self._piece_ended(p, 0)  # recomputed
                     continue
-                self.stats["pieces_queued"] += 1
+                if not p.waited:  # a piece waits once however many pumps find the ring still full
+                    p.waited = True
+                    self.stats["pieces_queued"] += 1
                 break
             self._queue.popleft()
             self._ops.append(_Op(p, pending, c.generation, time.monotonic()))
