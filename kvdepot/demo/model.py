@@ -118,7 +118,6 @@ class SmolLM:
         from transformers.cache_utils import DynamicCache
 
         self._DynamicCache = DynamicCache
-        self.random_weights = random_weights
         if random_weights:
             from transformers import LlamaConfig, LlamaForCausalLM
 

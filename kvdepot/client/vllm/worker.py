@@ -51,9 +51,9 @@ from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
 log = logging.getLogger("kvdepot.vllm")
 
+_LAYER_PUMP_INTERVAL_S = 100e-6  # between two `WorkerSide.on_layer` pumps
 # errors after which the daemon is treated as down (pinged until it answers) rather than as
 # having refused one request
-_LAYER_PUMP_INTERVAL_S = 100e-6  # between two `WorkerSide.on_layer` pumps
 _DOWN = (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE, ErrorCode.DISCONNECTED, ErrorCode.INTERNAL)
 
 
