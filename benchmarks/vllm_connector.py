@@ -13,7 +13,9 @@ on the current stream. Per shape:
   (lookup answer, allocation, metadata, finished requests) plus worker side (bind, load, save,
   results), median and p99 over the steps that stored 16 chunks / that loaded; per method too.
   ``on_new_request`` (a prompt's keys hashed, its lookup sent) runs when vLLM adds a request,
-  not in a step: reported per request.
+  not in a step: reported per request. Worker side includes the per-layer ``wait_for_layer_load``
+  / ``save_kv_layer`` calls (the latter sends stores that waited for staging-ring room).
+* ``decode_step_us``: the same for a step that moves nothing (8 short requests decoding).
 * ``store_gbps`` / ``load_gbps``: chunk bytes moved / wall time from the first step until vLLM
   freed every request (A: every store reported finished; B: every load done and the request
   finished), against ``direct_*``: the same chunks through `KVDepotClient` with engine-side
@@ -28,8 +30,11 @@ Needs a CUDA GPU, the kernel library (``kvdepot build-kernels``) and vLLM's Pyth
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -49,8 +54,9 @@ from kvdepot.client import KVDepotClient  # noqa: E402
 CHUNKS_PER_STEP = 16
 SCHED_CALLS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                "request_finished", "request_finished_all_groups", "update_connector_output")
-WORKER_CALLS = ("handle_preemptions", "bind_connector_metadata", "start_load_kv", "wait_for_save",
-                "get_transfer_results", "get_block_ids_with_load_errors", "clear_connector_metadata")
+WORKER_CALLS = ("handle_preemptions", "bind_connector_metadata", "start_load_kv", "wait_for_layer_load",
+                "save_kv_layer", "wait_for_save", "get_transfer_results", "get_block_ids_with_load_errors",
+                "clear_connector_metadata")
 
 
 def shapes() -> dict[str, dict]:
@@ -76,8 +82,9 @@ def _sync() -> None:
 
 
 class FillForward(H.RankWorker):
-    """The model: each scheduled token's blocks get one byte value, on the current stream, and
-    the connector's ``save_kv_layer`` per layer, as vLLM's attention layers call it."""
+    """The model: each scheduled token's blocks get one byte value, on the current stream, with
+    the connector's ``wait_for_layer_load`` and ``save_kv_layer`` around each layer, as vLLM's
+    attention layers call them."""
 
     def _forward(self, so) -> None:
         gid = {name: g for g, group in enumerate(self.groups) for name in group.layer_names}
@@ -90,6 +97,7 @@ class FillForward(H.RankWorker):
                 blocks = sorted({run.table[g][p // bs] for p in range(start, start + n)})
                 ids[req_id, g] = (torch.tensor(blocks, device=self.device), (start // bs) % 127)
         for name in self.kv_caches:  # layer by layer, as a model runs
+            self.conn.wait_for_layer_load(name)  # as vLLM's attention layers do
             for (_, g), (idx, value) in ids.items():
                 if g == gid[name]:
                     self.kv_caches[name].view(torch.int8)[idx] = value
@@ -102,7 +110,10 @@ class FillEngine(H.Engine):
 
 class CallTimer:
     """Wraps the named methods of a connector instance; ``take()`` returns and resets the
-    seconds spent inside each since the last call."""
+    seconds spent inside each since the last call. ``profile``: a ``cProfile.Profile`` enabled
+    only while inside them (what the connector's own time goes to)."""
+
+    profile = None  # class-wide: set by main() for --profile
 
     def __init__(self, obj, names) -> None:
         self.spent_s: dict[str, float] = {}
@@ -112,10 +123,15 @@ class CallTimer:
 
     def _wrap(self, name, fn):
         def timed(*a, **kw):
+            prof = CallTimer.profile
             t0 = time.perf_counter()
+            if prof is not None:
+                prof.enable()
             try:
                 return fn(*a, **kw)
             finally:
+                if prof is not None:
+                    prof.disable()
                 self.spent_s[name] = self.spent_s.get(name, 0.0) + time.perf_counter() - t0
         return timed
 
@@ -161,6 +177,28 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, timeout_s: floa
             "worker_us_median": med([1e6 * sum(b.values()) for _, b in steps]) if steps else None,
             "per_call_us_median": per_call, "on_new_request_us_per_request": 1e6 * sum(added.values()) / len(prompts),
             "stats": {k: v - before.get(k, 0) for k, v in engine.worker_conn.worker.stats.items()}}
+
+
+def decode_steps(engine: H.Engine, requests: int = 8, steps: int = 48) -> dict:
+    """What the connector costs a step that moves nothing (decode): ``requests`` prompts shorter
+    than a chunk generate ``steps`` tokens each; median and p99 of the connector's CPU time per
+    step that scheduled tokens."""
+    sched_t = CallTimer(engine.sched_conn, SCHED_CALLS)
+    work_t = CallTimer(engine.worker_conn, WORKER_CALLS)
+    for i in range(requests):
+        engine.add(H.tokens(5000 + i, 100), max_tokens=steps)
+    sched_t.take()
+    total, calls = [], {}
+    while engine.scheduler.has_requests():
+        so = engine.step()
+        spent = {**sched_t.take(), **work_t.take()}
+        if so.total_num_scheduled_tokens == len(so.num_scheduled_tokens):  # one token per request
+            total.append(1e6 * sum(spent.values()))
+            for n, v in spent.items():
+                calls.setdefault(n, []).append(1e6 * v)
+    return {"decode_step_us_median": statistics.median(total), "decode_step_us_p99": _pct(total, 0.99),
+            "decode_steps": len(total),
+            "decode_per_call_us_median": {n: statistics.median(v) for n, v in calls.items()}}
 
 
 def direct(reg, num_blocks: int, endpoint: str, chunk: int, requests: int, object_bytes: int, device: str,
@@ -243,6 +281,7 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
         a.add(H.tokens(8, 1000), max_tokens=1)  # connect, register, first kernels: not measured
         a.run(timeout_s=60)
         store = drive(a, prompts, "stores")
+        res.update(decode_steps(a))
     finally:
         a.close()
     b = engine()
@@ -289,6 +328,8 @@ def report(r: dict) -> str:
             f" (direct {r['direct_retrieve_gbps']:.1f} = {100 * r['direct_retrieve_vs_roofline']:.1f}%); per step"
             f" +{r['load_step_us_median']:.0f} us median over {r['load_steps_measured']} steps (scheduler"
             f" {r['load_sched_us_median']:.0f}, worker {r['load_worker_us_median']:.0f}; {calls('load')})\n"
+            f"  decode step (8 requests, nothing moved): +{r['decode_step_us_median']:.0f} us median,"
+            f" {r['decode_step_us_p99']:.0f} p99\n"
             f"  on_new_request (keys of {CHUNKS_PER_STEP * r['chunk_tokens']} tokens, lookup sent) "
             f"{r['load_on_new_request_us_per_request']:.0f} us per request;"
             f" chunks stored {r['stored_chunks']}, loaded {r['loaded_chunks']}, direct {r['direct_store_chunks']}/"
@@ -304,6 +345,9 @@ def main(argv=None) -> int:
     p.add_argument("--staging-bytes", type=int, default=256 << 20,
                    help="the connector's staging ring (its staging_bytes setting; default 256 MiB, its default)")
     p.add_argument("--out", default="", help="write the results as JSON here")
+    p.add_argument("--profile", default="",
+                   help="write a cProfile of the connector's methods (all shapes, both engines) here, as text "
+                        "(the timings above then include the profiler's own cost)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke run of the same steps with shared-memory KV caches (no roofline)")
     args = p.parse_args(argv)
@@ -311,6 +355,8 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
         return 2
     results = []
+    if args.profile:
+        CallTimer.profile = cProfile.Profile()
     with tempfile.TemporaryDirectory() as td:
         wd = Path(td)
         ep = f"ipc://{wd / 'kvdepot.sock'}"
@@ -332,6 +378,12 @@ def main(argv=None) -> int:
             d.wait(30)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.profile:
+        buf = io.StringIO()
+        st = pstats.Stats(CallTimer.profile, stream=buf)
+        for key in ("tottime", "cumulative"):
+            st.sort_stats(key).print_stats(45)
+        Path(args.profile).write_text(buf.getvalue())
     return 0
 
 

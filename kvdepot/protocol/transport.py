@@ -188,6 +188,8 @@ class StreamSocket:
                 new = bytearray(max(len(self._buf), need))
                 new[:have] = self._buf[self._start:self._end]
                 self._buf, self._start, self._end = new, 0, have
+        if block_ms == 0 and not self._poller.poll(0):
+            return  # nothing arrived (one syscall; a recv that fails with EAGAIN costs more in Python)
         view = memoryview(self._buf)[self._end:]
         try:
             n = self._sock.recv_into(view, 0, socket.MSG_DONTWAIT)

@@ -146,17 +146,19 @@ def test_call_sequence_vllm_makes(shared_daemon, cfg, engines):
     worker = [c[1] for c in calls if c[0] == "W"]
     assert worker[:2] == ["get_mem_pool_context", "register_kv_caches"]
     # (every step: vLLM 0.33 starts async loads after the forward, whose attention layers each
-    # call save_kv_layer; a step without scheduled tokens has no forward)
+    # call wait_for_layer_load before and save_kv_layer after; a step without scheduled tokens
+    # has no forward)
     forwards = 0
     for i, name in enumerate(worker):
         if name != "bind_connector_metadata":
             continue
         step = worker[i:worker.index("clear_connector_metadata", i) + 1]
-        layers = [n for n in step if n == "save_kv_layer"]
+        layers = [n for n in step if n in ("wait_for_layer_load", "save_kv_layer")]
+        assert layers == ["wait_for_layer_load", "save_kv_layer"] * (len(layers) // 2), layers
         forwards += bool(layers)
         assert step == ["bind_connector_metadata", *layers, "start_load_kv", "wait_for_save", "get_transfer_results",
                         "get_block_ids_with_load_errors", "clear_connector_metadata"], step
-        assert len(layers) in (0, 4)  # once per forward for each of the toy model's 4 attention layers
+        assert len(layers) in (0, 8)  # each once per forward for each of the toy model's 4 attention layers
     assert forwards >= 2
     sending = [c[2][0] for c in calls if c[1] == "get_transfer_results" and c[2][0]]
     assert [r1] in sending

@@ -315,8 +315,8 @@ class RankWorker:
 
     def _forward(self, so) -> None:
         """The toy forward on this rank's cache, layer by layer as a model runs (each layer
-        writes every scheduled token's KV, then calls the connector's ``save_kv_layer`` as
-        vLLM's attention layers do); rank 0 keeps each request's checksum. On CUDA it reads
+        calls the connector's ``wait_for_layer_load``, writes every scheduled token's KV, then
+        calls ``save_kv_layer``, as vLLM's attention layers do); rank 0 keeps each request's checksum. On CUDA it reads
         and writes on the current stream, as a model's attention would."""
         batch = []
         for req_id, n in so.num_scheduled_tokens.items():
@@ -326,7 +326,8 @@ class RankWorker:
             self._attend(run, req_id, start, hashes, record=self.rank == 0)  # the cached KV the new tokens read
             batch.append((req_id, run, start, start + n, hashes))
         gid = {name: g for g, group in enumerate(self.groups) for name in group.layer_names}
-        for name in self.kv_caches:
+        for name in self.kv_caches:  # vLLM's attention: wait_for_layer_load, the layer, save_kv_layer
+            self.conn.wait_for_layer_load(name)
             for _, run, start, end, hashes in batch:
                 self._write(run, gid[name], name, start, end, hashes)
             self.conn.save_kv_layer(name, self.kv_caches[name], None)
