@@ -289,6 +289,22 @@ def _device_arch() -> str:
     return "90"
 
 
+def kernels_source() -> str:
+    """Where `load_kernels` would take the library from, without loading or building it:
+    ``"env"`` ($KVDEPOT_KERNELS_SO), ``"packaged"`` (built at install), ``"cache"`` (the per-user
+    cache), ``"jit"`` (nvcc is here and may build it on first use), ``"torch"`` (none of those:
+    the torch fallback). What ``kvdepot_build_info{kernels}`` reports."""
+    if os.environ.get(ENV_SO):
+        return "env"
+    if PACKAGED_SO.exists():
+        return "packaged"
+    if (_cache_dir(_device_arch()) / "libkvdepot_kernels.so").exists():
+        return "cache"
+    if os.environ.get(ENV_NO_JIT) != "1" and _build.find_nvcc() is not None:
+        return "jit"
+    return "torch"
+
+
 _loaded: Kernels | None = None
 _load_failed = False
 

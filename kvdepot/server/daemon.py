@@ -31,12 +31,19 @@ from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, RequestError
 from kvdepot.protocol.transport import ipc_path, make_socket, stream_path
 from kvdepot.server.index import ChunkIndex, Entry, EntryState
+from kvdepot.server.http import HttpEndpoints
 from kvdepot.server.metrics import Metrics
 from kvdepot.server.pool import HostPool
 from kvdepot.server.stream import StreamServer
 
 log = logging.getLogger("kvdepot.daemon")
 
+_TICK_S = 1.0  # the event loop notes it is alive this often (/healthz)
+_STALL_S = 10.0  # /healthz fails once the loop has not ticked for this long
+# ErrorCode values only clients make up (never sent, never counted by the daemon)
+_CLIENT_SIDE_CODES = (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED, ErrorCode.UNAVAILABLE)
+# values of kvdepot_store_skipped_chunks_total{reason}
+STORE_SKIP_REASONS = ("parent_missing", "capacity")
 _TRACE = trace.POINTS  # None unless KVDEPOT_TRACE_FILE is set (see kvdepot/trace.py)
 trace_point = trace.point
 
@@ -47,7 +54,7 @@ class DaemonConfig:
 
     endpoints: list[str]  # (--endpoint, repeatable) ipc:// and/or tcp:// addresses
     l1_capacity_bytes: int = 4 << 30  # (--l1-bytes) L1 host pool size
-    metrics_port: int = 0  # (--metrics-port) 0 = no Prometheus endpoint
+    metrics_port: int = 0  # (--metrics-port) /metrics, /healthz, /readyz; 0 = no HTTP endpoint
     metrics_addr: str = "127.0.0.1"  # (--metrics-addr)
     pin_ttl_s: float = 120.0  # (--pin-ttl-s) lookup pins expire after this long
     liveness_interval_s: float = 1.0  # how often dead engines / expired pins are reclaimed
@@ -154,6 +161,14 @@ class Daemon:
         self.stats = {"lookup_requested_tokens": 0, "lookup_hit_tokens": 0, "stored_chunks": 0, "retrieved_chunks": 0}
         self.metrics.tier_capacity_bytes.labels("l1").set(self.pool.capacity_bytes)
         self._bind_tier_gauges()
+        from kvdepot.gpu.kernels import kernels_source
+
+        self.metrics.start(kvdepot.__version__, m.PROTOCOL_VERSION, kernels_source(), tiers=("l1",),
+                           error_codes=[c.name for c in ErrorCode if c not in _CLIENT_SIDE_CODES],
+                           skip_reasons=STORE_SKIP_REASONS)
+        self.http: HttpEndpoints | None = None
+        self.ready = False  # L1 reserved and every socket bound (/readyz)
+        self._loop_tick_s = time.monotonic()  # the event loop's last tick (/healthz)
         self._sock: zmq.Socket | None = None
         self._streams = StreamServer(self._on_stream_frame)
         self._busy_poll_s = max(0, config.busy_poll_us) / 1e6
@@ -185,7 +200,8 @@ class Daemon:
                 except OSError as exc:  # e.g. a path too long for AF_UNIX once suffixed: ZMQ still serves
                     log.warning("no stream socket at %s (%s); clients use ZMQ at %s", path, exc, ep)
         if self.config.metrics_port:
-            self.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
+            self.http = HttpEndpoints(self.metrics.registry, self._healthy, self._ready)
+            self.http.serve(self.config.metrics_port, self.config.metrics_addr)
         pin = self.config.pin_l1
         if pin is None:
             pin = torch.cuda.is_available()
@@ -194,18 +210,24 @@ class Daemon:
         else:
             self.pool.start_prefault()
         sweeper = asyncio.create_task(self._sweep_loop())
+        ticker = asyncio.create_task(self._tick_loop())
         self._schedule_drain()  # messages may have queued before the reader was added
         log.info("kvdepot %s serving on %s (boot %s, L1 %d bytes, transfer engine %s)", kvdepot.__version__,
                  ", ".join(self.config.endpoints), self.boot_id, self.pool.capacity_bytes, CpuTransferEngine.name)
+        self.ready = True
         if on_ready:
             on_ready()
         try:
             await self._stop.wait()
         finally:
+            self.ready = False
             loop.remove_reader(self._sock.getsockopt(zmq.FD))
             self._streams.close()
             sweeper.cancel()
-            await asyncio.gather(sweeper, return_exceptions=True)
+            ticker.cancel()
+            await asyncio.gather(sweeper, ticker, return_exceptions=True)
+            if self.http is not None:
+                self.http.close()
             self._sock.close(0)
             ctx.term()
             self._executor.shutdown(wait=True)
@@ -500,7 +522,9 @@ class Daemon:
         self._reg_seq += 1
         reg_id = reg.id = f"{self.boot_id[:8]}-{self._reg_seq}"
         self.registrations[reg_id] = reg
-        self._models.add(req.model)
+        if req.model not in self._models:
+            self._models.add(req.model)
+            self.metrics.add_model(req.model)
         self.metrics.registered_engines.set(len(self.registrations))
         log.info("registered %s: model %s shard %s pid %d, %d layer groups, %d bytes per chunk", reg_id,
                  req.model, req.shard, req.pid, len(layout.groups), layout.object_bytes)
@@ -838,6 +862,24 @@ class Daemon:
     }
 
     # ------------------------------------------------------------------ liveness
+
+    async def _tick_loop(self) -> None:
+        while True:
+            self._loop_tick_s = time.monotonic()
+            await asyncio.sleep(_TICK_S)
+
+    def _healthy(self) -> tuple[bool, str]:
+        """/healthz (any thread): the event loop ticked within `_STALL_S`."""
+        age_s = time.monotonic() - self._loop_tick_s
+        if age_s > _STALL_S:
+            return False, f"event loop stalled: no tick for {age_s:.1f} s"
+        return True, "ok"
+
+    def _ready(self) -> tuple[bool, str]:
+        """/readyz (any thread): serving (L1 reserved at construction, every socket bound)."""
+        if self.ready:
+            return True, "ready"
+        return False, "stopping" if self._stop.is_set() else "starting: sockets not bound yet"
 
     async def _sweep_loop(self) -> None:
         while True:

@@ -6,7 +6,10 @@ Conventions (prometheus-client): ``kvdepot_`` prefix, base units, counters end i
     rate(kvdepot_lookup_hit_tokens_total[5m]) / rate(kvdepot_lookup_requested_tokens_total[5m])
 
 Labels come from small fixed sets only: ``model`` (registered model names), ``op``
-(store | retrieve), ``tier`` (l1), ``code`` (ErrorCode names). Never request ids or hashes.
+(store | retrieve), ``tier`` (l1), ``code`` (ErrorCode names), ``reason`` (why a store skipped
+chunks). Never request ids or hashes. Every series exists (at 0) from the moment it can: per
+op, tier, code and reason when the daemon starts (`Metrics.start`), per model at the model's
+first registration (`Metrics.add_model`). The HTTP side is `kvdepot.server.http`.
 
 Values are plain Python numbers that the event loop updates, and prometheus-client reads them
 at scrape time through a custom collector (its documented way for values kept elsewhere).
@@ -22,11 +25,12 @@ import bisect
 import math
 from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+OPS = ("store", "retrieve")  # values of the ``op`` label
 _TRANSFER_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -191,9 +195,34 @@ class Metrics:
                                     "early reply.", ["code"])
         self.registered_engines = GaugeFamily("kvdepot_registered_engines", "Live engine registrations.")
         self.registered_engines.set(0)
+        self.build_info = GaugeFamily(
+            "kvdepot_build_info", "Always 1: the daemon's version, wire protocol version and where its CUDA "
+            "kernels come from (see kvdepot.gpu.kernels.kernels_source).", ["version", "protocol", "kernels"])
         self.registry = CollectorRegistry()
         self.registry.register(_Collector([v for v in vars(self).values() if isinstance(v, _Family)]))
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
-        """Expose ``/metrics`` on ``addr:port`` (a daemon thread of prometheus-client)."""
-        start_http_server(port, addr=addr, registry=self.registry)
+    def start(self, version: str, protocol: int, kernels: str, tiers: Sequence[str], error_codes: Sequence[str],
+              skip_reasons: Sequence[str]) -> None:
+        """Create every series that does not depend on a model at zero, so that dashboards and
+        alerts see 0 rather than "no data" before the first event: per op, per tier, per error
+        code and per store-skip reason; and ``kvdepot_build_info``."""
+        self.build_info.labels(version, str(protocol), kernels).set(1)
+        for op in OPS:
+            self.transfer_seconds.labels(op)
+        for tier in tiers:
+            self.evictions.labels(tier)
+            self.tier_used_bytes.labels(tier)
+            self.tier_capacity_bytes.labels(tier)
+            self.tier_objects.labels(tier)
+        for code in error_codes:
+            self.errors.labels(code)
+        for reason in skip_reasons:
+            self.store_skipped_chunks.labels(reason)
+
+    def add_model(self, model: str) -> None:
+        """Create a model's series at zero (at its first registration)."""
+        for fam in (self.lookups, self.lookup_requested_tokens, self.lookup_hit_tokens):
+            fam.labels(model)
+        for op in OPS:
+            self.tokens.labels(model, op)
+            self.bytes.labels(model, op)

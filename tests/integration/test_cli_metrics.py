@@ -134,7 +134,9 @@ def test_prometheus_lookup_tokens_per_model(module_daemon):
     assert metric(samples, "kvdepot_tier_capacity_bytes", tier="l1") == 256 << 20
     assert ("kvdepot_registered_engines", frozenset()) in samples
     for (name, labels) in samples:  # labels from small fixed sets only
-        assert set(dict(labels)) <= {"model", "op", "tier", "code", "reason", "le"}, (name, labels)
+        allowed = {"version", "protocol", "kernels"} if name == "kvdepot_build_info" else \
+            {"model", "op", "tier", "code", "reason", "le"}
+        assert set(dict(labels)) <= allowed, (name, labels)
 
 
 def test_prometheus_counts_errors_by_code(module_daemon):
