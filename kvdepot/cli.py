@@ -5,6 +5,7 @@ Settings: flag > environment > default. Environment variables (each declared onc
 * ``KVDEPOT_ENDPOINT``  daemon address for every subcommand (default ``ipc://<tmp>/kvdepot-<uid>.sock``)
 * ``KVDEPOT_L1_BYTES``  `serve --l1-bytes`
 * ``KVDEPOT_METRICS_PORT``  `serve --metrics-port`
+* ``KVDEPOT_METRICS_ADDR``  `serve --metrics-addr`
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 
 ENV_L1_BYTES = "KVDEPOT_L1_BYTES"
 ENV_METRICS_PORT = "KVDEPOT_METRICS_PORT"
+ENV_METRICS_ADDR = "KVDEPOT_METRICS_ADDR"
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -158,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--l1-bytes", type=parse_bytes, default=parse_bytes(os.environ.get(ENV_L1_BYTES, "4g")),
                    help="L1 host memory pool size, e.g. 64g (env KVDEPOT_L1_BYTES; default 4g)")
     s.add_argument("--metrics-port", type=int, default=int(os.environ.get(ENV_METRICS_PORT, "0")),
-                   help="Prometheus /metrics port, 0 = off (env KVDEPOT_METRICS_PORT)")
-    s.add_argument("--metrics-addr", default="127.0.0.1", help="address the metrics endpoint binds")
+                   help="HTTP port of /metrics, /healthz and /readyz; 0 = off (env KVDEPOT_METRICS_PORT)")
+    s.add_argument("--metrics-addr", default=os.environ.get(ENV_METRICS_ADDR, "127.0.0.1"),
+                   help="address the HTTP endpoint binds (env KVDEPOT_METRICS_ADDR; default 127.0.0.1)")
     s.add_argument("--pin-ttl-s", type=float, default=120.0, help="lookup pins expire after this many seconds")
     s.add_argument("--transfer-threads", type=int, default=2, help="copy worker threads (CPU engines)")
     s.add_argument("--staging-batch-bytes", type=parse_bytes, default=64 << 20,
