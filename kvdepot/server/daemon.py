@@ -166,6 +166,8 @@ class Daemon:
         self.metrics.start(kvdepot.__version__, m.PROTOCOL_VERSION, kernels_source(), tiers=("l1",),
                            error_codes=[c.name for c in ErrorCode if c not in _CLIENT_SIDE_CODES],
                            skip_reasons=STORE_SKIP_REASONS)
+        # kvdepot_requests_total{type}: one cell per request type served, at 0 from the start
+        self._request_cells = {t: self.metrics.requests.labels(t.__name__.lower()) for t in self._handlers}
         self.http: HttpEndpoints | None = None
         self.ready = False  # L1 reserved and every socket bound (/readyz)
         self._loop_tick_s = time.monotonic()  # the event loop's last tick (/healthz)
@@ -301,6 +303,7 @@ class Daemon:
         if handler is None:  # a request type this daemon build does not serve
             self._reply_error(identity, req.rid, RequestError(ErrorCode.UNSUPPORTED, type(req).__name__))
             return
+        self._request_cells[type(req)].value += 1
         trace_point(req.rid, "start")
         try:
             reply = handler(self, identity, req)

@@ -7,7 +7,7 @@ Conventions (prometheus-client): ``kvdepot_`` prefix, base units, counters end i
 
 Labels come from small fixed sets only: ``model`` (registered model names), ``op``
 (store | retrieve), ``tier`` (l1), ``code`` (ErrorCode names), ``reason`` (why a store skipped
-chunks). Never request ids or hashes. Every series exists (at 0) from the moment it can: per
+chunks), ``type`` (request message types). Never request ids or hashes. Every series exists (at 0) from the moment it can: per
 op, tier, code and reason when the daemon starts (`Metrics.start`), per model at the model's
 first registration (`Metrics.add_model`). The HTTP side is `kvdepot.server.http`.
 
@@ -191,6 +191,9 @@ class Metrics:
         self.store_skipped_chunks = CounterFamily(
             "kvdepot_store_skipped_chunks", "Chunks a store could not keep (parent missing or tier full).",
             ["reason"])
+        self.requests = CounterFamily("kvdepot_requests", "Requests received, by message type (lookup, store, "
+                                      "retrieve, register, ...); undecodable ones count as MALFORMED errors only.",
+                                      ["type"])
         self.errors = CounterFamily("kvdepot_errors", "Error replies sent, and store copies that failed after an "
                                     "early reply.", ["code"])
         self.registered_engines = GaugeFamily("kvdepot_registered_engines", "Live engine registrations.")

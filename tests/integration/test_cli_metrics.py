@@ -135,7 +135,7 @@ def test_prometheus_lookup_tokens_per_model(module_daemon):
     assert ("kvdepot_registered_engines", frozenset()) in samples
     for (name, labels) in samples:  # labels from small fixed sets only
         allowed = {"version", "protocol", "kernels"} if name == "kvdepot_build_info" else \
-            {"model", "op", "tier", "code", "reason", "le"}
+            {"model", "op", "tier", "code", "reason", "type", "le"}
         assert set(dict(labels)) <= allowed, (name, labels)
 
 

@@ -50,6 +50,8 @@ def test_fresh_daemon_has_every_series_at_zero(daemon):
     for reason in STORE_SKIP_REASONS:
         assert s[("kvdepot_store_skipped_chunks_total", frozenset({("reason", reason)}))] == 0
     assert s[("kvdepot_registered_engines", frozenset())] == 0
+    for t in ("lookup", "store", "retrieve", "register", "unregister", "endrequest", "flush", "describe"):
+        assert ("kvdepot_requests_total", frozenset({("type", t)})) in s, t
     info = [dict(lb) for n, lb in s if n == "kvdepot_build_info"]
     assert len(info) == 1 and s[("kvdepot_build_info", frozenset(info[0].items()))] == 1
     assert info[0]["version"] == kvdepot.__version__ and info[0]["protocol"] == str(m.PROTOCOL_VERSION)
@@ -58,7 +60,7 @@ def test_fresh_daemon_has_every_series_at_zero(daemon):
 
 def test_model_series_exist_from_registration(daemon):
     spec = ke.EngineSpec(daemon.endpoint, ke.SMOLLM2, "LBNHC", (16,), (8,), 16, 5200, model_id="http-m1")
-    with ke.Engine(spec):
+    with ke.Engine(spec) as e:
         s = scrape(daemon.metrics_port)
         for name in ("kvdepot_lookups_total", "kvdepot_lookup_requested_tokens_total",
                      "kvdepot_lookup_hit_tokens_total"):
@@ -67,6 +69,9 @@ def test_model_series_exist_from_registration(daemon):
             for name in ("kvdepot_transferred_tokens_total", "kvdepot_transferred_bytes_total"):
                 assert s[(name, frozenset({("model", "http-m1"), ("op", op)}))] == 0, (name, op)
         assert s[("kvdepot_registered_engines", frozenset())] == 1
+        before = s[("kvdepot_requests_total", frozenset({("type", "ping")}))]
+        e.client.ping()
+        assert scrape(daemon.metrics_port)[("kvdepot_requests_total", frozenset({("type", "ping")}))] == before + 1
     # the engine is gone; its model's series stay (counters never vanish while the daemon runs)
     assert ("kvdepot_lookups_total", frozenset({("model", "http-m1")})) in scrape(daemon.metrics_port)
 

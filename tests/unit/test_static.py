@@ -9,7 +9,8 @@ pyflakes_api = pytest.importorskip("pyflakes.api")
 from pyflakes.reporter import Reporter  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CHECKED = [ROOT / "kvdepot", ROOT / "benchmarks", ROOT / "tests" / "gpu"]
+CHECKED = [ROOT / "kvdepot", ROOT / "benchmarks", ROOT / "tests" / "gpu", ROOT / "tests" / "deploy",
+           ROOT / "tests" / "packaging", ROOT / "setup.py"]
 
 
 class _Collect(Reporter):
@@ -31,6 +32,6 @@ class _Collect(Reporter):
 
 def test_no_undefined_names_or_syntax_errors_in_the_package():
     rep = _Collect()
-    for path in sorted(p for d in CHECKED for p in d.rglob("*.py")):
+    for path in sorted(p for d in CHECKED for p in ([d] if d.is_file() else d.rglob("*.py"))):
         pyflakes_api.checkPath(str(path), rep)
     assert not rep.problems, "\n".join(rep.problems)
