@@ -28,7 +28,7 @@ from kvdepot.gpu.cuda_engine import CudaTransferEngine
 from kvdepot.gpu.layout import group_layers
 from kvdepot.protocol.messages import KVGroupSpec, LayerSpec
 
-# (name, layers, kv heads per TP rank, head_dim) from shared/data/model_kv_shapes.json
+# (name, layers, kv heads per TP rank, head_dim) from tests/data/model_kv_shapes.json
 SHAPES = [
     ("Llama-3.1-8B TP1", 32, 8, 128),
     ("Llama-3.1-70B TP4", 80, 2, 128),

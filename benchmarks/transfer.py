@@ -80,7 +80,7 @@ def say(*args) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """One model shard's KV cache (from shared/data/model_kv_shapes.json)."""
+    """One model shard's KV cache (from tests/data/model_kv_shapes.json)."""
 
     name: str
     groups: tuple[KVGroupShape, ...]

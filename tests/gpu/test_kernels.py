@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 CHUNK = 64
 
-# (name, groups, layouts): real shapes from shared/data/model_kv_shapes.json (layer counts cut
+# (name, groups, layouts): real shapes from tests/data/model_kv_shapes.json (layer counts cut
 # down so every case stays small), dtypes as the models use them.
 CASES = [
     ("llama8b-bf16", [KVGroupShape(0, 4, 8, 128, 16, torch.bfloat16)], "dense"),
