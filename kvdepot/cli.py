@@ -1,35 +1,16 @@
-"""``kvdepot serve | describe | flush | ping | demo`` (subcommands import lazily).
+"""``kvdepot serve | describe | flush | ping | build-kernels | demo`` (subcommands import lazily).
 
-Settings: flag > environment > default. Environment variables (each declared once here):
-
-* ``KVDEPOT_ENDPOINT``  daemon address for every subcommand (default ``ipc://<tmp>/kvdepot-<uid>.sock``)
-* ``KVDEPOT_L1_BYTES``  `serve --l1-bytes`
-* ``KVDEPOT_METRICS_PORT``  `serve --metrics-port`
-* ``KVDEPOT_METRICS_ADDR``  `serve --metrics-addr`
+The daemon's settings (flags, environment variables, configuration file) are declared once in
+`kvdepot.config`. Every client subcommand takes ``--endpoint`` (default ``$KVDEPOT_ENDPOINT``,
+else ``ipc://<tmp>/kvdepot-<uid>.sock``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-ENV_L1_BYTES = "KVDEPOT_L1_BYTES"
-ENV_METRICS_PORT = "KVDEPOT_METRICS_PORT"
-ENV_METRICS_ADDR = "KVDEPOT_METRICS_ADDR"
-
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """``"512m"``, ``"4GiB"``, ``"1073741824"`` -> bytes (binary units)."""
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    unit = t[-1] if t and t[-1] in _UNITS else ""
-    try:
-        return int(float(t[: len(t) - len(unit)]) * _UNITS[unit])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512m, 4g)") from None
-
+from kvdepot.config import add_arguments as add_serve_arguments
 
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -48,15 +29,20 @@ def _endpoint(args) -> str:
 def cmd_serve(args) -> int:
     import logging
 
+    from kvdepot.config import resolve
     from kvdepot.server.daemon import DaemonConfig, run_daemon
 
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+    st = resolve(args)
+    if args.print_config:
+        print(st.to_toml(), end="")
+        return 0
+    v = st.values
+    logging.basicConfig(level=getattr(logging, v["log_level"].upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    endpoints = args.endpoint_list or [_endpoint(args)]
     cfg = DaemonConfig(
-        endpoints=endpoints, l1_capacity_bytes=args.l1_bytes, metrics_port=args.metrics_port,
-        metrics_addr=args.metrics_addr, pin_ttl_s=args.pin_ttl_s, transfer_threads=args.transfer_threads,
-        staging_batch_bytes=args.staging_batch_bytes, pin_l1=args.pin_l1, busy_poll_us=args.busy_poll_us)
+        endpoints=v["endpoint"], l1_capacity_bytes=v["l1_bytes"], metrics_port=v["metrics_port"],
+        metrics_addr=v["metrics_addr"], pin_ttl_s=v["pin_ttl_s"], transfer_threads=v["transfer_threads"],
+        staging_batch_bytes=v["staging_batch_bytes"], pin_l1=v["pin_l1"], busy_poll_us=v["busy_poll_us"])
     run_daemon(cfg)
     return 0
 
@@ -153,27 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="daemon address, ipc://PATH or tcp://127.0.0.1:PORT (env KVDEPOT_ENDPOINT)")
         sp.add_argument("--timeout-s", type=float, default=10.0, help="reply timeout in seconds")
 
-    s = sub.add_parser("serve", help="run the daemon")
-    s.add_argument("--endpoint", dest="endpoint_list", action="append", default=None,
-                   help="address to bind; repeat for several (ipc:// and tcp://127.0.0.1:PORT)")
+    s = sub.add_parser("serve", help="run the daemon (settings: flag > environment > --config file > default)")
     s.set_defaults(endpoint=None)
-    s.add_argument("--l1-bytes", type=parse_bytes, default=parse_bytes(os.environ.get(ENV_L1_BYTES, "4g")),
-                   help="L1 host memory pool size, e.g. 64g (env KVDEPOT_L1_BYTES; default 4g)")
-    s.add_argument("--metrics-port", type=int, default=int(os.environ.get(ENV_METRICS_PORT, "0")),
-                   help="HTTP port of /metrics, /healthz and /readyz; 0 = off (env KVDEPOT_METRICS_PORT)")
-    s.add_argument("--metrics-addr", default=os.environ.get(ENV_METRICS_ADDR, "127.0.0.1"),
-                   help="address the HTTP endpoint binds (env KVDEPOT_METRICS_ADDR; default 127.0.0.1)")
-    s.add_argument("--pin-ttl-s", type=float, default=120.0, help="lookup pins expire after this many seconds")
-    s.add_argument("--transfer-threads", type=int, default=2, help="copy worker threads (CPU engines)")
-    s.add_argument("--staging-batch-bytes", type=parse_bytes, default=64 << 20,
-                   help="GPU staging bytes per slot, 2 slots per direction per GPU (CUDA engines; default 64m)")
-    s.add_argument("--pin-l1", dest="pin_l1", action="store_true", default=None,
-                   help="page-lock L1 for DMA (default: when a GPU is visible)")
-    s.add_argument("--no-pin-l1", dest="pin_l1", action="store_false")
-    s.add_argument("--busy-poll-us", type=int, default=2000,
-                   help="after each request or reply, poll without sleeping for this many microseconds "
-                        "(one core busy while requests flow; lower latency); 0 = sleep at once (default 2000)")
-    s.add_argument("--log-level", default="info")
+    add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("describe", help="show engines, layer groups, memory and hit rates of a running daemon")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdepot import cli
+from kvdepot import config
 from kvdepot.gpu import kernels
 from kvdepot.gpu.build import INSTALL_ARCHS
 
@@ -55,12 +55,12 @@ def test_stages_user_entrypoint_healthcheck():
     assert len(health) == 1 and 'CMD ["kvdepot", "ping"' in health[0]
     assert ("VOLUME", '["/run/kvdepot"]') in runtime
     env = " ".join(a for i, a in runtime if i == "ENV")
-    port = re.search(rf"{cli.ENV_METRICS_PORT}=(\d+)", env).group(1)
+    port = re.search(r"KVDEPOT_METRICS_PORT=(\d+)", env).group(1)
     assert ("EXPOSE", port) in runtime
     assert "KVDEPOT_ENDPOINT=ipc:///run/kvdepot/" in env
     assert f"{kernels.ENV_NO_JIT}=1" in env  # the image ships the library; no nvcc at run time
     # every KVDEPOT_ variable the image sets is one kvdepot reads
-    known = {cli.ENV_METRICS_PORT, cli.ENV_METRICS_ADDR, cli.ENV_L1_BYTES, "KVDEPOT_ENDPOINT", kernels.ENV_NO_JIT}
+    known = {*config.env_vars(), kernels.ENV_NO_JIT}
     assert set(re.findall(r"(KVDEPOT_[A-Z_]+)=", env)) <= known
 
 

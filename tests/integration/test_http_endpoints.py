@@ -142,3 +142,38 @@ def _no_leaked_threads():
     yield
     time.sleep(0.05)
     assert not {th.name for th in threading.enumerate() if th.name == "kvdepot-http"} - before
+
+
+def test_serve_takes_its_settings_from_a_config_file(tmp_path):
+    """`kvdepot serve --config FILE`: the endpoint, the HTTP port and L1's size come from it."""
+    import subprocess
+    import sys
+
+    from conftest import free_port
+    from daemon_proc import stop_daemon
+
+    from kvdepot.client import KVDepotClient
+
+    port = free_port()
+    ep = f"ipc://{tmp_path}/from-file.sock"
+    cfg = tmp_path / "kvdepot.toml"
+    cfg.write_text(f'endpoint = "{ep}"\nmetrics_port = {port}\nl1_bytes = "32m"\nlog_level = "warning"\n')
+    log = tmp_path / "daemon.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvdepot", "serve", "--config", str(cfg)],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if get(port, "/readyz")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        with KVDepotClient(ep) as c:
+            assert c.describe().tiers[0].capacity_bytes == 32 << 20
+    finally:
+        stop_daemon(proc, log.read_text)

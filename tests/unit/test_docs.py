@@ -61,3 +61,12 @@ def test_readme_test_command_is_what_ci_runs():
     block = re.search(r"```bash\n(.*?)```", readme, re.S).group(1).strip().splitlines()
     assert len(block) == 2 and "kvdepot demo" in block[0] and "pytest" in block[1]
     assert block[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_every_setting_is_documented():
+    from kvdepot.config import SETTINGS, env_vars
+
+    readme = (ROOT / "README.md").read_text()
+    missing = [s.key for s in SETTINGS if f"| `{s.key}` |" not in readme]
+    missing += [e for e in env_vars() if f"`{e}" not in readme]
+    assert not missing, f"settings missing from README.md: {missing}"

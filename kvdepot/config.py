@@ -1,0 +1,258 @@
+"""Settings of ``kvdepot serve``: each declared once here, with its flag, environment variable,
+configuration-file key, default and meaning; the CLI's flags, ``--print-config`` and the
+README's table come from this list.
+
+Precedence, per setting: command-line flag > environment variable > configuration file
+(``--config FILE`` or ``$KVDEPOT_CONFIG``; TOML, read with the standard library's `tomllib`,
+keys as in `SETTINGS`) > default. An unknown key or a value of the wrong type in the file is an
+error that names the key, never ignored.
+
+Example ``kvdepot.toml``::
+
+    endpoint = ["ipc:///run/kvdepot/kvdepot.sock"]
+    l1_bytes = "64g"
+    metrics_port = 9400
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+ENV_CONFIG = "KVDEPOT_CONFIG"
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+class ConfigError(ValueError):
+    """A setting's value cannot be used (names the setting and where the value came from)."""
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"512m"``, ``"4GiB"``, ``"1073741824"`` or an int -> bytes (binary units).
+
+    Raises:
+        ValueError: not a size.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    if not isinstance(text, str):
+        raise ValueError(f"not a size: {text!r} (e.g. 512m, 4g)")
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1] if t and t[-1] in _UNITS else ""
+    try:
+        return int(float(t[: len(t) - len(unit)]) * _UNITS[unit])
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (e.g. 512m, 4g)") from None
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise ValueError(f"not an integer: {v!r}")
+    return int(v)
+
+
+def _float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ValueError(f"not a number: {v!r}")
+    return float(v)
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"not a string: {v!r}")
+    return v
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return v.lower() in ("1", "true", "yes", "on")
+    raise ValueError(f"not a boolean: {v!r}")
+
+
+def _endpoints(v: Any) -> list[str]:
+    items = v.split(",") if isinstance(v, str) else v
+    if not isinstance(items, list) or not items or not all(isinstance(x, str) and x.strip() for x in items):
+        raise ValueError(f"not an endpoint or a list of endpoints: {v!r}")
+    return [x.strip() for x in items]
+
+
+def _log_level(v: Any) -> str:
+    level = _str(v).lower()
+    if level not in ("debug", "info", "warning", "error"):
+        raise ValueError(f"not a log level (debug, info, warning, error): {v!r}")
+    return level
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One setting of ``kvdepot serve``.
+
+    Attributes:
+        key: its name in the configuration file (and in `Settings.values`).
+        flag: its command-line flag.
+        parse: turns a flag / environment string or a TOML value into the value; raises ValueError.
+        default: the value when nothing sets it (None: decided at run time, see ``help``).
+        help: what it means, with its unit.
+        env: its environment variable, if it has one.
+        metavar: the flag's argument in ``--help``; "" for an on/off flag (``--x`` / ``--no-x``).
+    """
+
+    key: str
+    flag: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    env: str = ""
+    metavar: str = "VALUE"
+
+
+def _default_endpoint() -> list[str]:
+    from kvdepot.protocol.transport import default_endpoint
+
+    return [default_endpoint()]
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("endpoint", "--endpoint", _endpoints, None,
+            "addresses to bind: ipc:///path.sock (same host; a Unix stream socket is also made at path.sock.stream) "
+            "and/or tcp://HOST:PORT; the flag may repeat, the variable and the file take a comma-separated string or "
+            "a list (default ipc://$TMPDIR/kvdepot-$UID.sock)", env="KVDEPOT_ENDPOINT", metavar="ADDR"),
+    Setting("l1_bytes", "--l1-bytes", parse_bytes, 4 << 30,
+            "pinned host memory for cached KV (L1), e.g. 512m, 64g", env="KVDEPOT_L1_BYTES", metavar="BYTES"),
+    Setting("metrics_port", "--metrics-port", _int, 0,
+            "HTTP port of /metrics, /healthz and /readyz; 0 = no HTTP endpoint", env="KVDEPOT_METRICS_PORT",
+            metavar="PORT"),
+    Setting("metrics_addr", "--metrics-addr", _str, "127.0.0.1",
+            "address the HTTP endpoint binds (0.0.0.0 in a container)", env="KVDEPOT_METRICS_ADDR", metavar="ADDR"),
+    Setting("pin_ttl_s", "--pin-ttl-s", _float, 120.0,
+            "seconds after which a lookup's pins on its hit chunks expire", metavar="SECONDS"),
+    Setting("pin_l1", "--pin-l1", _bool, None,
+            "page-lock L1 for DMA at full speed (needs a memlock limit >= l1_bytes); default: when a GPU is visible",
+            env="KVDEPOT_PIN_L1", metavar=""),
+    Setting("transfer_threads", "--transfer-threads", _int, 2, "copy threads for CPU engines", metavar="N"),
+    Setting("staging_batch_bytes", "--staging-batch-bytes", parse_bytes, 64 << 20,
+            "daemon-side GPU staging per slot, 2 slots per direction per GPU (for engines that do not stage "
+            "themselves)", metavar="BYTES"),
+    Setting("busy_poll_us", "--busy-poll-us", _int, 2000,
+            "after each request or reply, poll without sleeping this many microseconds (one core busy while "
+            "requests flow; lower latency); 0 = sleep at once", metavar="US"),
+    Setting("log_level", "--log-level", _log_level, "info", "debug, info, warning or error",
+            env="KVDEPOT_LOG_LEVEL", metavar="LEVEL"),
+)
+BY_KEY = {s.key: s for s in SETTINGS}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The settings' flags (every default None: `resolve` tells a given flag from an absent one),
+    plus ``--config`` and ``--print-config``."""
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help=f"TOML file of settings (keys as the flags without '--', '-' as '_'; env {ENV_CONFIG})")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the effective settings and where each comes from, then exit")
+    for s in SETTINGS:
+        where = f" (env {s.env})" if s.env else ""
+        default = "" if s.default is None else f"; default {s.default}"
+        if s.metavar == "":
+            parser.add_argument(s.flag, dest=s.key, action="store_true", default=None, help=s.help + where)
+            parser.add_argument("--no-" + s.flag[2:], dest=s.key, action="store_false", default=None)
+        elif s.key == "endpoint":
+            parser.add_argument(s.flag, dest="endpoint_list", action="append", default=None, metavar=s.metavar,
+                                help=s.help + where)
+        else:
+            parser.add_argument(s.flag, dest=s.key, default=None, metavar=s.metavar, help=s.help + where + default)
+
+
+@dataclasses.dataclass
+class Settings:
+    """The effective settings: ``values[key]`` and ``sources[key]`` (``"flag --x"``,
+    ``"env KVDEPOT_X"``, ``"file PATH"`` or ``"default"``)."""
+
+    values: dict[str, Any]
+    sources: dict[str, str]
+
+    def to_toml(self) -> str:
+        """The settings as a configuration file, each line commented with its source."""
+        lines = []
+        for s in SETTINGS:
+            v = self.values[s.key]
+            if v is None:
+                lines.append(f"# {s.key} (not set: {s.help.split('; default: ')[-1]})")
+                continue
+            lines.append(f"{s.key} = {_toml_value(v)}  # {self.sources[s.key]}")
+        return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def load_file(path: str) -> dict[str, Any]:
+    """The settings of a TOML file.
+
+    Raises:
+        ConfigError: unreadable, not TOML, or a key that is no setting.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the configuration file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - set(BY_KEY))
+    if unknown:
+        raise ConfigError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(BY_KEY)}")
+    return data
+
+
+def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Settings:
+    """Each setting from its flag, else its environment variable, else the configuration file,
+    else its default; every value parsed and checked.
+
+    Raises:
+        ConfigError: a value that does not parse (naming the setting and its source), or a bad file.
+    """
+    environ = os.environ if environ is None else environ
+    path = getattr(args, "config", None) or environ.get(ENV_CONFIG) or ""
+    file = load_file(path) if path else {}
+    values, sources = {}, {}
+    for s in SETTINGS:
+        given = getattr(args, "endpoint_list" if s.key == "endpoint" else s.key, None)
+        if given is not None:
+            raw, src = given, f"flag {s.flag if given is not False else '--no-' + s.flag[2:]}"
+        elif s.env and environ.get(s.env, "") != "":
+            raw, src = environ[s.env], f"env {s.env}"
+        elif s.key in file:
+            raw, src = file[s.key], f"file {path}"
+        else:
+            values[s.key] = _default_endpoint() if s.key == "endpoint" else s.default
+            sources[s.key] = "default"
+            continue
+        try:
+            values[s.key] = s.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{s.key} ({src}): {exc}") from None
+        sources[s.key] = src
+    return Settings(values, sources)
+
+
+def env_vars() -> Sequence[str]:
+    """Every environment variable `resolve` reads."""
+    return [ENV_CONFIG, *(s.env for s in SETTINGS if s.env)]
