@@ -31,6 +31,7 @@ def cmd_serve(args) -> int:
 
     from kvdepot.config import resolve
     from kvdepot.server.daemon import DaemonConfig, run_daemon
+    from kvdepot.server.netsec import CurveConfig
 
     st = resolve(args)
     if args.print_config:
@@ -39,10 +40,14 @@ def cmd_serve(args) -> int:
     v = st.values
     logging.basicConfig(level=getattr(logging, v["log_level"].upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if bool(v["curve_secret_key"]) != bool(v["curve_clients"]):
+        raise ValueError("CURVE needs both --curve-secret-key and --curve-clients (or neither)")
+    curve = CurveConfig(v["curve_secret_key"], v["curve_clients"]) if v["curve_secret_key"] else None
     cfg = DaemonConfig(
         endpoints=v["endpoint"], l1_capacity_bytes=v["l1_bytes"], metrics_port=v["metrics_port"],
         metrics_addr=v["metrics_addr"], pin_ttl_s=v["pin_ttl_s"], transfer_threads=v["transfer_threads"],
-        staging_batch_bytes=v["staging_batch_bytes"], pin_l1=v["pin_l1"], busy_poll_us=v["busy_poll_us"])
+        staging_batch_bytes=v["staging_batch_bytes"], pin_l1=v["pin_l1"], busy_poll_us=v["busy_poll_us"],
+        curve=curve)
     run_daemon(cfg)
     return 0
 
@@ -124,6 +129,16 @@ def cmd_build_kernels(args) -> int:
     return 0
 
 
+def cmd_keygen(args) -> int:
+    from kvdepot.server.netsec import keygen
+
+    public, secret = keygen(args.dir, args.name)
+    print(f"public key {public} (hand it out)\nsecret key {secret} (mode 0600; keep it)\n"
+          "daemon: --curve-secret-key <its .key_secret> --curve-clients <a directory of its clients' .key files>\n"
+          "client: KVDEPOT_CURVE_SERVER_KEY=<the daemon's .key> KVDEPOT_CURVE_CLIENT_KEY=<its own .key_secret>")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from kvdepot.demo.run import main as demo_main
 
@@ -164,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--arch", default="90", help="compute capability without the dot (90 = H100/H200)")
     bk.add_argument("--out", default=None, help="output .so (default: the per-user kernel cache)")
     bk.set_defaults(func=cmd_build_kernels)
+
+    kg = sub.add_parser("keygen", help="write a CURVE key pair for tcp:// endpoints (a daemon's or a client's)")
+    kg.add_argument("--dir", default=".", help="where to write NAME.key and NAME.key_secret (default .)")
+    kg.add_argument("--name", default="kvdepot", help="file name stem, e.g. server or the client's host name")
+    kg.set_defaults(func=cmd_keygen)
 
     dm = sub.add_parser("demo", help="two engine processes share a real model's prompt KV through the daemon")
     common(dm)

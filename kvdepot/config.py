@@ -149,6 +149,13 @@ SETTINGS: tuple[Setting, ...] = (
             "requests flow; lower latency); 0 = sleep at once", metavar="US"),
     Setting("log_level", "--log-level", _log_level, "info", "debug, info, warning or error",
             env="KVDEPOT_LOG_LEVEL", metavar="LEVEL"),
+    Setting("curve_secret_key", "--curve-secret-key", _str, None,
+            "the daemon's CURVE secret key file (NAME.key_secret of `kvdepot keygen`): tcp:// endpoints then "
+            "accept only clients whose public key is in curve_clients; without it a tcp:// endpoint must be "
+            "a loopback address", env="KVDEPOT_CURVE_SECRET_KEY", metavar="FILE"),
+    Setting("curve_clients", "--curve-clients", _str, None,
+            "directory of the public key files (*.key) of the clients tcp:// endpoints accept",
+            env="KVDEPOT_CURVE_CLIENTS", metavar="DIR"),
 )
 BY_KEY = {s.key: s for s in SETTINGS}
 
@@ -187,7 +194,7 @@ class Settings:
         for s in SETTINGS:
             v = self.values[s.key]
             if v is None:
-                lines.append(f"# {s.key} (not set: {s.help.split('; default: ')[-1]})")
+                lines.append(f"# {s.key} = (not set)")
                 continue
             lines.append(f"{s.key} = {_toml_value(v)}  # {self.sources[s.key]}")
         return "\n".join(lines) + "\n"

@@ -23,6 +23,7 @@ class ErrorCode(enum.IntEnum):
     UNSUPPORTED = 10  # a valid request this daemon build cannot serve (e.g. CUDA IPC without CUDA)
     DISCONNECTED = 11  # client side only: the daemon closed the connection (it stopped or restarted)
     UNAVAILABLE = 12  # client side only: no daemon listens at the endpoint (connection refused, no socket file)
+    FORBIDDEN = 13  # not allowed over this transport (e.g. shared-memory registration or flush over tcp://)
 
 
 class KVDepotError(Exception):

@@ -50,11 +50,12 @@ def ipc_path(endpoint: str) -> str | None:
 
 
 def make_socket(ctx: zmq.Context, socket_type: int, endpoints: list[str] | str, bind: bool,
-                identity: bytes | None = None) -> zmq.Socket:
+                identity: bytes | None = None, options: dict[int, object] | None = None) -> zmq.Socket:
     """Create a socket with kvdepot's options and bind or connect it.
 
     ``identity`` (DEALER): a fixed routing id, so a client that rebuilds its socket after a
     timeout keeps its pins and liveness record in the daemon (the ROUTER hands the id over).
+    ``options``: more socket options, set before binding / connecting (e.g. CURVE keys).
 
     Binding an ``ipc://`` endpoint creates the socket file with mode 0600 (umask 0o177 while
     binding) and replaces a stale file left by a dead daemon.
@@ -75,6 +76,8 @@ def make_socket(ctx: zmq.Context, socket_type: int, endpoints: list[str] | str, 
     if identity is not None:
         sock.setsockopt(zmq.ROUTING_ID, identity)
     try:
+        for opt, value in (options or {}).items():
+            sock.setsockopt(opt, value)
         for ep in endpoints:
             if not ep.startswith(("ipc://", "tcp://")):
                 raise ValueError(f"endpoint {ep!r}: use ipc://PATH or tcp://HOST:PORT (--endpoint)")
@@ -294,4 +297,35 @@ def connect_socket(ctx: zmq.Context, endpoint: str, identity: bytes) -> zmq.Sock
                                                           "is `kvdepot serve` running?") from None
         except OSError:
             pass  # no stream socket there (an older daemon): ZMQ
-    return make_socket(ctx, zmq.DEALER, endpoint, bind=False, identity=identity)
+    options = curve_client_options() if endpoint.startswith("tcp://") else None
+    return make_socket(ctx, zmq.DEALER, endpoint, bind=False, identity=identity, options=options)
+
+
+ENV_CURVE_SERVER_KEY = "KVDEPOT_CURVE_SERVER_KEY"  # a client's: the daemon's public key file
+ENV_CURVE_CLIENT_KEY = "KVDEPOT_CURVE_CLIENT_KEY"  # a client's: its own secret key file
+
+
+def curve_client_options() -> dict[int, bytes]:
+    """Socket options of a client towards a ``tcp://`` endpoint: ZeroMQ CURVE when
+    ``$KVDEPOT_CURVE_SERVER_KEY`` and ``$KVDEPOT_CURVE_CLIENT_KEY`` name key files (``kvdepot
+    keygen`` writes them), else none (then only a loopback daemon without CURVE answers).
+
+    Raises:
+        ValueError: only one of the two is set, or a file cannot be read / has no key.
+    """
+    import zmq.auth
+
+    server, client = os.environ.get(ENV_CURVE_SERVER_KEY, ""), os.environ.get(ENV_CURVE_CLIENT_KEY, "")
+    if not server and not client:
+        return {}
+    if not (server and client):
+        raise ValueError(f"set both {ENV_CURVE_SERVER_KEY} (the daemon's public key file) and "
+                         f"{ENV_CURVE_CLIENT_KEY} (this client's secret key file), or neither")
+    try:
+        server_public, _ = zmq.auth.load_certificate(server)
+        public, secret = zmq.auth.load_certificate(client)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"CURVE key files ({ENV_CURVE_SERVER_KEY}, {ENV_CURVE_CLIENT_KEY}): {exc}") from None
+    if secret is None:
+        raise ValueError(f"{ENV_CURVE_CLIENT_KEY}={client} holds no secret key (give the .key_secret file)")
+    return {zmq.CURVE_SERVERKEY: server_public, zmq.CURVE_PUBLICKEY: public, zmq.CURVE_SECRETKEY: secret}

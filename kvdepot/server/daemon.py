@@ -33,6 +33,7 @@ from kvdepot.protocol.transport import ipc_path, make_socket, stream_path
 from kvdepot.server.index import ChunkIndex, Entry, EntryState
 from kvdepot.server.http import HttpEndpoints
 from kvdepot.server.metrics import Metrics
+from kvdepot.server.netsec import TCP_TAG, CurveConfig, TcpFront, authorize, check_endpoints
 from kvdepot.server.pool import HostPool
 from kvdepot.server.stream import StreamServer
 
@@ -65,6 +66,9 @@ class DaemonConfig:
     # for this long (one core busy while requests flow), so the next request is seen at once
     # instead of after a sleeping thread's wake-up (tens of microseconds on a VM); 0 = off
     busy_poll_us: int = 2000
+    # (--curve-secret-key, --curve-clients) CURVE authentication of tcp:// endpoints; without it
+    # a tcp:// endpoint must be a loopback address (see kvdepot.server.netsec)
+    curve: CurveConfig | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -171,7 +175,9 @@ class Daemon:
         self.http: HttpEndpoints | None = None
         self.ready = False  # L1 reserved and every socket bound (/readyz)
         self._loop_tick_s = time.monotonic()  # the event loop's last tick (/healthz)
-        self._sock: zmq.Socket | None = None
+        self._sock: zmq.Socket | None = None  # the ROUTER of the ipc:// endpoints
+        self._tcp: TcpFront | None = None  # the ROUTER of the tcp:// endpoints
+        self._fronts: list[tuple[zmq.Socket, bytes]] = []
         self._streams = StreamServer(self._on_stream_frame)
         self._busy_poll_s = max(0, config.busy_poll_us) / 1e6
         self._busy_until = 0.0
@@ -188,12 +194,26 @@ class Daemon:
                               f"another kvdepot daemon is serving at {ep}; stop it or pass another --endpoint")
         # a plain (blocking-API) socket driven by the loop through its edge-triggered FD: no
         # zmq.asyncio futures per message (they cost more than the rest of a small request)
+        tcp_eps = [ep for ep in self.config.endpoints if ep.startswith("tcp://")]
+        local_eps = [ep for ep in self.config.endpoints if not ep.startswith("tcp://")]
+        check_endpoints(tcp_eps, self.config.curve)  # before anything is bound
         ctx = zmq.Context()
-        self._sock = make_socket(ctx, zmq.ROUTER, self.config.endpoints, bind=True)
+        # ipc:// endpoints on one ROUTER, tcp:// ones on another (CURVE applies to a whole socket)
+        self._sock = make_socket(ctx, zmq.ROUTER, local_eps, bind=True) if local_eps else None
+        try:
+            self._tcp = TcpFront(ctx, tcp_eps, self.config.curve) if tcp_eps else None
+        except BaseException:
+            if self._sock is not None:
+                self._sock.close(0)
+            ctx.term()
+            raise
+        self._fronts = [(sock, tag) for sock, tag in ((self._sock, b""), (self._tcp and self._tcp.sock, TCP_TAG))
+                        if sock is not None]
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._drain_scheduled = False
-        loop.add_reader(self._sock.getsockopt(zmq.FD), self._on_readable)
+        for sock, _ in self._fronts:
+            loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable)
         for ep in self.config.endpoints:
             path = stream_path(ep)
             if path is not None:
@@ -223,14 +243,18 @@ class Daemon:
             await self._stop.wait()
         finally:
             self.ready = False
-            loop.remove_reader(self._sock.getsockopt(zmq.FD))
+            for sock, _ in self._fronts:
+                loop.remove_reader(sock.getsockopt(zmq.FD))
             self._streams.close()
             sweeper.cancel()
             ticker.cancel()
             await asyncio.gather(sweeper, ticker, return_exceptions=True)
             if self.http is not None:
                 self.http.close()
-            self._sock.close(0)
+            if self._sock is not None:
+                self._sock.close(0)
+            if self._tcp is not None:
+                self._tcp.close()
             ctx.term()
             self._executor.shutdown(wait=True)
             self.pool.stop_prefault()
@@ -256,31 +280,40 @@ class Daemon:
             self._loop.call_soon(self._on_readable)
 
     def _on_readable(self) -> None:
-        """Handle every message queued on the socket. The ZMQ FD is edge-triggered: it signals
-        a change of the socket's state, so the queue is drained until EVENTS says empty."""
+        """Handle every message queued on the ZMQ sockets (ipc, tcp). Their FDs are
+        edge-triggered: they signal a change of the socket's state, so each queue is drained
+        until EVENTS says empty (at most `_DRAIN_BATCH` per socket per loop turn)."""
         self._drain_scheduled = False
-        sock = self._sock
-        if sock is None or sock.closed:
-            return
+        more = False
+        for sock, tag in self._fronts:
+            if not sock.closed:
+                more |= self._drain(sock, tag)
+        if more:
+            self._schedule_drain()  # more queued: continue on the next loop turn
+
+    def _drain(self, sock: zmq.Socket, tag: bytes) -> bool:
+        """Up to `_DRAIN_BATCH` messages of one socket; True if more may be queued. A tcp
+        peer's identity gets ``tag`` in front (`kvdepot.server.netsec.TCP_TAG`)."""
         for _ in range(self._DRAIN_BATCH):
             if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return
+                return False
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)  # copies: cheaper than Frame objects for small messages
             except zmq.Again:
-                return
+                return False
             if _TRACE is not None:
                 _TRACE.append((-1, "recv", time.perf_counter_ns()))
+            identity = tag + frames[0] if tag else frames[0]
             try:
                 if len(frames) != 2:
-                    self._send(frames[0], codec.error_frame(0, ErrorCode.MALFORMED,
-                                                            f"expected 1 body frame, got {len(frames) - 1}"))
+                    self._send(identity, codec.error_frame(0, ErrorCode.MALFORMED,
+                                                           f"expected 1 body frame, got {len(frames) - 1}"))
                     self.metrics.errors.labels(ErrorCode.MALFORMED.name).inc()
                 else:
-                    self._dispatch(frames[0], frames[1])
+                    self._dispatch(identity, frames[1])
             except Exception:  # noqa: BLE001 - one message must never end the loop (the daemon would go silent)
                 log.exception("dropped a message that failed outside its handler")
-        self._schedule_drain()  # more queued: continue on the next loop turn
+        return True
 
     def _on_stream_frame(self, identity: bytes, body: bytes) -> None:
         if _TRACE is not None:
@@ -306,6 +339,8 @@ class Daemon:
         self._request_cells[type(req)].value += 1
         trace_point(req.rid, "start")
         try:
+            if self._tcp is not None and identity.startswith(TCP_TAG):
+                authorize(req, self._tcp.authenticated)
             reply = handler(self, identity, req)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
             self._reply_error(identity, req.rid, exc)
@@ -338,8 +373,13 @@ class Daemon:
             return
         # a send can consume the FD's edge for messages that arrived meanwhile: look again
         self._schedule_drain()
+        sock = self._sock
+        if self._tcp is not None and identity.startswith(TCP_TAG):
+            sock, identity = self._tcp.sock, identity[len(TCP_TAG):]
+        if sock is None:
+            return  # a stream connection that closed meanwhile (no ZMQ ipc socket to try)
         try:
-            self._sock.send_multipart([identity, frame], flags=zmq.NOBLOCK)
+            sock.send_multipart([identity, frame], flags=zmq.NOBLOCK)
         except zmq.Again:
             log.warning("dropping a reply: client queue full")
         except zmq.ZMQError as exc:
