@@ -4,12 +4,20 @@ stopped cleanly (importable because pytest puts tests/ on sys.path for tests/con
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 from collections.abc import Callable
 
 import pytest
 
 STOP_TIMEOUT_S = 15.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def stop_daemon(proc: subprocess.Popen, log: Callable[[], str]) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import multiprocessing
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,17 +22,10 @@ from pathlib import Path
 import pytest
 
 import kv_engine
-from daemon_proc import stop_daemon
+from daemon_proc import free_port, stop_daemon
 
 READY_TIMEOUT_S = 30.0
 _MAX_IPC_PATH = 100  # sun_path is 108 bytes on Linux; keep a margin
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass

@@ -149,8 +149,7 @@ def test_serve_takes_its_settings_from_a_config_file(tmp_path):
     import subprocess
     import sys
 
-    from conftest import free_port
-    from daemon_proc import stop_daemon
+    from daemon_proc import free_port, stop_daemon
 
     from kvdepot.client import KVDepotClient
 

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 import kv_engine as ke
-from conftest import free_port
+from daemon_proc import free_port
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import KVDepotError
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import kv_engine as ke
-from conftest import free_port
+from daemon_proc import free_port
 from kvdepot.client import KVDepotClient
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError

@@ -145,21 +145,19 @@ def test_call_sequence_vllm_makes(shared_daemon, cfg, engines):
     # worker: the mixin's order within a step
     worker = [c[1] for c in calls if c[0] == "W"]
     assert worker[:2] == ["get_mem_pool_context", "register_kv_caches"]
-    # (every step: vLLM 0.33 starts async loads after the forward, whose attention layers each
-    # call wait_for_layer_load before and save_kv_layer after; a step without scheduled tokens
-    # has no forward)
-    forwards = 0
+    # (every step: vLLM 0.33 starts async loads after the forward. Its attention layers call
+    # wait_for_layer_load before and save_kv_layer after each layer only while the connector's
+    # has_connector_metadata() is True: for kvdepot only while store pieces wait for staging-ring
+    # room, which never happens on CPU engines (no ring), so no per-layer calls at all here)
+    steps = 0
     for i, name in enumerate(worker):
         if name != "bind_connector_metadata":
             continue
         step = worker[i:worker.index("clear_connector_metadata", i) + 1]
-        layers = [n for n in step if n in ("wait_for_layer_load", "save_kv_layer")]
-        assert layers == ["wait_for_layer_load", "save_kv_layer"] * (len(layers) // 2), layers
-        forwards += bool(layers)
-        assert step == ["bind_connector_metadata", *layers, "start_load_kv", "wait_for_save", "get_transfer_results",
+        assert step == ["bind_connector_metadata", "start_load_kv", "wait_for_save", "get_transfer_results",
                         "get_block_ids_with_load_errors", "clear_connector_metadata"], step
-        assert len(layers) in (0, 8)  # each once per forward for each of the toy model's 4 attention layers
-    assert forwards >= 2
+        steps += 1
+    assert steps >= 2
     sending = [c[2][0] for c in calls if c[1] == "get_transfer_results" and c[2][0]]
     assert [r1] in sending
     assert r2 in e.runs
@@ -563,3 +561,21 @@ def test_tensor_parallel_prefix_hits_only_where_every_shard_is_cached(shared_dae
     b.run()
     assert b.runs[rb].computed == 200 + 1
     assert [w.worker.stats["loaded_chunks"] for w in b.workers] == [0, 0]
+
+
+def test_per_layer_calls_only_while_stores_wait_for_ring_room(shared_daemon, cfg, engines):
+    """vLLM's attention layers call the connector around each layer only while
+    has_connector_metadata() is True: only while a store piece waits for staging-ring room."""
+    from kvdepot.client.vllm.worker import _Piece
+
+    e = engines(cfg(shared_daemon.endpoint))
+    e.run(e.add(H.tokens(4, 100), max_tokens=2))
+    conn = e.worker_conn
+    assert conn.has_connector_metadata() is False  # idle, and during a decode step
+    w = conn.worker
+    w._queue.append(_Piece("r-load", "load", [b"k" * 16], [[1]]))
+    assert conn.has_connector_metadata() is False  # a waiting load needs no per-layer call
+    w._queue.appendleft(_Piece("r-store", "store", [b"k" * 16], [[1]]))
+    assert conn.has_connector_metadata() is True
+    w._queue.clear()
+    assert conn.has_connector_metadata() is False

@@ -316,7 +316,8 @@ class RankWorker:
     def _forward(self, so) -> None:
         """The toy forward on this rank's cache, layer by layer as a model runs (each layer
         calls the connector's ``wait_for_layer_load``, writes every scheduled token's KV, then
-        calls ``save_kv_layer``, as vLLM's attention layers do); rank 0 keeps each request's checksum. On CUDA it reads
+        calls ``save_kv_layer``, as vLLM's attention layers do: only while the connector's
+        ``has_connector_metadata()`` says so); rank 0 keeps each request's checksum. On CUDA it reads
         and writes on the current stream, as a model's attention would."""
         batch = []
         for req_id, n in so.num_scheduled_tokens.items():
@@ -327,10 +328,13 @@ class RankWorker:
             batch.append((req_id, run, start, start + n, hashes))
         gid = {name: g for g, group in enumerate(self.groups) for name in group.layer_names}
         for name in self.kv_caches:  # vLLM's attention: wait_for_layer_load, the layer, save_kv_layer
-            self.conn.wait_for_layer_load(name)
+            per_layer = self.conn.has_connector_metadata()  # vLLM's wrapper asks before each layer
+            if per_layer:
+                self.conn.wait_for_layer_load(name)
             for _, run, start, end, hashes in batch:
                 self._write(run, gid[name], name, start, end, hashes)
-            self.conn.save_kv_layer(name, self.kv_caches[name], None)
+            if per_layer:
+                self.conn.save_kv_layer(name, self.kv_caches[name], None)
         for req_id, run, _, end, hashes in batch:
             checksum = self._attend(run, req_id, end, hashes)  # what the last token attends to
             if self.rank == 0:

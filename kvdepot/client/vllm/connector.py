@@ -140,6 +140,14 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None
         self.worker.start_load_kv()
 
+    def has_connector_metadata(self) -> bool:
+        # vLLM's attention layers call wait_for_layer_load and save_kv_layer around each layer
+        # only while this is True (vllm.model_executor.layers.attention.kv_transfer_utils). Loads
+        # never wait per layer, so the calls are needed only while store pieces wait for
+        # staging-ring room (save_kv_layer sends them): otherwise a decode step of an 80-layer
+        # model would make 160 calls that do nothing.
+        return self.worker is not None and self.worker.layer_calls_wanted()
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request runs only after get_finished reported its load
 

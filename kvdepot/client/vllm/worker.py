@@ -303,6 +303,10 @@ class WorkerSide:
                                           queued_at=now))
         self._pump(stores_now=True)
 
+    def layer_calls_wanted(self) -> bool:
+        """Whether `on_layer` has anything to do: store pieces wait for staging-ring room."""
+        return bool(self._queue) and self._queue[0].kind == "store"
+
     def on_layer(self) -> None:
         """One attention layer of the forward is done (vLLM's ``save_kv_layer``). Store pieces
         waiting for staging-ring room are sent now rather than at the next step's connector calls: a
