@@ -1,5 +1,9 @@
 """The kvdepot daemon: a ZMQ ROUTER front end on one asyncio (uvloop) loop.
 
+The class is split by concern: `kvdepot.server.front` (receive, dispatch, reply),
+`kvdepot.server.transfers` (STORE / RETRIEVE), this module (start-up and shutdown, the
+engine registry, lookups, pins, flush, describe, liveness).
+
 The loop owns the socket, decoding, dispatch, the engine registry and the chunk index;
 nothing on it blocks. Copies between engine memory and L1 run in a small thread pool
 (torch releases the GIL inside copies) and their results are applied back on the loop.
@@ -30,12 +34,14 @@ from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, RequestError
 from kvdepot.protocol.transport import ipc_path, make_socket, stream_path
-from kvdepot.server.index import ChunkIndex, Entry, EntryState
+from kvdepot.server.index import ChunkIndex, Entry
 from kvdepot.server.http import HttpEndpoints
 from kvdepot.server.metrics import Metrics
-from kvdepot.server.netsec import TCP_TAG, CurveConfig, TcpFront, authorize, check_endpoints
+from kvdepot.server.netsec import TCP_TAG, CurveConfig, TcpFront, check_endpoints
 from kvdepot.server.pool import HostPool
+from kvdepot.server.front import SocketFront
 from kvdepot.server.stream import StreamServer
+from kvdepot.server.transfers import STORE_SKIP_REASONS, TransferHandlers
 
 log = logging.getLogger("kvdepot.daemon")
 
@@ -43,10 +49,6 @@ _TICK_S = 1.0  # the event loop notes it is alive this often (/healthz)
 _STALL_S = 10.0  # /healthz fails once the loop has not ticked for this long
 # ErrorCode values only clients make up (never sent, never counted by the daemon)
 _CLIENT_SIDE_CODES = (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED, ErrorCode.UNAVAILABLE)
-# values of kvdepot_store_skipped_chunks_total{reason}
-STORE_SKIP_REASONS = ("parent_missing", "capacity")
-_TRACE = trace.POINTS  # None unless KVDEPOT_TRACE_FILE is set (see kvdepot/trace.py)
-trace_point = trace.point
 
 
 @dataclasses.dataclass
@@ -143,7 +145,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class Daemon:
+class Daemon(SocketFront, TransferHandlers):
     """The kvdepot daemon. Use ``await Daemon(cfg).serve()``; `stop` ends it."""
 
     def __init__(self, config: DaemonConfig) -> None:
@@ -271,129 +273,6 @@ class Daemon:
 
     def stop(self) -> None:
         self._stop.set()
-
-    _DRAIN_BATCH = 64  # messages handled per loop turn before yielding to other callbacks
-
-    def _schedule_drain(self) -> None:
-        if not self._drain_scheduled:
-            self._drain_scheduled = True
-            self._loop.call_soon(self._on_readable)
-
-    def _on_readable(self) -> None:
-        """Handle every message queued on the ZMQ sockets (ipc, tcp). Their FDs are
-        edge-triggered: they signal a change of the socket's state, so each queue is drained
-        until EVENTS says empty (at most `_DRAIN_BATCH` per socket per loop turn)."""
-        self._drain_scheduled = False
-        more = False
-        for sock, tag in self._fronts:
-            if not sock.closed:
-                more |= self._drain(sock, tag)
-        if more:
-            self._schedule_drain()  # more queued: continue on the next loop turn
-
-    def _drain(self, sock: zmq.Socket, tag: bytes) -> bool:
-        """Up to `_DRAIN_BATCH` messages of one socket; True if more may be queued. A tcp
-        peer's identity gets ``tag`` in front (`kvdepot.server.netsec.TCP_TAG`)."""
-        for _ in range(self._DRAIN_BATCH):
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return False
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)  # copies: cheaper than Frame objects for small messages
-            except zmq.Again:
-                return False
-            if _TRACE is not None:
-                _TRACE.append((-1, "recv", time.perf_counter_ns()))
-            identity = tag + frames[0] if tag else frames[0]
-            try:
-                if len(frames) != 2:
-                    self._send(identity, codec.error_frame(0, ErrorCode.MALFORMED,
-                                                           f"expected 1 body frame, got {len(frames) - 1}"))
-                    self.metrics.errors.labels(ErrorCode.MALFORMED.name).inc()
-                else:
-                    self._dispatch(identity, frames[1])
-            except Exception:  # noqa: BLE001 - one message must never end the loop (the daemon would go silent)
-                log.exception("dropped a message that failed outside its handler")
-        return True
-
-    def _on_stream_frame(self, identity: bytes, body: bytes) -> None:
-        if _TRACE is not None:
-            _TRACE.append((-1, "recv", time.perf_counter_ns()))
-        self._dispatch(identity, body)
-
-    def _dispatch(self, identity: bytes, body: bytes) -> None:
-        """Decode one request, run its handler and send the reply (or the typed error)."""
-        if self._busy_poll_s:
-            self._note_activity()
-        try:
-            req = codec.decode_request(body)
-        except RequestError as exc:
-            self._reply_error(identity, exc.rid, exc)
-            return
-        except Exception as exc:  # noqa: BLE001 - e.g. RecursionError on deeply nested msgpack
-            self._reply_error(identity, 0, RequestError(ErrorCode.MALFORMED, f"undecodable request: {exc}"))
-            return
-        handler = self._handlers.get(type(req))
-        if handler is None:  # a request type this daemon build does not serve
-            self._reply_error(identity, req.rid, RequestError(ErrorCode.UNSUPPORTED, type(req).__name__))
-            return
-        self._request_cells[type(req)].value += 1
-        trace_point(req.rid, "start")
-        try:
-            if self._tcp is not None and identity.startswith(TCP_TAG):
-                authorize(req, self._tcp.authenticated)
-            reply = handler(self, identity, req)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
-            self._reply_error(identity, req.rid, exc)
-        else:
-            if reply is not None:  # None: the handler replies from a completion callback
-                self._reply(identity, reply)
-
-    def _reply(self, identity: bytes, reply: m.Msg) -> None:
-        self._send(identity, codec.encode(reply))
-        trace_point(reply.rid, "sent")
-
-    def _note_activity(self) -> None:
-        """Keep the loop polling without sleeping for ``busy_poll_us`` from now (see DaemonConfig).
-        A callback that re-queues itself makes uvloop poll its descriptors with a zero timeout."""
-        self._busy_until = time.monotonic() + self._busy_poll_s
-        if not self._spinning:
-            self._spinning = True
-            self._loop.call_soon(self._spin)
-
-    def _spin(self) -> None:
-        if time.monotonic() < self._busy_until:
-            self._loop.call_soon(self._spin)
-        else:
-            self._spinning = False
-
-    def _send(self, identity: bytes, frame: bytes) -> None:
-        if self._busy_poll_s:
-            self._note_activity()
-        if self._streams.send(identity, frame):
-            return
-        # a send can consume the FD's edge for messages that arrived meanwhile: look again
-        self._schedule_drain()
-        sock = self._sock
-        if self._tcp is not None and identity.startswith(TCP_TAG):
-            sock, identity = self._tcp.sock, identity[len(TCP_TAG):]
-        if sock is None:
-            return  # a stream connection that closed meanwhile (no ZMQ ipc socket to try)
-        try:
-            sock.send_multipart([identity, frame], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("dropping a reply: client queue full")
-        except zmq.ZMQError as exc:
-            log.warning("dropping a reply: %s", exc)
-
-    def _reply_error(self, identity: bytes, rid: int, exc: BaseException) -> None:
-        if isinstance(exc, RequestError):
-            code, msg = exc.code, exc.message
-        else:
-            code, msg = ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
-            log.exception("internal error on request %d", rid, exc_info=exc)
-        name = code.name if isinstance(code, ErrorCode) else str(code)
-        self.metrics.errors.labels(name).inc()
-        self._send(identity, codec.error_frame(rid, code, msg))
 
     # ------------------------------------------------------------------ helpers
 
@@ -634,238 +513,6 @@ class Daemon:
         self._unpin(identity, req.request)
         return m.OkReply(rid=req.rid)
 
-    def _on_store(self, identity: bytes, req: m.Store) -> m.Msg | None:
-        """Plan the store on the loop (index, allocation), start the copies, and reply from
-        their completion callback (no task per request)."""
-        reg = self._registration(req.registration)
-        lay = reg.layout
-        n = len(req.keys)
-        self._check_block_ids(reg, req.block_ids, n)
-        reg.check_memory()
-        staged = req.staging_offset >= 0  # a CPU registration has no staging: refused in _staging_ptrs
-        staged_ptrs = self._staging_ptrs(reg, req.staging_offset, range(n)) if staged else []
-        held: list[Entry] = []  # present entries kept from eviction while this store allocates
-        new: list[tuple[int, Entry]] = []
-        present = 0
-        reason = ""
-        parent = req.parent
-        # A parent (or a chunk of this request) still being written by an earlier store counts
-        # as present: an engine whose stores are in flight sends a request's next chunks before
-        # the previous ones are in L1. Their children stay invisible until every chunk before
-        # them is READY (lookups walk the chain from chunk 0), and an aborted write drops its
-        # descendants (`ChunkIndex.abort`), so nothing is ever served without its prefix.
-        if parent:
-            p = self.index.get(parent)
-            if p is None:
-                reason = "parent_missing"
-            elif p.state is EntryState.READY:
-                self.index.acquire(p)
-                held.append(p)
-        if not reason:
-            for j, key in enumerate(req.keys):
-                e = self.index.get(key)
-                if e is not None:
-                    if e.size_bytes != lay.object_bytes:
-                        reason = "parent_missing"  # another object format under this key: never chain onto it
-                        break
-                    if e.state is EntryState.READY:  # (else WRITING: no reader may hold it; its children keep it)
-                        self.index.acquire(e)
-                        held.append(e)
-                    present += 1
-                else:
-                    off = self._alloc(lay.object_bytes)
-                    if off is None:
-                        reason = "capacity"
-                        break
-                    new.append((j, self.index.begin_write(key, parent, off, lay.object_bytes, reg.model, req.cache_salt)))
-                parent = key
-        skipped = n - present - len(new)
-        if reason:
-            self.metrics.store_skipped_chunks.labels(reason).inc(skipped)
-        # A staged store replies after its copies: the engine's own stream already read the
-        # blocks (nothing to wait for before reusing them), and the copies may start later than
-        # this enqueue (after the engine's gather, polled from the CPU), so an event recorded
-        # behind them could not be handed out now.
-        early = req.reply_early and reg.cuda_device is not None and not staged
-        reply = m.StoreReply(rid=req.rid, stored=len(new), present=present, skipped=skipped,
-                             event=reg.engine.gathered_event_handle if early and new else b"",
-                             stored_event=reg.engine.stored_event_handle if early and new else b"")
-
-        def release_held() -> None:
-            for e in held:
-                self.index.release(e)
-            self.index.touch_chain(list(req.keys))
-
-        if not new:
-            release_held()
-            return reply
-        reg.active += 1
-        t0 = time.perf_counter()
-
-        replied = False  # an early reply went out at enqueue
-
-        def finish(err: BaseException | None) -> None:  # on the loop, once the copies ended
-            trace_point(req.rid, "gpu_done")
-            self._finish_transfer(reg)
-            try:
-                if err is not None:
-                    for _, e in reversed(new):
-                        self.index.abort(e)
-                    if not isinstance(err, RequestError):
-                        err = RequestError(ErrorCode.ENGINE_MEMORY, f"store copy failed: {err}")
-                    if replied:  # the engine was told "being stored": the chunks just never appear
-                        log.error("store for %s failed after its early reply: %s", reg.id, err.message)
-                        self.metrics.errors.labels(err.code.name).inc()
-                    else:
-                        self._reply_error(identity, req.rid, err)
-                    return
-                for _, e in new:
-                    self.index.commit(e)
-                elapsed_s = time.perf_counter() - t0
-                if not replied:  # before the metrics: a lone store waits for this reply
-                    self._reply(identity, reply)
-                self._count_transfer(reg, "store", len(new), elapsed_s)
-            finally:
-                release_held()
-
-        trace_point(req.rid, "enqueue")
-        try:
-            if reg.cuda_device is None:
-                self._in_executor(finish, self._gather, reg, req.block_ids, new)
-            elif staged:
-                base = self.pool.base_ptr
-                self._cuda.path(reg.cuda_device).copy_staged(
-                    True, [staged_ptrs[j] for j, _ in new], [base + e.offset for _, e in new], lay.object_bytes, req.event,
-                    None, finish)
-            else:
-                base = self.pool.base_ptr
-                self._cuda.path(reg.cuda_device).store(
-                    reg.engine, req.block_ids, n, [j for j, _ in new], [base + e.offset for _, e in new], req.event,
-                    finish, reg.engine.gathered_event if early else None, reg.engine.stored_event if early else None)
-        except BaseException as exc:  # nothing was enqueued: roll back now
-            finish(exc)
-            return None
-        trace_point(req.rid, "enqueued")
-        if early:
-            replied = True
-            return reply
-        return None
-
-    def _in_executor(self, finish: Callable[[BaseException | None], None], fn, *args) -> None:
-        """Run ``fn(*args)`` in the copy threads; ``finish(error or None)`` runs on the loop."""
-        fut = self._loop.run_in_executor(self._executor, fn, *args)
-
-        def done(f: asyncio.Future) -> None:
-            finish(asyncio.CancelledError() if f.cancelled() else f.exception())
-
-        fut.add_done_callback(done)
-
-    def _gather(self, reg: Registration, block_ids, new: list[tuple[int, Entry]]) -> None:
-        eng = reg.engine
-        for j, e in new:
-            eng.gather(self.pool.buffer(e.offset, e.size_bytes), self._chunk_block_ids(reg, block_ids, j))
-
-    def _on_retrieve(self, identity: bytes, req: m.Retrieve) -> m.Msg | None:
-        reg = self._registration(req.registration)
-        lay = reg.layout
-        n = len(req.keys)
-        self._check_block_ids(reg, req.block_ids, n)
-        reg.check_memory()
-        if req.skip_tokens and (req.skip_tokens >= n * lay.chunk_size
-                                or any(req.skip_tokens % t for t in lay.tokens_per_block)):
-            raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                               f"skip_tokens {req.skip_tokens} must be a multiple of every group's tokens per block "
-                               f"{lay.tokens_per_block} and less than {n * lay.chunk_size}")
-        # staged: chunk j's address in the engine's ring (refused here, before acquiring anything)
-        staged_ptrs = self._staging_ptrs(reg, req.staging_offset, range(n)) if req.staging_offset >= 0 else None
-        entries: list[Entry] = []
-        for key in req.keys:
-            e = self.index.ready(key)
-            if e is None or e.size_bytes != lay.object_bytes:
-                break
-            self.index.acquire(e)
-            entries.append(e)
-        if reg.cuda_device is not None:
-            return self._retrieve_cuda(reg, req, entries, staged_ptrs)
-        if not entries:
-            return m.RetrieveReply(rid=req.rid, retrieved=0)
-        reg.active += 1
-        t0 = time.perf_counter()
-
-        def finish(err: BaseException | None) -> None:
-            self._finish_transfer(reg)
-            for e in entries:
-                self.index.release(e)
-            self.index.touch_chain([e.key for e in entries])
-            if err is not None:
-                if not isinstance(err, RequestError):
-                    err = RequestError(ErrorCode.ENGINE_MEMORY, f"retrieve copy failed: {err}")
-                self._reply_error(identity, req.rid, err)
-                return
-            self._count_transfer(reg, "retrieve", len(entries), time.perf_counter() - t0)
-            self._reply(identity, m.RetrieveReply(rid=req.rid, retrieved=len(entries)))
-
-        try:
-            self._in_executor(finish, self._scatter, reg, req.block_ids, req.skip_tokens, entries)
-        except BaseException as exc:
-            finish(exc)
-        return None
-
-    def _retrieve_cuda(self, reg: Registration, req: m.Retrieve, entries: list[Entry],
-                       staged_ptrs: list[int] | None) -> m.Msg:
-        """Enqueue the copies and reply at once with the interprocess event the engine waits on;
-        the entries stay acquired until the GPU finished reading them. ``staged_ptrs``: chunk
-        j's address in the engine's staging ring (staged), else None (the daemon scatters)."""
-        if not entries:
-            self.index.touch_chain([])
-            return m.RetrieveReply(rid=req.rid, retrieved=0)
-        reg.active += 1
-        t0 = time.perf_counter()
-
-        def done(err: BaseException | None) -> None:
-            trace_point(req.rid, "gpu_done")
-            self._finish_transfer(reg)
-            for e in entries:
-                self.index.release(e)
-            if err is not None:
-                log.error("CUDA retrieve for %s failed on the GPU: %s", reg.id, err)
-                return
-            self._op_metrics(reg, "retrieve")[2].observe(time.perf_counter() - t0)
-
-        trace_point(req.rid, "enqueue")
-        base = self.pool.base_ptr
-        event, event_handle = reg.retrieve_events[reg.next_retrieve_event]
-        reg.next_retrieve_event = (reg.next_retrieve_event + 1) % len(reg.retrieve_events)
-        try:
-            if staged_ptrs is not None:
-                first = req.skip_tokens // reg.layout.chunk_size  # wholly skipped chunks need no copy
-                if first < len(entries):
-                    self._cuda.path(reg.cuda_device).copy_staged(
-                        False, [base + e.offset for e in entries[first:]], staged_ptrs[first:len(entries)],
-                        reg.layout.object_bytes, b"", event, done)
-                else:
-                    event_handle = b""
-                    done(None)
-            else:
-                self._cuda.path(reg.cuda_device).retrieve(
-                    reg.engine, req.block_ids, len(req.keys), [base + e.offset for e in entries], req.skip_tokens,
-                    event, done)
-        except BaseException:  # raised before anything was enqueued
-            done(None)
-            raise
-        trace_point(req.rid, "r_enqueued")
-        self._count_transfer(reg, "retrieve", len(entries))
-        self.index.touch_chain([e.key for e in entries])
-        return m.RetrieveReply(rid=req.rid, retrieved=len(entries), event=event_handle)
-
-    def _scatter(self, reg: Registration, block_ids, skip_tokens: int, entries: list[Entry]) -> None:
-        eng, cs = reg.engine, reg.layout.chunk_size
-        for j, e in enumerate(entries):
-            skip = min(max(skip_tokens - j * cs, 0), cs)
-            if skip == cs:
-                continue
-            eng.scatter(self.pool.buffer(e.offset, e.size_bytes), self._chunk_block_ids(reg, block_ids, j), skip)
-
     def _on_flush(self, identity: bytes, req: m.Flush) -> m.Msg:
         if req.tier not in ("", "l1"):
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"unknown tier {req.tier!r}; tiers: l1")
@@ -900,7 +547,8 @@ class Daemon:
 
     _handlers: dict[type, Callable] = {
         m.Hello: _on_hello, m.Ping: _on_ping, m.Register: _on_register, m.Unregister: _on_unregister,
-        m.Lookup: _on_lookup, m.EndRequest: _on_end, m.Store: _on_store, m.Retrieve: _on_retrieve,
+        m.Lookup: _on_lookup, m.EndRequest: _on_end, m.Store: TransferHandlers._on_store,
+        m.Retrieve: TransferHandlers._on_retrieve,
         m.Flush: _on_flush, m.Describe: _on_describe,
     }
 

@@ -1,0 +1,263 @@
+"""STORE and RETRIEVE: planning on the loop (index, L1 allocation, pins), the copies (CPU
+engines on the thread pool, CUDA engines through `kvdepot.gpu.cuda_path`), and the reply from
+their completion. A mixin of `kvdepot.server.daemon.Daemon` (registrations, index, pool,
+metrics, executor)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvdepot import trace
+from kvdepot.protocol import messages as m
+from kvdepot.protocol.errors import ErrorCode, RequestError
+from kvdepot.server.index import Entry, EntryState
+
+if TYPE_CHECKING:
+    from kvdepot.server.daemon import Registration
+
+log = logging.getLogger("kvdepot.daemon")
+_TRACE = trace.POINTS  # None unless KVDEPOT_TRACE_FILE is set (see kvdepot/trace.py)
+trace_point = trace.point
+# values of kvdepot_store_skipped_chunks_total{reason}
+STORE_SKIP_REASONS = ("parent_missing", "capacity")
+
+
+class TransferHandlers:
+    """The Store / Retrieve handlers (see the module docstring)."""
+
+    def _on_store(self, identity: bytes, req: m.Store) -> m.Msg | None:
+        """Plan the store on the loop (index, allocation), start the copies, and reply from
+        their completion callback (no task per request)."""
+        reg = self._registration(req.registration)
+        lay = reg.layout
+        n = len(req.keys)
+        self._check_block_ids(reg, req.block_ids, n)
+        reg.check_memory()
+        staged = req.staging_offset >= 0  # a CPU registration has no staging: refused in _staging_ptrs
+        staged_ptrs = self._staging_ptrs(reg, req.staging_offset, range(n)) if staged else []
+        held: list[Entry] = []  # present entries kept from eviction while this store allocates
+        new: list[tuple[int, Entry]] = []
+        present = 0
+        reason = ""
+        parent = req.parent
+        # A parent (or a chunk of this request) still being written by an earlier store counts
+        # as present: an engine whose stores are in flight sends a request's next chunks before
+        # the previous ones are in L1. Their children stay invisible until every chunk before
+        # them is READY (lookups walk the chain from chunk 0), and an aborted write drops its
+        # descendants (`ChunkIndex.abort`), so nothing is ever served without its prefix.
+        if parent:
+            p = self.index.get(parent)
+            if p is None:
+                reason = "parent_missing"
+            elif p.state is EntryState.READY:
+                self.index.acquire(p)
+                held.append(p)
+        if not reason:
+            for j, key in enumerate(req.keys):
+                e = self.index.get(key)
+                if e is not None:
+                    if e.size_bytes != lay.object_bytes:
+                        reason = "parent_missing"  # another object format under this key: never chain onto it
+                        break
+                    if e.state is EntryState.READY:  # (else WRITING: no reader may hold it; its children keep it)
+                        self.index.acquire(e)
+                        held.append(e)
+                    present += 1
+                else:
+                    off = self._alloc(lay.object_bytes)
+                    if off is None:
+                        reason = "capacity"
+                        break
+                    new.append((j, self.index.begin_write(key, parent, off, lay.object_bytes, reg.model, req.cache_salt)))
+                parent = key
+        skipped = n - present - len(new)
+        if reason:
+            self.metrics.store_skipped_chunks.labels(reason).inc(skipped)
+        # A staged store replies after its copies: the engine's own stream already read the
+        # blocks (nothing to wait for before reusing them), and the copies may start later than
+        # this enqueue (after the engine's gather, polled from the CPU), so an event recorded
+        # behind them could not be handed out now.
+        early = req.reply_early and reg.cuda_device is not None and not staged
+        reply = m.StoreReply(rid=req.rid, stored=len(new), present=present, skipped=skipped,
+                             event=reg.engine.gathered_event_handle if early and new else b"",
+                             stored_event=reg.engine.stored_event_handle if early and new else b"")
+
+        def release_held() -> None:
+            for e in held:
+                self.index.release(e)
+            self.index.touch_chain(list(req.keys))
+
+        if not new:
+            release_held()
+            return reply
+        reg.active += 1
+        t0 = time.perf_counter()
+
+        replied = False  # an early reply went out at enqueue
+
+        def finish(err: BaseException | None) -> None:  # on the loop, once the copies ended
+            trace_point(req.rid, "gpu_done")
+            self._finish_transfer(reg)
+            try:
+                if err is not None:
+                    for _, e in reversed(new):
+                        self.index.abort(e)
+                    if not isinstance(err, RequestError):
+                        err = RequestError(ErrorCode.ENGINE_MEMORY, f"store copy failed: {err}")
+                    if replied:  # the engine was told "being stored": the chunks just never appear
+                        log.error("store for %s failed after its early reply: %s", reg.id, err.message)
+                        self.metrics.errors.labels(err.code.name).inc()
+                    else:
+                        self._reply_error(identity, req.rid, err)
+                    return
+                for _, e in new:
+                    self.index.commit(e)
+                elapsed_s = time.perf_counter() - t0
+                if not replied:  # before the metrics: a lone store waits for this reply
+                    self._reply(identity, reply)
+                self._count_transfer(reg, "store", len(new), elapsed_s)
+            finally:
+                release_held()
+
+        trace_point(req.rid, "enqueue")
+        try:
+            if reg.cuda_device is None:
+                self._in_executor(finish, self._gather, reg, req.block_ids, new)
+            elif staged:
+                base = self.pool.base_ptr
+                self._cuda.path(reg.cuda_device).copy_staged(
+                    True, [staged_ptrs[j] for j, _ in new], [base + e.offset for _, e in new], lay.object_bytes, req.event,
+                    None, finish)
+            else:
+                base = self.pool.base_ptr
+                self._cuda.path(reg.cuda_device).store(
+                    reg.engine, req.block_ids, n, [j for j, _ in new], [base + e.offset for _, e in new], req.event,
+                    finish, reg.engine.gathered_event if early else None, reg.engine.stored_event if early else None)
+        except BaseException as exc:  # nothing was enqueued: roll back now
+            finish(exc)
+            return None
+        trace_point(req.rid, "enqueued")
+        if early:
+            replied = True
+            return reply
+        return None
+
+    def _in_executor(self, finish: Callable[[BaseException | None], None], fn, *args) -> None:
+        """Run ``fn(*args)`` in the copy threads; ``finish(error or None)`` runs on the loop."""
+        fut = self._loop.run_in_executor(self._executor, fn, *args)
+
+        def done(f: asyncio.Future) -> None:
+            finish(asyncio.CancelledError() if f.cancelled() else f.exception())
+
+        fut.add_done_callback(done)
+
+    def _gather(self, reg: Registration, block_ids, new: list[tuple[int, Entry]]) -> None:
+        eng = reg.engine
+        for j, e in new:
+            eng.gather(self.pool.buffer(e.offset, e.size_bytes), self._chunk_block_ids(reg, block_ids, j))
+
+    def _on_retrieve(self, identity: bytes, req: m.Retrieve) -> m.Msg | None:
+        reg = self._registration(req.registration)
+        lay = reg.layout
+        n = len(req.keys)
+        self._check_block_ids(reg, req.block_ids, n)
+        reg.check_memory()
+        if req.skip_tokens and (req.skip_tokens >= n * lay.chunk_size
+                                or any(req.skip_tokens % t for t in lay.tokens_per_block)):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                               f"skip_tokens {req.skip_tokens} must be a multiple of every group's tokens per block "
+                               f"{lay.tokens_per_block} and less than {n * lay.chunk_size}")
+        # staged: chunk j's address in the engine's ring (refused here, before acquiring anything)
+        staged_ptrs = self._staging_ptrs(reg, req.staging_offset, range(n)) if req.staging_offset >= 0 else None
+        entries: list[Entry] = []
+        for key in req.keys:
+            e = self.index.ready(key)
+            if e is None or e.size_bytes != lay.object_bytes:
+                break
+            self.index.acquire(e)
+            entries.append(e)
+        if reg.cuda_device is not None:
+            return self._retrieve_cuda(reg, req, entries, staged_ptrs)
+        if not entries:
+            return m.RetrieveReply(rid=req.rid, retrieved=0)
+        reg.active += 1
+        t0 = time.perf_counter()
+
+        def finish(err: BaseException | None) -> None:
+            self._finish_transfer(reg)
+            for e in entries:
+                self.index.release(e)
+            self.index.touch_chain([e.key for e in entries])
+            if err is not None:
+                if not isinstance(err, RequestError):
+                    err = RequestError(ErrorCode.ENGINE_MEMORY, f"retrieve copy failed: {err}")
+                self._reply_error(identity, req.rid, err)
+                return
+            self._count_transfer(reg, "retrieve", len(entries), time.perf_counter() - t0)
+            self._reply(identity, m.RetrieveReply(rid=req.rid, retrieved=len(entries)))
+
+        try:
+            self._in_executor(finish, self._scatter, reg, req.block_ids, req.skip_tokens, entries)
+        except BaseException as exc:
+            finish(exc)
+        return None
+
+    def _retrieve_cuda(self, reg: Registration, req: m.Retrieve, entries: list[Entry],
+                       staged_ptrs: list[int] | None) -> m.Msg:
+        """Enqueue the copies and reply at once with the interprocess event the engine waits on;
+        the entries stay acquired until the GPU finished reading them. ``staged_ptrs``: chunk
+        j's address in the engine's staging ring (staged), else None (the daemon scatters)."""
+        if not entries:
+            self.index.touch_chain([])
+            return m.RetrieveReply(rid=req.rid, retrieved=0)
+        reg.active += 1
+        t0 = time.perf_counter()
+
+        def done(err: BaseException | None) -> None:
+            trace_point(req.rid, "gpu_done")
+            self._finish_transfer(reg)
+            for e in entries:
+                self.index.release(e)
+            if err is not None:
+                log.error("CUDA retrieve for %s failed on the GPU: %s", reg.id, err)
+                return
+            self._op_metrics(reg, "retrieve")[2].observe(time.perf_counter() - t0)
+
+        trace_point(req.rid, "enqueue")
+        base = self.pool.base_ptr
+        event, event_handle = reg.retrieve_events[reg.next_retrieve_event]
+        reg.next_retrieve_event = (reg.next_retrieve_event + 1) % len(reg.retrieve_events)
+        try:
+            if staged_ptrs is not None:
+                first = req.skip_tokens // reg.layout.chunk_size  # wholly skipped chunks need no copy
+                if first < len(entries):
+                    self._cuda.path(reg.cuda_device).copy_staged(
+                        False, [base + e.offset for e in entries[first:]], staged_ptrs[first:len(entries)],
+                        reg.layout.object_bytes, b"", event, done)
+                else:
+                    event_handle = b""
+                    done(None)
+            else:
+                self._cuda.path(reg.cuda_device).retrieve(
+                    reg.engine, req.block_ids, len(req.keys), [base + e.offset for e in entries], req.skip_tokens,
+                    event, done)
+        except BaseException:  # raised before anything was enqueued
+            done(None)
+            raise
+        trace_point(req.rid, "r_enqueued")
+        self._count_transfer(reg, "retrieve", len(entries))
+        self.index.touch_chain([e.key for e in entries])
+        return m.RetrieveReply(rid=req.rid, retrieved=len(entries), event=event_handle)
+
+    def _scatter(self, reg: Registration, block_ids, skip_tokens: int, entries: list[Entry]) -> None:
+        eng, cs = reg.engine, reg.layout.chunk_size
+        for j, e in enumerate(entries):
+            skip = min(max(skip_tokens - j * cs, 0), cs)
+            if skip == cs:
+                continue
+            eng.scatter(self.pool.buffer(e.offset, e.size_bytes), self._chunk_block_ids(reg, block_ids, j), skip)
+
