@@ -298,7 +298,9 @@ def kernels_source() -> str:
         return "env"
     if PACKAGED_SO.exists():
         return "packaged"
-    if (_cache_dir(_device_arch()) / "libkvdepot_kernels.so").exists():
+    # any arch's build of this source in the cache (asking the GPU for its arch would start CUDA
+    # in the caller; the daemon calls this at start-up, before any engine registered)
+    if any(_cache_dir("*").parent.glob(f"{source_hash()}-sm*/libkvdepot_kernels.so")):
         return "cache"
     if os.environ.get(ENV_NO_JIT) != "1" and _build.find_nvcc() is not None:
         return "jit"
