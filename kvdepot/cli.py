@@ -47,7 +47,8 @@ def cmd_serve(args) -> int:
         endpoints=v["endpoint"], l1_capacity_bytes=v["l1_bytes"], metrics_port=v["metrics_port"],
         metrics_addr=v["metrics_addr"], pin_ttl_s=v["pin_ttl_s"], transfer_threads=v["transfer_threads"],
         staging_batch_bytes=v["staging_batch_bytes"], pin_l1=v["pin_l1"], busy_poll_us=v["busy_poll_us"],
-        curve=curve)
+        curve=curve, l2_path=v["l2_path"], l2_capacity_bytes=v["l2_bytes"], l2_queue_bytes=v["l2_queue_bytes"],
+        l2_io_threads=v["l2_io_threads"], l2_direct_io=v["l2_direct_io"])
     run_daemon(cfg)
     return 0
 
@@ -71,9 +72,13 @@ def describe_text(info) -> str:
                  f"retrieved {info.retrieved_chunks}   evicted {info.evicted_chunks}   pinned requests "
                  f"{info.pinned_requests}")
     lines.append("")
-    lines.append(f"{'TIER':<6}{'USED':>14}{'CAPACITY':>14}{'OBJECTS':>10}")
+    lines.append(f"{'TIER':<6}{'USED':>14}{'CAPACITY':>14}{'OBJECTS':>10}{'HITS':>10}{'EVICTED':>9}{'READ':>12}"
+                 f"{'WRITTEN':>12}{'QUEUE':>7}{'DROPPED':>9}{'ERRORS':>8}{'CORRUPT':>9}")
     for t in info.tiers:
-        lines.append(f"{t.name:<6}{_fmt_bytes(t.used_bytes):>14}{_fmt_bytes(t.capacity_bytes):>14}{t.num_objects:>10}")
+        lines.append(f"{t.name:<6}{_fmt_bytes(t.used_bytes):>14}{_fmt_bytes(t.capacity_bytes):>14}{t.num_objects:>10}"
+                     f"{t.hit_chunks:>10}{t.evictions:>9}{_fmt_bytes(t.read_bytes):>12}{_fmt_bytes(t.written_bytes):>12}"
+                     f"{t.queue_depth:>7}{t.dropped_writes:>9}{t.errors:>8}{t.corrupt_objects:>9}"
+                     + (f"   {t.detail}" if t.detail else ""))
     lines.append("")
     if not info.engines:
         lines.append("no engines registered")
@@ -168,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(f)
     f.add_argument("--model", help="only this model's chunks")
     f.add_argument("--cache-salt", default=None, help="only this tenant's chunks ('' = unsalted)")
-    f.add_argument("--tier", help="only this tier (l1)")
+    f.add_argument("--tier", help="only this tier (l1, l2; the daemon names its tiers if this is not one)")
     f.set_defaults(func=cmd_flush)
 
     pg = sub.add_parser("ping", help="check that a daemon answers")

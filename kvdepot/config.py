@@ -130,6 +130,18 @@ SETTINGS: tuple[Setting, ...] = (
             "a list (default ipc://$TMPDIR/kvdepot-$UID.sock)", env="KVDEPOT_ENDPOINT", metavar="ADDR"),
     Setting("l1_bytes", "--l1-bytes", parse_bytes, 4 << 30,
             "pinned host memory for cached KV (L1), e.g. 512m, 64g", env="KVDEPOT_L1_BYTES", metavar="BYTES"),
+    Setting("l2_path", "--l2-path", _str, None,
+            "directory of the L2 disk tier (objects evicted from L1 are written there and found again after a "
+            "restart); unset = no L2", env="KVDEPOT_L2_PATH", metavar="DIR"),
+    Setting("l2_bytes", "--l2-bytes", parse_bytes, 64 << 30,
+            "capacity of the L2 disk tier (object files, headers included), e.g. 500g", env="KVDEPOT_L2_BYTES",
+            metavar="BYTES"),
+    Setting("l2_queue_bytes", "--l2-queue-bytes", parse_bytes, None,
+            "most bytes of L2 writes queued or in progress (their L1 memory stays in use until written; a write "
+            "beyond it is dropped and counted); default min(2g, l1_bytes / 8)", metavar="BYTES"),
+    Setting("l2_io_threads", "--l2-io-threads", _int, 4, "threads doing L2 file I/O", metavar="N"),
+    Setting("l2_direct_io", "--l2-direct-io", _bool, None,
+            "O_DIRECT file I/O for L2 (no page cache); default: where the filesystem supports it", metavar=""),
     Setting("metrics_port", "--metrics-port", _int, 0,
             "HTTP port of /metrics, /healthz and /readyz; 0 = no HTTP endpoint", env="KVDEPOT_METRICS_PORT",
             metavar="PORT"),

@@ -128,10 +128,21 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
 
 
 class TierInfo(msgspec.Struct, omit_defaults=True):
+    """One tier in `DaemonInfo` (l1: pinned host memory; l2: local disk). Counters since start."""
+
     name: str
     capacity_bytes: int
     used_bytes: int
     num_objects: int
+    hit_chunks: int = 0  # chunks lookups found with this as the fastest tier holding them
+    evictions: int = 0
+    read_bytes: int = 0  # lower tiers: bytes read (promotions to L1)
+    written_bytes: int = 0  # lower tiers: bytes written
+    queue_depth: int = 0  # lower tiers: writes queued or in progress
+    dropped_writes: int = 0  # lower tiers: writes not made (queue full, no room)
+    errors: int = 0  # lower tiers: I/O errors
+    corrupt_objects: int = 0  # lower tiers: objects that failed verification (dropped)
+    detail: str = ""  # e.g. the directory and I/O mode of L2
 
 
 class DaemonInfo(msgspec.Struct, omit_defaults=True):

@@ -34,13 +34,14 @@ from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, RequestError
 from kvdepot.protocol.transport import ipc_path, make_socket, stream_path
-from kvdepot.server.index import ChunkIndex, Entry
+from kvdepot.server.index import ChunkIndex
 from kvdepot.server.http import HttpEndpoints
 from kvdepot.server.metrics import Metrics
 from kvdepot.server.netsec import TCP_TAG, CurveConfig, TcpFront, check_endpoints
 from kvdepot.server.pool import HostPool
 from kvdepot.server.front import SocketFront
 from kvdepot.server.stream import StreamServer
+from kvdepot.server.tiering import Tiering
 from kvdepot.server.transfers import STORE_SKIP_REASONS, TransferHandlers
 
 log = logging.getLogger("kvdepot.daemon")
@@ -71,6 +72,13 @@ class DaemonConfig:
     # (--curve-secret-key, --curve-clients) CURVE authentication of tcp:// endpoints; without it
     # a tcp:// endpoint must be a loopback address (see kvdepot.server.netsec)
     curve: CurveConfig | None = None
+    # (--l2-path, --l2-bytes, --l2-queue-bytes, --l2-io-threads, --l2-direct-io) the L2 disk
+    # tier (kvdepot.server.disk); no path = none. queue None = min(2 GiB, L1 / 8)
+    l2_path: str | None = None
+    l2_capacity_bytes: int = 64 << 30
+    l2_queue_bytes: int | None = None
+    l2_io_threads: int = 4
+    l2_direct_io: bool | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -128,7 +136,7 @@ class Registration:
 
 @dataclasses.dataclass(eq=False)
 class Pin:
-    entries: list[Entry]
+    entries: list  # acquired L1 `Entry` and L2 `DiskEntry` objects
     deadline: float
     pid: int
 
@@ -145,7 +153,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class Daemon(SocketFront, TransferHandlers):
+class Daemon(SocketFront, TransferHandlers, Tiering):
     """The kvdepot daemon. Use ``await Daemon(cfg).serve()``; `stop` ends it."""
 
     def __init__(self, config: DaemonConfig) -> None:
@@ -165,11 +173,11 @@ class Daemon(SocketFront, TransferHandlers):
         self._executor = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvdepot-xfer")
         self._stop = asyncio.Event()
         self.stats = {"lookup_requested_tokens": 0, "lookup_hit_tokens": 0, "stored_chunks": 0, "retrieved_chunks": 0}
-        self.metrics.tier_capacity_bytes.labels("l1").set(self.pool.capacity_bytes)
-        self._bind_tier_gauges()
+        self._init_tiers()
+        self._bind_tier_metrics()
         from kvdepot.gpu.kernels import kernels_source
 
-        self.metrics.start(kvdepot.__version__, m.PROTOCOL_VERSION, kernels_source(), tiers=("l1",),
+        self.metrics.start(kvdepot.__version__, m.PROTOCOL_VERSION, kernels_source(), tiers=self.tier_names,
                            error_codes=[c.name for c in ErrorCode if c not in _CLIENT_SIDE_CODES],
                            skip_reasons=STORE_SKIP_REASONS)
         # kvdepot_requests_total{type}: one cell per request type served, at 0 from the start
@@ -199,6 +207,7 @@ class Daemon(SocketFront, TransferHandlers):
         tcp_eps = [ep for ep in self.config.endpoints if ep.startswith("tcp://")]
         local_eps = [ep for ep in self.config.endpoints if not ep.startswith("tcp://")]
         check_endpoints(tcp_eps, self.config.curve)  # before anything is bound
+        await self._open_tiers()
         ctx = zmq.Context()
         # ipc:// endpoints on one ROUTER, tcp:// ones on another (CURVE applies to a whole socket)
         self._sock = make_socket(ctx, zmq.ROUTER, local_eps, bind=True) if local_eps else None
@@ -259,6 +268,7 @@ class Daemon(SocketFront, TransferHandlers):
                 self._tcp.close()
             ctx.term()
             self._executor.shutdown(wait=True)
+            self._close_tiers()
             self.pool.stop_prefault()
             if self._cuda is not None:
                 self._cuda.close()
@@ -308,26 +318,6 @@ class Daemon(SocketFront, TransferHandlers):
             n = reg.layout.blocks_per_chunk(gid)
             out.append(ids[j * n : (j + 1) * n])
         return out
-
-    def _alloc(self, size_bytes: int) -> int | None:
-        if size_bytes > self.pool.allocator.segment_bytes:
-            return None  # can never fit: evicting would only empty the cache for nothing
-        while True:
-            off = self.pool.alloc(size_bytes)
-            if off is not None:
-                return off
-            victim = self.index.evict_one()
-            if victim is None:
-                return None
-            self.metrics.evictions.labels("l1").inc()
-
-    def _free_entry(self, e: Entry) -> None:
-        self.pool.free(e.offset)
-
-    def _bind_tier_gauges(self) -> None:
-        """Tier gauges are read at scrape time (nothing to update per request)."""
-        self.metrics.tier_used_bytes.labels("l1").set_function(lambda: self.pool.used_bytes)
-        self.metrics.tier_objects.labels("l1").set_function(lambda: len(self.index))
 
     def _op_metrics(self, reg: Registration, op: str):
         """(bytes counter, tokens counter, seconds histogram) children for ``reg``'s model and
@@ -466,64 +456,17 @@ class Daemon(SocketFront, TransferHandlers):
         self._unregister(self._registration(req.registration))
         return m.OkReply(rid=req.rid)
 
-    def _on_lookup(self, identity: bytes, req: m.Lookup) -> m.Msg:
-        hit = min((self._prefix_len(chain) for chain in req.keys), default=0)
-        if req.pin_request:
-            self._unpin(identity, req.pin_request)
-            if hit:
-                entries = [self.index.get(k) for chain in req.keys for k in chain[:hit]]
-                for e in entries:
-                    self.index.acquire(e)
-                self.pins[(identity, req.pin_request)] = Pin(
-                    entries, time.monotonic() + self.config.pin_ttl_s, self.client_pids.get(identity, 0))
-        for chain in req.keys:
-            self.index.touch_chain(chain[:hit])
-        # without num_tokens the prompt is taken to be the whole chunks asked about, so that
-        # hit tokens never exceed requested tokens (hit rate <= 1)
-        requested = req.num_tokens or max((len(c) for c in req.keys), default=0) * req.chunk_size
-        hit_tokens = min(hit * req.chunk_size, requested)
-        model = self._model_label(req.model)
-        self.metrics.lookups.labels(model).inc()
-        self.metrics.lookup_requested_tokens.labels(model).inc(requested)
-        self.metrics.lookup_hit_tokens.labels(model).inc(hit_tokens)
-        self.stats["lookup_requested_tokens"] += requested
-        self.stats["lookup_hit_tokens"] += hit_tokens
-        return m.LookupReply(rid=req.rid, hit_chunks=hit)
+    def _make_pin(self, entries: list, identity: bytes) -> Pin:
+        return Pin(entries, time.monotonic() + self.config.pin_ttl_s, self.client_pids.get(identity, 0))
 
     def _model_label(self, model: str) -> str:
         """Metric label for a model name from a request: registered models only (a small set
         the operator controls), anything else is "other"."""
         return model if model in self._models else "other"
 
-    def _prefix_len(self, chain: Sequence[bytes]) -> int:
-        n = 0
-        for k in chain:
-            if self.index.ready(k) is None:
-                break
-            n += 1
-        return n
-
-    def _unpin(self, identity: bytes, request: str) -> None:
-        pin = self.pins.pop((identity, request), None)
-        if pin is not None:
-            for e in pin.entries:
-                self.index.release(e)
-
     def _on_end(self, identity: bytes, req: m.EndRequest) -> m.Msg:
         self._unpin(identity, req.request)
         return m.OkReply(rid=req.rid)
-
-    def _on_flush(self, identity: bytes, req: m.Flush) -> m.Msg:
-        if req.tier not in ("", "l1"):
-            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"unknown tier {req.tier!r}; tiers: l1")
-
-        def match(e: Entry) -> bool:
-            return ((not req.model or e.model == req.model)
-                    and (req.cache_salt is None or e.cache_salt == req.cache_salt))
-
-        n, b = self.index.drop_where(match)
-        log.info("flushed %d objects (%d bytes)", n, b)
-        return m.FlushReply(rid=req.rid, objects=n, bytes=b)
 
     def _on_describe(self, identity: bytes, req: m.Describe) -> m.Msg:
         engines = [
@@ -538,7 +481,7 @@ class Daemon(SocketFront, TransferHandlers):
             boot_id=self.boot_id, version=kvdepot.__version__, protocol_version=m.PROTOCOL_VERSION,
             endpoints=list(self.config.endpoints), metrics_port=self.config.metrics_port,
             uptime_s=time.monotonic() - self.started,
-            tiers=[m.TierInfo("l1", self.pool.capacity_bytes, self.pool.used_bytes, len(self.index))],
+            tiers=self._tier_infos(),
             engines=engines, lookup_requested_tokens=self.stats["lookup_requested_tokens"],
             lookup_hit_tokens=self.stats["lookup_hit_tokens"], stored_chunks=self.stats["stored_chunks"],
             retrieved_chunks=self.stats["retrieved_chunks"], evicted_chunks=self.index.evictions,
@@ -547,9 +490,9 @@ class Daemon(SocketFront, TransferHandlers):
 
     _handlers: dict[type, Callable] = {
         m.Hello: _on_hello, m.Ping: _on_ping, m.Register: _on_register, m.Unregister: _on_unregister,
-        m.Lookup: _on_lookup, m.EndRequest: _on_end, m.Store: TransferHandlers._on_store,
+        m.Lookup: Tiering._on_lookup, m.EndRequest: _on_end, m.Store: TransferHandlers._on_store,
         m.Retrieve: TransferHandlers._on_retrieve,
-        m.Flush: _on_flush, m.Describe: _on_describe,
+        m.Flush: Tiering._on_flush, m.Describe: _on_describe,
     }
 
     # ------------------------------------------------------------------ liveness
@@ -581,7 +524,8 @@ class Daemon(SocketFront, TransferHandlers):
                 log.exception("sweep failed")
 
     def sweep(self) -> None:
-        """Reclaim registrations of exited engine processes and expired or orphaned pins."""
+        """Reclaim registrations of exited engine processes and expired or orphaned pins; write
+        L1's least recently used entries ahead to L2 if stores left it short."""
         for reg in list(self.registrations.values()):
             if not _pid_alive(reg.pid):
                 log.warning("engine pid %d of %s exited; reclaiming its registration", reg.pid, reg.id)
@@ -593,6 +537,7 @@ class Daemon(SocketFront, TransferHandlers):
         for ident, pid in list(self.client_pids.items()):
             if not _pid_alive(pid):
                 del self.client_pids[ident]
+        self._spill_ahead()
 
 
 def _endpoint_answers(endpoint: str, timeout_s: float = 0.5) -> bool:

@@ -43,20 +43,23 @@ class Entry:
     size_bytes: int  # object bytes
     model: str  # model label (metrics, flush by model)
     cache_salt: str  # tenant salt (flush by salt)
+    fingerprint: str = ""  # layout fingerprint of the registration that stored it (lower tiers check it)
     state: EntryState = EntryState.WRITING
     readers: int = 0  # in-flight retrieves + lookup pins; > 0 blocks eviction
     children: int = 0  # cached entries whose parent is this one; > 0 blocks eviction
+    linked: bool = False  # counted in its parent's ``children`` (the parent was in L1 when it came)
 
 
 class ChunkIndex:
     """Chunk key -> `Entry`, LRU-ordered, with prefix-aware eviction.
 
     Args:
-        free_fn: called with an entry when its memory may be reused (evicted, flushed,
-            aborted, or doomed and released).
+        free_fn: called as ``free_fn(entry, evicted)`` when an entry's memory may be reused:
+            ``evicted`` True when LRU eviction removed it (a lower tier may keep it), False when
+            flushed, aborted, or doomed and released.
     """
 
-    def __init__(self, free_fn: Callable[[Entry], None]) -> None:
+    def __init__(self, free_fn: Callable[[Entry, bool], None]) -> None:
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # LRU first, MRU last
         self._free = free_fn
         self.evictions = 0
@@ -76,14 +79,17 @@ class ChunkIndex:
 
     # ---------------------------------------------------------------- lifecycle
 
-    def begin_write(self, key: bytes, parent: bytes, offset: int, size_bytes: int, model: str, cache_salt: str) -> Entry:
-        """Add a WRITING entry. The parent (if any) must be in the index."""
+    def begin_write(self, key: bytes, parent: bytes, offset: int, size_bytes: int, model: str, cache_salt: str,
+                    fingerprint: str = "") -> Entry:
+        """Add a WRITING entry. Its parent (if any) is in this index or in a lower tier: only a
+        parent in this index counts the entry as a child (and is kept while it is cached)."""
         assert key not in self._entries, "begin_write on a present key"
-        e = Entry(key, parent, offset, size_bytes, model, cache_salt)
+        e = Entry(key, parent, offset, size_bytes, model, cache_salt, fingerprint)
         if parent:
             p = self._entries.get(parent)
-            assert p is not None, "begin_write without its parent"
-            p.children += 1
+            if p is not None:
+                p.children += 1
+                e.linked = True
         self._entries[key] = e
         return e
 
@@ -106,7 +112,7 @@ class ChunkIndex:
             self.drop_where(lambda x: x.parent == key)
         self._remove(e)
         e.state = None
-        self._free(e)
+        self._free(e, False)
 
     def acquire(self, e: Entry) -> None:
         """Add a reader (blocks eviction). Only READY entries may be read."""
@@ -127,11 +133,12 @@ class ChunkIndex:
 
     # ---------------------------------------------------------------- removal
 
-    def _remove(self, e: Entry) -> None:
+    def _remove(self, e: Entry, evicted: bool = False) -> None:
         if self._entries.get(e.key) is not e:
             return
         del self._entries[e.key]
-        if e.parent:
+        if e.linked:
+            e.linked = False
             p = self._entries.get(e.parent)
             if p is not None:
                 p.children -= 1
@@ -139,18 +146,18 @@ class ChunkIndex:
             # memory is freed by commit/abort of the writer; mark it so commit does not publish it
             return
         e.state = EntryState.DOOMED
-        self._maybe_free(e)
+        self._maybe_free(e, evicted)
 
-    def _maybe_free(self, e: Entry) -> None:
+    def _maybe_free(self, e: Entry, evicted: bool = False) -> None:
         if e.state is EntryState.DOOMED and e.readers == 0:
             e.state = None  # freed; no further transitions
-            self._free(e)
+            self._free(e, evicted)
 
     def evict_one(self) -> Entry | None:
         """Evict the least recently used evictable leaf; None if nothing is evictable."""
         for e in self._entries.values():
             if e.state is EntryState.READY and e.readers == 0 and e.children == 0:
-                self._remove(e)
+                self._remove(e, evicted=True)
                 self.evictions += 1
                 return e
         return None

@@ -118,7 +118,24 @@ class _Family:
         return list(self.cells.items())  # one C-level copy: safe against the loop adding a series
 
 
+class _FnCounterCell:
+    """A counter series read from a function at scrape time (a count kept elsewhere)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], float]) -> None:
+        self.fn = fn
+
+    @property
+    def value(self) -> float:
+        return float(self.fn())
+
+
 class CounterFamily(_Family):
+    def set_function(self, values: tuple[str, ...], fn: Callable[[], float]) -> None:
+        """Report ``fn()`` (a count that only grows, kept elsewhere) as the series of ``values``."""
+        self.cells[tuple(str(v) for v in values)] = _FnCounterCell(fn)
+
     def collect(self) -> Metric:
         fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, cell in self.series():
@@ -188,6 +205,20 @@ class Metrics:
         self.tier_capacity_bytes = GaugeFamily("kvdepot_tier_capacity_bytes", "Capacity of a tier.", ["tier"])
         self.tier_objects = GaugeFamily("kvdepot_tier_objects", "Cached chunk objects.", ["tier"])
         self.evictions = CounterFamily("kvdepot_evictions", "Chunk objects evicted.", ["tier"])
+        self.tier_hits = CounterFamily(
+            "kvdepot_tier_hit_chunks", "Chunks lookups found, by the fastest tier holding them.", ["tier"])
+        self.tier_read_bytes = CounterFamily("kvdepot_tier_read_bytes", "Bytes read from a lower tier.", ["tier"])
+        self.tier_written_bytes = CounterFamily(
+            "kvdepot_tier_written_bytes", "Bytes written to a lower tier.", ["tier"])
+        self.tier_queue_depth = GaugeFamily(
+            "kvdepot_tier_queue_depth", "Writes to a lower tier queued or in progress.", ["tier"])
+        self.tier_dropped_writes = CounterFamily(
+            "kvdepot_tier_dropped_writes", "Writes to a lower tier not made (queue full, no room).", ["tier"])
+        self.tier_errors = CounterFamily(
+            "kvdepot_tier_errors", "I/O errors of a lower tier (the object is dropped, never served).", ["tier"])
+        self.corrupt_objects = CounterFamily(
+            "kvdepot_corrupt_objects", "Objects that failed verification (torn, truncated, stale or flipped "
+            "bytes): dropped, never served.", ["tier"])
         self.store_skipped_chunks = CounterFamily(
             "kvdepot_store_skipped_chunks", "Chunks a store could not keep (parent missing or tier full).",
             ["reason"])
@@ -213,10 +244,13 @@ class Metrics:
         for op in OPS:
             self.transfer_seconds.labels(op)
         for tier in tiers:
-            self.evictions.labels(tier)
-            self.tier_used_bytes.labels(tier)
-            self.tier_capacity_bytes.labels(tier)
-            self.tier_objects.labels(tier)
+            for fam in (self.evictions, self.tier_used_bytes, self.tier_capacity_bytes, self.tier_objects,
+                        self.tier_hits):
+                fam.labels(tier)
+            if tier != "l1":
+                for fam in (self.tier_read_bytes, self.tier_written_bytes, self.tier_queue_depth,
+                            self.tier_dropped_writes, self.tier_errors, self.corrupt_objects):
+                    fam.labels(tier)
         for code in error_codes:
             self.errors.labels(code)
         for reason in skip_reasons:

@@ -219,6 +219,10 @@ class HostPool:
         """Host address of arena offset 0."""
         return self._base_ptr
 
+    def view(self, offset: int, size_bytes: int) -> memoryview:
+        """Writable memoryview of ``size_bytes`` arena bytes at ``offset`` (file I/O)."""
+        return memoryview(self._mmap)[offset : offset + size_bytes]
+
     def buffer(self, offset: int, size_bytes: int) -> torch.Tensor:
         """uint8 view ``[size_bytes]`` of the arena at ``offset``."""
         return self.arena[offset : offset + size_bytes]

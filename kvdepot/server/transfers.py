@@ -49,16 +49,26 @@ class TransferHandlers:
         # the previous ones are in L1. Their children stay invisible until every chunk before
         # them is READY (lookups walk the chain from chunk 0), and an aborted write drops its
         # descendants (`ChunkIndex.abort`), so nothing is ever served without its prefix.
+        # A parent or chunk that only a lower tier (L2) holds counts as present too: the chunk is
+        # not stored again, and its children are stored unlinked (`ChunkIndex.begin_write`).
+        l2 = self.l2
         if parent:
             p = self.index.get(parent)
             if p is None:
-                reason = "parent_missing"
+                if l2 is None or l2.ready(parent) is None:
+                    reason = "parent_missing"
             elif p.state is EntryState.READY:
                 self.index.acquire(p)
                 held.append(p)
         if not reason:
             for j, key in enumerate(req.keys):
                 e = self.index.get(key)
+                if e is None and l2 is not None:
+                    d = l2.ready(key)
+                    if d is not None and d.size_bytes == lay.object_bytes:
+                        present += 1
+                        parent = key
+                        continue
                 if e is not None:
                     if e.size_bytes != lay.object_bytes:
                         reason = "parent_missing"  # another object format under this key: never chain onto it
@@ -72,7 +82,8 @@ class TransferHandlers:
                     if off is None:
                         reason = "capacity"
                         break
-                    new.append((j, self.index.begin_write(key, parent, off, lay.object_bytes, reg.model, req.cache_salt)))
+                    new.append((j, self.index.begin_write(key, parent, off, lay.object_bytes, reg.model, req.cache_salt,
+                                                          lay.fingerprint)))
                 parent = key
         skipped = n - present - len(new)
         if reason:
@@ -116,6 +127,7 @@ class TransferHandlers:
                     return
                 for _, e in new:
                     self.index.commit(e)
+                self._spill_ahead()
                 elapsed_s = time.perf_counter() - t0
                 if not replied:  # before the metrics: a lone store waits for this reply
                     self._reply(identity, reply)
@@ -160,7 +172,9 @@ class TransferHandlers:
         for j, e in new:
             eng.gather(self.pool.buffer(e.offset, e.size_bytes), self._chunk_block_ids(reg, block_ids, j))
 
-    def _on_retrieve(self, identity: bytes, req: m.Retrieve) -> m.Msg | None:
+    def _on_retrieve(self, identity: bytes, req: m.Retrieve, promote: bool = True) -> m.Msg | None:
+        """``promote``: chunks only L2 holds are read into L1 first (the reply then comes once
+        they are; `Tiering._promotions`)."""
         reg = self._registration(req.registration)
         lay = reg.layout
         n = len(req.keys)
@@ -173,6 +187,11 @@ class TransferHandlers:
                                f"{lay.tokens_per_block} and less than {n * lay.chunk_size}")
         # staged: chunk j's address in the engine's ring (refused here, before acquiring anything)
         staged_ptrs = self._staging_ptrs(reg, req.staging_offset, range(n)) if req.staging_offset >= 0 else None
+        if promote:
+            waits = self._promotions(req.keys, lay.object_bytes)
+            if waits:
+                self._after_promotions(identity, req, waits)
+                return None
         entries: list[Entry] = []
         for key in req.keys:
             e = self.index.ready(key)

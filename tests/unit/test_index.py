@@ -16,13 +16,16 @@ class Freed:
 
     def __init__(self) -> None:
         self.keys: list[bytes] = []
+        self.evicted: list[bytes] = []  # keys freed by LRU eviction (a lower tier may keep them)
         self._entries: list[Entry] = []
 
-    def __call__(self, e: Entry) -> None:
+    def __call__(self, e: Entry, evicted: bool) -> None:
         assert all(x is not e for x in self._entries), f"{e.key!r} freed twice"
         assert e.state is None, "freed while still in a state"
         self._entries.append(e)
         self.keys.append(e.key)
+        if evicted:
+            self.evicted.append(e.key)
 
 
 @pytest.fixture
@@ -303,9 +306,6 @@ def test_checked_transitions(index):
         index.acquire(w)  # not readable while WRITING
     with pytest.raises(AssertionError, match="present key"):
         index.begin_write(k("w"), b"", 0, SIZE, "m", "")
-    with pytest.raises(AssertionError, match="without its parent"):
-        index.begin_write(k("x"), k("missing"), 0, SIZE, "m", "")
-    assert index.get(k("x")) is None
     index.commit(w)
     with pytest.raises(AssertionError, match="commit from"):
         index.commit(w)
@@ -324,3 +324,30 @@ def test_no_transitions_after_free(index):
     for op in (index.commit, index.abort, index.acquire, index.release):
         with pytest.raises(AssertionError):
             op(a)
+
+
+# --------------------------------------------------------------------------- parents in a lower tier
+
+
+def test_parent_in_a_lower_tier_is_not_linked(index, freed):
+    """A chunk whose parent is only in L2 (not in this index) is cached unlinked: evictable as
+    a leaf, and a later copy of the parent in L1 never has its children count touched by it."""
+    c = index.begin_write(k("c"), k("p"), SIZE, SIZE, "m", "")  # p lives in L2 only
+    index.commit(c)
+    assert not c.linked
+    p = put(index, "p")  # p promoted to L1 after its child came
+    assert p.children == 0
+    assert index.evict_one() is c  # c is LRU and a leaf
+    assert p.children == 0 and freed.evicted == [k("c")]
+    d = put(index, "d", "p")
+    assert d.linked and p.children == 1
+    assert index.evict_one() is d  # p is not a leaf while d is cached
+    assert p.children == 0
+
+
+def test_free_fn_tells_eviction_from_flush(index, freed):
+    put(index, "a")
+    put(index, "b")
+    assert index.evict_one().key == k("a")
+    index.drop_where(lambda e: True)
+    assert freed.keys == [k("a"), k("b")] and freed.evicted == [k("a")]

@@ -1,0 +1,318 @@
+"""Tiers behind the chunk index: L1 allocation and eviction, the L2 disk tier (spill on
+eviction, promotion on a hit), lookups and their pins across tiers, flush and the tiers' part
+of describe and /metrics. A mixin of `kvdepot.server.daemon.Daemon`.
+
+Objects move down only by eviction: an L1 victim is written to L2 (write-behind; its L1 extent
+stays allocated until written, at most ``l2_queue_bytes`` of them, beyond which the write is
+dropped and counted) unless L2 already holds its key. They move up by promotion: a retrieve
+(or a lookup that pins its hits, as vLLM's scheduler does, ahead of the retrieve) that finds
+chunks in L2 but not in L1 reads them into new L1 entries, WRITING until the read is verified,
+and the retrieve goes on once they are READY. A chunk is served only from L1, so every
+byte an engine receives comes from a verified read. Lookups walk a chain from chunk 0 through
+either tier: a chunk counts when L1 or L2 holds it READY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from kvdepot.protocol import messages as m
+from kvdepot.protocol.errors import ErrorCode, RequestError
+from kvdepot.server.disk import DiskEntry, DiskTier
+from kvdepot.server.index import Entry, EntryState
+from kvdepot.server.objfile import padded
+
+log = logging.getLogger("kvdepot.daemon")
+
+# L1 bytes kept free or already in L2 (so evictable at once) while the disk keeps up
+_CLEAN_FRACTION = 0.25
+
+
+class Tiering:
+    """Tier logic of the daemon (see the module docstring)."""
+
+    def _init_tiers(self) -> None:
+        cfg = self.config
+        self.l2: DiskTier | None = None
+        if cfg.l2_path:
+            queue = cfg.l2_queue_bytes or min(2 << 30, max(self.pool.capacity_bytes // 8, 1))
+            self.l2 = DiskTier(cfg.l2_path, cfg.l2_capacity_bytes, queue, cfg.l2_io_threads, cfg.l2_direct_io)
+        self.tier_names = ("l1", "l2") if self.l2 is not None else ("l1",)
+        self.tier_hits = dict.fromkeys(self.tier_names, 0)
+        self._promoting: dict[bytes, asyncio.Future] = {}  # key -> resolves True once READY in L1
+        self._tasks: set[asyncio.Task] = set()
+        self._spill_pending = False
+
+    def _bind_tier_metrics(self) -> None:
+        """Tier gauges and lower tiers' counters are read at scrape time (nothing to update per
+        request)."""
+        mt = self.metrics
+        mt.tier_capacity_bytes.labels("l1").set(self.pool.capacity_bytes)
+        mt.tier_used_bytes.labels("l1").set_function(lambda: self.pool.used_bytes)
+        mt.tier_objects.labels("l1").set_function(lambda: len(self.index))
+        for tier in self.tier_names:
+            mt.tier_hits.set_function((tier,), lambda tier=tier: self.tier_hits[tier])
+        l2 = self.l2
+        if l2 is None:
+            return
+        mt.tier_capacity_bytes.labels("l2").set(l2.capacity_bytes)
+        mt.tier_used_bytes.labels("l2").set_function(lambda: l2.used_bytes)
+        mt.tier_objects.labels("l2").set_function(lambda: len(l2))
+        mt.tier_queue_depth.labels("l2").set_function(lambda: l2.queued_writes)
+        c = l2.counters
+        for fam, attr in ((mt.tier_read_bytes, "read_bytes"), (mt.tier_written_bytes, "written_bytes"),
+                          (mt.tier_dropped_writes, "dropped_writes"), (mt.tier_errors, "errors"),
+                          (mt.corrupt_objects, "corrupt"), (mt.evictions, "evictions")):
+            fam.set_function(("l2",), lambda attr=attr: getattr(c, attr))
+
+    async def _open_tiers(self) -> None:
+        """Open L2 (lock, scan) off the loop, before anything is served.
+
+        Raises:
+            OSError: the L2 directory is unusable or used by another daemon.
+        """
+        if self.l2 is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.l2.open)
+            self.l2.attach(asyncio.get_running_loop())
+
+    def _close_tiers(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        if self.l2 is not None:
+            self.l2.close()
+
+    # ------------------------------------------------------------------ L1 memory
+
+    def _alloc(self, size_bytes: int) -> int | None:
+        """An L1 extent, evicting least recently used leaves (to L2 where there is one) until it
+        fits; None when nothing more is evictable."""
+        if size_bytes > self.pool.allocator.segment_bytes:
+            return None  # can never fit: evicting would only empty the cache for nothing
+        while True:
+            off = self.pool.alloc(size_bytes)
+            if off is not None:
+                return off
+            victim = self.index.evict_one()
+            if victim is None:
+                return None
+            self.metrics.evictions.labels("l1").inc()
+
+    def _free_entry(self, e: Entry, evicted: bool) -> None:
+        """The index no longer needs ``e``'s extent: an evicted entry is written to L2 first
+        (the extent is freed once written), anything else is freed now."""
+        l2 = self.l2
+        if evicted and l2 is not None and l2.write(
+                e.key, e.parent, e.model, e.cache_salt, e.fingerprint,
+                self.pool.view(e.offset, padded(e.size_bytes)), e.size_bytes, lambda: self.pool.free(e.offset)):
+            return
+        self.pool.free(e.offset)
+
+    def _spill_ahead(self, max_scan: int = 512) -> None:
+        """Write least recently used L1 entries to L2 ahead of their eviction, while they stay
+        in L1 and readable (held as a reader until written), until L1's free bytes plus its
+        bytes already in L2 reach `_CLEAN_FRACTION` of L1 (at least the write queue's bound),
+        with at most the queue's bound of writes in flight: a store that needs room then evicts
+        entries L2 already holds, which frees memory at once, instead of queueing (or dropping)
+        writes of dirty ones. Runs after stores and promotions, whenever one of its writes
+        ends (so it keeps going while the disk keeps up), and from the sweeper."""
+        l2 = self.l2
+        if l2 is None:
+            return
+        pool = self.pool
+        target = max(l2.queue_limit_bytes, int(pool.capacity_bytes * _CLEAN_FRACTION))
+        need = target - (pool.usable_bytes - pool.used_bytes)
+        for i, e in enumerate(self.index.entries()):  # least recently used first
+            if need <= 0 or i >= max_scan:
+                return
+            if e.state is not EntryState.READY:
+                continue
+            if l2.get(e.key) is None:
+                if l2.queued_bytes + padded(e.size_bytes) > l2.queue_limit_bytes:
+                    return
+                self.index.acquire(e)
+                if not l2.write(e.key, e.parent, e.model, e.cache_salt, e.fingerprint,
+                                pool.view(e.offset, padded(e.size_bytes)), e.size_bytes,
+                                lambda e=e: self._spilled_ahead(e)):
+                    self.index.release(e)
+                    return
+            need -= padded(e.size_bytes)
+
+    def _spilled_ahead(self, e: Entry) -> None:
+        self.index.release(e)
+        if not self._spill_pending:  # one continuation per loop turn, however many writes ended
+            self._spill_pending = True
+            self._loop.call_soon(self._spill_continue)
+
+    def _spill_continue(self) -> None:
+        self._spill_pending = False
+        self._spill_ahead()
+
+    # ------------------------------------------------------------------ lookups and pins
+
+    def _find(self, key: bytes, size_bytes: int | None = None) -> Entry | DiskEntry | None:
+        """The READY object of ``key`` in the fastest tier holding it (of ``size_bytes``, if given)."""
+        e = self.index.ready(key)
+        if e is None and self.l2 is not None:
+            e = self.l2.ready(key)
+        if e is not None and size_bytes is not None and e.size_bytes != size_bytes:
+            return None
+        return e
+
+    def _acquire(self, e: Entry | DiskEntry) -> None:
+        (self.index if isinstance(e, Entry) else self.l2).acquire(e)
+
+    def _release(self, e: Entry | DiskEntry) -> None:
+        (self.index if isinstance(e, Entry) else self.l2).release(e)
+
+    def _on_lookup(self, identity: bytes, req: m.Lookup) -> m.Msg:
+        found: list[list[Entry | DiskEntry]] = []
+        for chain in req.keys:
+            got = []
+            for k in chain:
+                e = self._find(k)
+                if e is None:
+                    break
+                got.append(e)
+            found.append(got)
+        hit = min((len(f) for f in found), default=0)
+        if req.pin_request:
+            self._unpin(identity, req.pin_request)
+            if hit:
+                entries = [e for f in found for e in f[:hit]]
+                for e in entries:
+                    self._acquire(e)
+                self.pins[(identity, req.pin_request)] = self._make_pin(entries, identity)
+        for chain, f in zip(req.keys, found):
+            self.index.touch_chain(chain[:hit])
+            if self.l2 is not None:
+                self.l2.touch_chain(chain[:hit])
+            for e in f[:hit]:
+                self.tier_hits["l1" if isinstance(e, Entry) else "l2"] += 1
+            if req.pin_request and self.l2 is not None:  # vLLM's scheduler: the retrieve follows
+                for e in f[:hit]:
+                    if isinstance(e, DiskEntry):
+                        self._promote(e)
+        # without num_tokens the prompt is taken to be the whole chunks asked about, so that
+        # hit tokens never exceed requested tokens (hit rate <= 1)
+        requested = req.num_tokens or max((len(c) for c in req.keys), default=0) * req.chunk_size
+        hit_tokens = min(hit * req.chunk_size, requested)
+        model = self._model_label(req.model)
+        self.metrics.lookups.labels(model).inc()
+        self.metrics.lookup_requested_tokens.labels(model).inc(requested)
+        self.metrics.lookup_hit_tokens.labels(model).inc(hit_tokens)
+        self.stats["lookup_requested_tokens"] += requested
+        self.stats["lookup_hit_tokens"] += hit_tokens
+        return m.LookupReply(rid=req.rid, hit_chunks=hit)
+
+    def _unpin(self, identity: bytes, request: str) -> None:
+        pin = self.pins.pop((identity, request), None)
+        if pin is not None:
+            for e in pin.entries:
+                self._release(e)
+
+    # ------------------------------------------------------------------ promotion (L2 -> L1)
+
+    def _promote(self, d: DiskEntry) -> asyncio.Future:
+        """Read ``d`` into a new L1 entry; the future resolves True once it is READY in L1,
+        False if it could not be (no L1 room, a bad file: nothing is served from it)."""
+        fut = self._promoting.get(d.key)
+        if fut is not None:
+            return fut
+        fut = self._loop.create_future()
+        if self.index.get(d.key) is not None:  # READY, or being written by a store
+            fut.set_result(self.index.ready(d.key) is not None)
+            return fut
+        l2 = self.l2
+        l2.acquire(d)  # an L1 eviction below may spill into L2 and evict there: not this one
+        try:
+            off = self._alloc(d.size_bytes)
+            if off is None:
+                fut.set_result(False)
+                return fut
+            e = self.index.begin_write(d.key, d.parent, off, d.size_bytes, d.model, d.cache_salt, d.fingerprint)
+            self._promoting[d.key] = fut
+
+            def done(err: BaseException | None) -> None:
+                del self._promoting[d.key]
+                if err is None:
+                    self.index.commit(e)
+                    self._spill_ahead()
+                else:
+                    self.index.abort(e)
+                fut.set_result(err is None)
+
+            l2.read(d, self.pool.view(off, padded(d.size_bytes)), done)
+        finally:
+            l2.release(d)
+        return fut
+
+    def _promotions(self, keys: Sequence[bytes], size_bytes: int) -> list[asyncio.Future]:
+        """Promotions the leading chunks of ``keys`` wait for (started here where needed);
+        empty when they are all in L1 (or missing)."""
+        if self.l2 is None:
+            return []
+        waits = []
+        for k in keys:
+            if self.index.ready(k) is not None:
+                continue
+            fut = self._promoting.get(k)
+            if fut is None:
+                d = self.l2.ready(k)
+                if d is None or d.size_bytes != size_bytes:
+                    break
+                fut = self._promote(d)
+            waits.append(fut)
+        return waits
+
+    def _after_promotions(self, identity: bytes, req: m.Retrieve, waits: list[asyncio.Future]) -> None:
+        """Run the retrieve once its chunks' promotions ended (whatever they found: the retrieve
+        then serves the leading chunks L1 holds)."""
+
+        async def run() -> None:
+            await asyncio.gather(*waits)
+            try:
+                reply = self._on_retrieve(identity, req, promote=False)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
+                self._reply_error(identity, req.rid, exc)
+                return
+            if reply is not None:
+                self._reply(identity, reply)
+
+        task = self._loop.create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ flush, describe
+
+    def _on_flush(self, identity: bytes, req: m.Flush) -> m.Msg:
+        if req.tier not in ("", *self.tier_names):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                               f"unknown tier {req.tier!r}; this daemon's tiers: {', '.join(self.tier_names)}")
+
+        def match(e: Entry | DiskEntry) -> bool:
+            return ((not req.model or e.model == req.model)
+                    and (req.cache_salt is None or e.cache_salt == req.cache_salt))
+
+        n = b = 0
+        if req.tier in ("", "l1"):
+            n, b = self.index.drop_where(match)
+        if self.l2 is not None and req.tier in ("", "l2"):
+            n2, b2 = self.l2.drop_where(match)
+            n, b = n + n2, b + b2
+        log.info("flushed %d objects (%d bytes)%s", n, b, f" from {req.tier}" if req.tier else "")
+        return m.FlushReply(rid=req.rid, objects=n, bytes=b)
+
+    def _tier_infos(self) -> list[m.TierInfo]:
+        out = [m.TierInfo("l1", self.pool.capacity_bytes, self.pool.used_bytes, len(self.index),
+                          hit_chunks=self.tier_hits["l1"], evictions=self.index.evictions)]
+        l2 = self.l2
+        if l2 is not None:
+            c = l2.counters
+            out.append(m.TierInfo(
+                "l2", l2.capacity_bytes, l2.used_bytes, len(l2), hit_chunks=self.tier_hits["l2"],
+                evictions=c.evictions, read_bytes=c.read_bytes, written_bytes=c.written_bytes,
+                queue_depth=l2.queued_writes, dropped_writes=c.dropped_writes, errors=c.errors,
+                corrupt_objects=c.corrupt, detail=f"{l2.path} ({'O_DIRECT' if l2.direct_io else 'buffered'} I/O)"))
+        return out
