@@ -6,7 +6,11 @@ L2: the tier itself (`kvdepot.server.disk.DiskTier`, as the daemon drives it fro
 loop): objects of one chunk size written (header, xxh3-128 of the payload, tmp file, rename),
 then read back and verified; GB/s count payload bytes. Each figure is the best of ``repeats``.
 
-    python benchmarks/tiers.py [--dir DIR] [--total-bytes 2g] [--object-bytes 32m,2m] [--out r.json]
+L3 (``--l3`` or ``--l3-url``): the tier (`kvdepot.server.remote.RemoteTier`: values built and
+verified on its own thread) next to raw SET / GET of values of the same size through redis-py's
+asyncio client with the same number in flight.
+
+    python benchmarks/tiers.py [--dir DIR] [--total-bytes 2g] [--object-bytes 32m,2m] [--l3] [--out r.json]
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import json
 import mmap
 import os
 import shutil
+import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -127,6 +133,119 @@ def l2_tier(path: str, total_bytes: int, object_bytes: int, threads: int, direct
         loop.close()
 
 
+def _redis_server(workdir: str) -> tuple[subprocess.Popen, str]:
+    """A throwaway redis-server (no persistence) on a free local port."""
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    binary = shutil.which("redis-server") or shutil.which("valkey-server")
+    if binary is None:
+        raise SystemExit("--l3 needs redis-server (apt-get install redis-server) or --l3-url")
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    import redis
+
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis.from_url(url, socket_connect_timeout=0.2).ping()
+            return proc, url
+        except redis.RedisError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.05)
+
+
+def l3_raw(url: str, total_bytes: int, object_bytes: int, concurrency: int) -> dict:
+    """redis-benchmark style: SET then GET of ``total_bytes`` in values of header + object
+    bytes, ``concurrency`` commands in flight, with redis-py's asyncio client (hiredis)."""
+    import redis.asyncio as ra
+
+    n = max(1, total_bytes // object_bytes)
+    value = os.urandom(object_bytes + 4096)
+
+    async def run() -> tuple[float, float]:
+        r = ra.Redis.from_url(url)
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(fn):
+            async with sem:
+                return await fn()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(lambda i=i: r.set(f"raw:{i}", value)) for i in range(n)))
+        w = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(one(lambda i=i: r.get(f"raw:{i}")) for i in range(n)))
+        rd = time.perf_counter() - t0
+        assert all(len(g) == len(value) for g in got)
+        await r.flushdb()
+        await r.aclose()
+        return w, rd
+
+    w, rd = asyncio.run(run())
+    return {"write_gbps": n * object_bytes / w / 1e9, "read_gbps": n * object_bytes / rd / 1e9}
+
+
+def l3_tier(url: str, total_bytes: int, object_bytes: int, concurrency: int) -> dict:
+    """The L3 tier (`kvdepot.server.remote.RemoteTier`) driven from an event loop as the daemon
+    drives it: ``total_bytes`` of objects written, then fetched and verified, ``concurrency``
+    fetches in flight."""
+    from kvdepot.server.objfile import ObjectMeta
+    from kvdepot.server.remote import RemoteTier
+
+    n = max(1, total_bytes // object_bytes)
+    loop = asyncio.new_event_loop()
+    tier = RemoteTier(url, prefix="bench:", ttl_s=600, queue_bytes=(n + 1) * object_bytes, timeout_s=30)
+    tier.open(loop)
+    src = memoryview(os.urandom(object_bytes))
+    keys = [i.to_bytes(16, "little") for i in range(n)]
+    try:
+        async def write_all() -> float:
+            done, left = asyncio.Event(), [n]
+
+            def one() -> None:
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+
+            t0 = time.perf_counter()
+            for k in keys:
+                assert tier.write(ObjectMeta(k, b"", "bench", "", "fp", object_bytes, b""), src, one)
+            await done.wait()
+            return time.perf_counter() - t0
+
+        async def read_all() -> float:
+            outs = [bytearray(object_bytes) for _ in range(concurrency)]
+            sem = asyncio.Semaphore(concurrency)
+            t0 = time.perf_counter()
+
+            async def one(i: int, k: bytes) -> None:
+                async with sem:
+                    fut = loop.create_future()
+                    tier.fetch(k, object_bytes, memoryview(outs[i % concurrency]),
+                               lambda meta, err: fut.set_result(err))
+                    err = await fut
+                    assert err is None, err
+
+            await asyncio.gather(*(one(i, k) for i, k in enumerate(keys)))
+            return time.perf_counter() - t0
+
+        w = loop.run_until_complete(write_all())
+        assert tier.counters.errors == 0, tier.counters
+        r = loop.run_until_complete(read_all())
+        assert tier.counters.corrupt == 0
+        flushed = loop.create_future()
+        tier.flush(flushed.set_result)
+        loop.run_until_complete(flushed)
+        return {"objects": n, "write_gbps": n * object_bytes / w / 1e9, "read_gbps": n * object_bytes / r / 1e9}
+    finally:
+        tier.close()
+        loop.close()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="", help="directory on the disk to measure (default: a temporary one)")
@@ -135,6 +254,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=4, help="I/O threads (L2's default)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--buffered", action="store_true", help="L2 and raw without O_DIRECT")
+    ap.add_argument("--l3", action="store_true", help="also L3, on a throwaway local redis-server")
+    ap.add_argument("--l3-url", default="", help="also L3, on this Redis (its keys bench:* and raw:* are used)")
+    ap.add_argument("--l3-total-bytes", type=parse_bytes, default=512 << 20)
+    ap.add_argument("--l3-concurrency", type=int, default=8)
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     base = tempfile.mkdtemp(prefix="kvdepot-tiers-", dir=args.dir or None)
@@ -160,6 +283,26 @@ def main(argv=None) -> int:
             print(f"L2 objects of {size >> 20} MiB x {r['objects']} ({'O_DIRECT' if r['direct_io'] else 'buffered'}): "
                   f"write {r['write_gbps']:.2f} GB/s = {100 * r['write_vs_raw']:.1f}% of raw, "
                   f"read {r['read_gbps']:.2f} GB/s = {100 * r['read_vs_raw']:.1f}% of raw")
+        if args.l3 or args.l3_url:
+            server, url = (None, args.l3_url) if args.l3_url else _redis_server(base)
+            try:
+                res["l3"] = []
+                for size in [parse_bytes(s) for s in args.object_bytes.split(",")]:
+                    raws = [l3_raw(url, args.l3_total_bytes, size, args.l3_concurrency) for _ in range(args.repeats)]
+                    tiers = [l3_tier(url, args.l3_total_bytes, size, args.l3_concurrency) for _ in range(args.repeats)]
+                    r = {"object_bytes": size, "raw_write_gbps": best(raws, "write_gbps"),
+                         "raw_read_gbps": best(raws, "read_gbps"), "write_gbps": best(tiers, "write_gbps"),
+                         "read_gbps": best(tiers, "read_gbps")}
+                    r["write_vs_raw"] = r["write_gbps"] / r["raw_write_gbps"]
+                    r["read_vs_raw"] = r["read_gbps"] / r["raw_read_gbps"]
+                    res["l3"].append(r)
+                    print(f"L3 objects of {size >> 20} MiB: write {r['write_gbps']:.2f} GB/s = "
+                          f"{100 * r['write_vs_raw']:.1f}% of raw SET {r['raw_write_gbps']:.2f}, read "
+                          f"{r['read_gbps']:.2f} GB/s = {100 * r['read_vs_raw']:.1f}% of raw GET {r['raw_read_gbps']:.2f}")
+            finally:
+                if server is not None:
+                    server.kill()
+                    server.wait()
     finally:
         shutil.rmtree(base, ignore_errors=True)
     if args.out:

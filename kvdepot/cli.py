@@ -48,7 +48,9 @@ def cmd_serve(args) -> int:
         metrics_addr=v["metrics_addr"], pin_ttl_s=v["pin_ttl_s"], transfer_threads=v["transfer_threads"],
         staging_batch_bytes=v["staging_batch_bytes"], pin_l1=v["pin_l1"], busy_poll_us=v["busy_poll_us"],
         curve=curve, l2_path=v["l2_path"], l2_capacity_bytes=v["l2_bytes"], l2_queue_bytes=v["l2_queue_bytes"],
-        l2_io_threads=v["l2_io_threads"], l2_direct_io=v["l2_direct_io"])
+        l2_io_threads=v["l2_io_threads"], l2_direct_io=v["l2_direct_io"], l3_url=v["l3_url"],
+        l3_cluster=v["l3_cluster"], l3_prefix=v["l3_prefix"], l3_ttl_s=v["l3_ttl_s"], l3_timeout_s=v["l3_timeout_s"],
+        l3_queue_bytes=v["l3_queue_bytes"])
     run_daemon(cfg)
     return 0
 
@@ -173,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(f)
     f.add_argument("--model", help="only this model's chunks")
     f.add_argument("--cache-salt", default=None, help="only this tenant's chunks ('' = unsalted)")
-    f.add_argument("--tier", help="only this tier (l1, l2; the daemon names its tiers if this is not one)")
+    f.add_argument("--tier", help="only this tier (l1, l2, l3; the daemon names its tiers if this is not one)")
     f.set_defaults(func=cmd_flush)
 
     pg = sub.add_parser("ping", help="check that a daemon answers")

@@ -24,6 +24,7 @@ class ErrorCode(enum.IntEnum):
     DISCONNECTED = 11  # client side only: the daemon closed the connection (it stopped or restarted)
     UNAVAILABLE = 12  # client side only: no daemon listens at the endpoint (connection refused, no socket file)
     FORBIDDEN = 13  # not allowed over this transport (e.g. shared-memory registration or flush over tcp://)
+    TIER_UNAVAILABLE = 14  # a remote tier (L3) failed or is unreachable; what the other tiers could do was done
 
 
 class KVDepotError(Exception):

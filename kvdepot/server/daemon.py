@@ -79,6 +79,14 @@ class DaemonConfig:
     l2_queue_bytes: int | None = None
     l2_io_threads: int = 4
     l2_direct_io: bool | None = None
+    # (--l3-url, --l3-cluster, --l3-prefix, --l3-ttl-s, --l3-timeout-s, --l3-queue-bytes) the L3
+    # tier on Redis / Valkey (kvdepot.server.remote); no URL = none. queue None = min(1 GiB, L1 / 8)
+    l3_url: str | None = None
+    l3_cluster: bool = False
+    l3_prefix: str = "kvdepot:"
+    l3_ttl_s: float = 86400.0
+    l3_timeout_s: float = 0.5
+    l3_queue_bytes: int | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -179,7 +187,7 @@ class Daemon(SocketFront, TransferHandlers, Tiering):
 
         self.metrics.start(kvdepot.__version__, m.PROTOCOL_VERSION, kernels_source(), tiers=self.tier_names,
                            error_codes=[c.name for c in ErrorCode if c not in _CLIENT_SIDE_CODES],
-                           skip_reasons=STORE_SKIP_REASONS)
+                           skip_reasons=STORE_SKIP_REASONS, unsized=("l3",))
         # kvdepot_requests_total{type}: one cell per request type served, at 0 from the start
         self._request_cells = {t: self.metrics.requests.labels(t.__name__.lower()) for t in self._handlers}
         self.http: HttpEndpoints | None = None

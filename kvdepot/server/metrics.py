@@ -236,16 +236,16 @@ class Metrics:
         self.registry.register(_Collector([v for v in vars(self).values() if isinstance(v, _Family)]))
 
     def start(self, version: str, protocol: int, kernels: str, tiers: Sequence[str], error_codes: Sequence[str],
-              skip_reasons: Sequence[str]) -> None:
+              skip_reasons: Sequence[str], unsized: Sequence[str] = ()) -> None:
         """Create every series that does not depend on a model at zero, so that dashboards and
         alerts see 0 rather than "no data" before the first event: per op, per tier, per error
         code and per store-skip reason; and ``kvdepot_build_info``."""
         self.build_info.labels(version, str(protocol), kernels).set(1)
         for op in OPS:
             self.transfer_seconds.labels(op)
-        for tier in tiers:
-            for fam in (self.evictions, self.tier_used_bytes, self.tier_capacity_bytes, self.tier_objects,
-                        self.tier_hits):
+        for tier in tiers:  # ``unsized``: tiers whose use and capacity are the server's (L3)
+            for fam in (self.tier_hits,) if tier in unsized else (
+                    self.evictions, self.tier_used_bytes, self.tier_capacity_bytes, self.tier_objects, self.tier_hits):
                 fam.labels(tier)
             if tier != "l1":
                 for fam in (self.tier_read_bytes, self.tier_written_bytes, self.tier_queue_depth,

@@ -22,7 +22,8 @@ from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, RequestError
 from kvdepot.server.disk import DiskEntry, DiskTier
 from kvdepot.server.index import Entry, EntryState
-from kvdepot.server.objfile import padded
+from kvdepot.server.objfile import ObjectMeta, padded
+from kvdepot.server.remote import RemoteTier, redact
 
 log = logging.getLogger("kvdepot.daemon")
 
@@ -39,7 +40,11 @@ class Tiering:
         if cfg.l2_path:
             queue = cfg.l2_queue_bytes or min(2 << 30, max(self.pool.capacity_bytes // 8, 1))
             self.l2 = DiskTier(cfg.l2_path, cfg.l2_capacity_bytes, queue, cfg.l2_io_threads, cfg.l2_direct_io)
-        self.tier_names = ("l1", "l2") if self.l2 is not None else ("l1",)
+        self.l3: RemoteTier | None = None
+        if cfg.l3_url:
+            queue = cfg.l3_queue_bytes or min(1 << 30, max(self.pool.capacity_bytes // 8, 1))
+            self.l3 = RemoteTier(cfg.l3_url, cfg.l3_prefix, cfg.l3_ttl_s, queue, cfg.l3_timeout_s, cfg.l3_cluster)
+        self.tier_names = ("l1",) + (("l2",) if self.l2 is not None else ()) + (("l3",) if self.l3 is not None else ())
         self.tier_hits = dict.fromkeys(self.tier_names, 0)
         self._promoting: dict[bytes, asyncio.Future] = {}  # key -> resolves True once READY in L1
         self._tasks: set[asyncio.Task] = set()
@@ -55,17 +60,17 @@ class Tiering:
         for tier in self.tier_names:
             mt.tier_hits.set_function((tier,), lambda tier=tier: self.tier_hits[tier])
         l2 = self.l2
-        if l2 is None:
-            return
-        mt.tier_capacity_bytes.labels("l2").set(l2.capacity_bytes)
-        mt.tier_used_bytes.labels("l2").set_function(lambda: l2.used_bytes)
-        mt.tier_objects.labels("l2").set_function(lambda: len(l2))
-        mt.tier_queue_depth.labels("l2").set_function(lambda: l2.queued_writes)
-        c = l2.counters
-        for fam, attr in ((mt.tier_read_bytes, "read_bytes"), (mt.tier_written_bytes, "written_bytes"),
-                          (mt.tier_dropped_writes, "dropped_writes"), (mt.tier_errors, "errors"),
-                          (mt.corrupt_objects, "corrupt"), (mt.evictions, "evictions")):
-            fam.set_function(("l2",), lambda attr=attr: getattr(c, attr))
+        if l2 is not None:
+            mt.tier_capacity_bytes.labels("l2").set(l2.capacity_bytes)
+            mt.tier_used_bytes.labels("l2").set_function(lambda: l2.used_bytes)
+            mt.tier_objects.labels("l2").set_function(lambda: len(l2))
+        for tier in (t for t in (l2, self.l3) if t is not None):
+            mt.tier_queue_depth.labels(tier.name).set_function(lambda tier=tier: tier.queued_writes)
+            c = tier.counters
+            for fam, attr in ((mt.tier_read_bytes, "read_bytes"), (mt.tier_written_bytes, "written_bytes"),
+                              (mt.tier_dropped_writes, "dropped_writes"), (mt.tier_errors, "errors"),
+                              (mt.corrupt_objects, "corrupt")) + (((mt.evictions, "evictions"),) if tier is l2 else ()):
+                fam.set_function((tier.name,), lambda c=c, attr=attr: getattr(c, attr))
 
     async def _open_tiers(self) -> None:
         """Open L2 (lock, scan) off the loop, before anything is served.
@@ -73,15 +78,21 @@ class Tiering:
         Raises:
             OSError: the L2 directory is unusable or used by another daemon.
         """
+        loop = asyncio.get_running_loop()
         if self.l2 is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.l2.open)
-            self.l2.attach(asyncio.get_running_loop())
+            await loop.run_in_executor(None, self.l2.open)
+            self.l2.attach(loop)
+        if self.l3 is not None:
+            self.l3.open(loop)
+            log.info("L3 at %s (prefix %r, TTL %.0f s)", redact(self.l3.url), self.l3.prefix.decode(), self.l3.ttl_s)
 
     def _close_tiers(self) -> None:
         for t in list(self._tasks):
             t.cancel()
         if self.l2 is not None:
             self.l2.close()
+        if self.l3 is not None:
+            self.l3.close()
 
     # ------------------------------------------------------------------ L1 memory
 
@@ -166,21 +177,51 @@ class Tiering:
     def _release(self, e: Entry | DiskEntry) -> None:
         (self.index if isinstance(e, Entry) else self.l2).release(e)
 
-    def _on_lookup(self, identity: bytes, req: m.Lookup) -> m.Msg:
-        found: list[list[Entry | DiskEntry]] = []
-        for chain in req.keys:
-            got = []
-            for k in chain:
-                e = self._find(k)
-                if e is None:
+    def _walk(self, chain: Sequence[bytes], l3_sizes: dict[bytes, int] | None = None) -> list:
+        """The leading run of ``chain`` that some tier holds: L1 `Entry` / L2 `DiskEntry` objects,
+        and ``(key, payload bytes)`` for chunks only L3 holds (``l3_sizes``, from one round trip)."""
+        got = []
+        for k in chain:
+            e = self._find(k)
+            if e is None:
+                size = l3_sizes.get(k, 0) if l3_sizes else 0
+                if not size:
                     break
-                got.append(e)
-            found.append(got)
+                e = (k, size)
+            got.append(e)
+        return got
+
+    def _on_lookup(self, identity: bytes, req: m.Lookup) -> m.Msg | None:
+        found = [self._walk(chain) for chain in req.keys]
+        l3 = self.l3
+        if l3 is not None and l3.available():
+            # one round trip for every chunk past each chain's L1/L2 run (the reply waits for
+            # it, at most l3_timeout_s; L3 down: answered from L1/L2 at once)
+            ask = [k for chain, f in zip(req.keys, found) for k in chain[len(f):] if self._find(k) is None]
+            if ask:
+                def done(sizes: list[int] | None) -> None:
+                    try:
+                        reply = self._lookup_done(identity, req, None if sizes is None else dict(zip(ask, sizes)))
+                    except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
+                        self._reply_error(identity, req.rid, exc)
+                        return
+                    self._reply(identity, reply)
+
+                l3.sizes(ask, done)
+                return None
+        return self._lookup_done(identity, req, None, found)
+
+    def _lookup_done(self, identity: bytes, req: m.Lookup, l3_sizes: dict[bytes, int] | None,
+                     found: list[list] | None = None) -> m.Msg:
+        """Count the hit (the shortest chain's run), pin its L1/L2 chunks for ``pin_request``,
+        start reading its L2 (pinned lookups) and L3 chunks into L1, and count the metrics."""
+        if found is None:  # after the L3 round trip: walk again (entries may have left meanwhile)
+            found = [self._walk(chain, l3_sizes) for chain in req.keys]
         hit = min((len(f) for f in found), default=0)
         if req.pin_request:
             self._unpin(identity, req.pin_request)
             if hit:
-                entries = [e for f in found for e in f[:hit]]
+                entries = [e for f in found for e in f[:hit] if not isinstance(e, tuple)]
                 for e in entries:
                     self._acquire(e)
                 self.pins[(identity, req.pin_request)] = self._make_pin(entries, identity)
@@ -188,12 +229,16 @@ class Tiering:
             self.index.touch_chain(chain[:hit])
             if self.l2 is not None:
                 self.l2.touch_chain(chain[:hit])
-            for e in f[:hit]:
-                self.tier_hits["l1" if isinstance(e, Entry) else "l2"] += 1
-            if req.pin_request and self.l2 is not None:  # vLLM's scheduler: the retrieve follows
-                for e in f[:hit]:
-                    if isinstance(e, DiskEntry):
+            for j, e in enumerate(f[:hit]):
+                if isinstance(e, Entry):
+                    self.tier_hits["l1"] += 1
+                elif isinstance(e, DiskEntry):
+                    self.tier_hits["l2"] += 1
+                    if req.pin_request:  # vLLM's scheduler: the retrieve follows
                         self._promote(e)
+                else:  # only L3 has it: fetch it now (a retrieve finds it in L1, or waits for it)
+                    self.tier_hits["l3"] += 1
+                    self._promote_l3(e[0], chain[j - 1] if j else b"", e[1], req.model)
         # without num_tokens the prompt is taken to be the whole chunks asked about, so that
         # hit tokens never exceed requested tokens (hit rate <= 1)
         requested = req.num_tokens or max((len(c) for c in req.keys), default=0) * req.chunk_size
@@ -248,18 +293,61 @@ class Tiering:
             l2.release(d)
         return fut
 
+    def _promote_l3(self, key: bytes, parent: bytes, size_bytes: int, model: str) -> asyncio.Future:
+        """Fetch ``key``'s object from L3 into a new L1 entry (as `_promote`); the entry takes
+        its model, salt and fingerprint from the verified header."""
+        fut = self._promoting.get(key)
+        if fut is not None:
+            return fut
+        fut = self._loop.create_future()
+        if self.index.get(key) is not None:
+            fut.set_result(self.index.ready(key) is not None)
+            return fut
+        off = self._alloc(size_bytes)
+        if off is None:
+            fut.set_result(False)
+            return fut
+        e = self.index.begin_write(key, parent, off, size_bytes, model, "")
+        self._promoting[key] = fut
+
+        def done(meta: ObjectMeta | None, err: BaseException | None) -> None:
+            del self._promoting[key]
+            if err is None:
+                e.model, e.cache_salt, e.fingerprint = meta.model, meta.cache_salt, meta.fingerprint
+                self.index.commit(e)
+                self._spill_ahead()
+            else:
+                self.index.abort(e)
+            fut.set_result(err is None)
+
+        self.l3.fetch(key, size_bytes, self.pool.view(off, size_bytes), done)
+        return fut
+
+    def _write_through(self, entries: Sequence[Entry]) -> None:
+        """Send newly stored entries to L3 (each held in L1 until its value is built and sent)."""
+        l3 = self.l3
+        if l3 is None:
+            return
+        for e in entries:
+            if e.state is not EntryState.READY:
+                continue
+            self.index.acquire(e)
+            meta = ObjectMeta(e.key, e.parent, e.model, e.cache_salt, e.fingerprint, e.size_bytes, b"")
+            if not l3.write(meta, self.pool.view(e.offset, e.size_bytes), lambda e=e: self.index.release(e)):
+                self.index.release(e)
+
     def _promotions(self, keys: Sequence[bytes], size_bytes: int) -> list[asyncio.Future]:
         """Promotions the leading chunks of ``keys`` wait for (started here where needed);
         empty when they are all in L1 (or missing)."""
-        if self.l2 is None:
+        if self.l2 is None and self.l3 is None:
             return []
         waits = []
         for k in keys:
             if self.index.ready(k) is not None:
                 continue
-            fut = self._promoting.get(k)
+            fut = self._promoting.get(k)  # an L2 read or L3 fetch in progress
             if fut is None:
-                d = self.l2.ready(k)
+                d = self.l2.ready(k) if self.l2 is not None else None
                 if d is None or d.size_bytes != size_bytes:
                     break
                 fut = self._promote(d)
@@ -286,7 +374,7 @@ class Tiering:
 
     # ------------------------------------------------------------------ flush, describe
 
-    def _on_flush(self, identity: bytes, req: m.Flush) -> m.Msg:
+    def _on_flush(self, identity: bytes, req: m.Flush) -> m.Msg | None:
         if req.tier not in ("", *self.tier_names):
             raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                f"unknown tier {req.tier!r}; this daemon's tiers: {', '.join(self.tier_names)}")
@@ -295,6 +383,10 @@ class Tiering:
             return ((not req.model or e.model == req.model)
                     and (req.cache_salt is None or e.cache_salt == req.cache_salt))
 
+        selective = bool(req.model) or req.cache_salt is not None
+        if req.tier == "l3" and selective:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "L3 keys do not name their model or salt: flush --tier l3 "
+                                                           "drops every object under the L3 prefix, for every daemon")
         n = b = 0
         if req.tier in ("", "l1"):
             n, b = self.index.drop_where(match)
@@ -302,7 +394,20 @@ class Tiering:
             n2, b2 = self.l2.drop_where(match)
             n, b = n + n2, b + b2
         log.info("flushed %d objects (%d bytes)%s", n, b, f" from {req.tier}" if req.tier else "")
-        return m.FlushReply(rid=req.rid, objects=n, bytes=b)
+        if self.l3 is None or req.tier not in ("", "l3") or selective:  # (L3 only when flushed whole)
+            return m.FlushReply(rid=req.rid, objects=n, bytes=b)
+
+        def done(count: int | None) -> None:
+            if count is None:
+                self._reply_error(identity, req.rid, RequestError(
+                    ErrorCode.TIER_UNAVAILABLE, f"L3 at {redact(self.l3.url)} did not flush (see the daemon's log); "
+                                                f"L1 and L2 dropped {n} objects"))
+                return
+            log.info("flushed %d objects from l3", count)
+            self._reply(identity, m.FlushReply(rid=req.rid, objects=n + count, bytes=b))
+
+        self.l3.flush(done)
+        return None
 
     def _tier_infos(self) -> list[m.TierInfo]:
         out = [m.TierInfo("l1", self.pool.capacity_bytes, self.pool.used_bytes, len(self.index),
@@ -315,4 +420,12 @@ class Tiering:
                 evictions=c.evictions, read_bytes=c.read_bytes, written_bytes=c.written_bytes,
                 queue_depth=l2.queued_writes, dropped_writes=c.dropped_writes, errors=c.errors,
                 corrupt_objects=c.corrupt, detail=f"{l2.path} ({'O_DIRECT' if l2.direct_io else 'buffered'} I/O)"))
+        l3 = self.l3
+        if l3 is not None:  # its use and capacity are the server's (INFO memory there)
+            c = l3.counters
+            out.append(m.TierInfo(
+                "l3", 0, 0, 0, hit_chunks=self.tier_hits["l3"], read_bytes=c.read_bytes, written_bytes=c.written_bytes,
+                queue_depth=l3.queued_writes, dropped_writes=c.dropped_writes, errors=c.errors,
+                corrupt_objects=c.corrupt,
+                detail=f"{redact(l3.url)}{' (cluster)' if l3.cluster else ''} prefix {l3.prefix.decode()!r}: {l3.state}"))
         return out

@@ -128,6 +128,7 @@ class TransferHandlers:
                 for _, e in new:
                     self.index.commit(e)
                 self._spill_ahead()
+                self._write_through([e for _, e in new])
                 elapsed_s = time.perf_counter() - t0
                 if not replied:  # before the metrics: a lone store waits for this reply
                     self._reply(identity, reply)

@@ -180,7 +180,7 @@ def test_error_codes_are_stable():
     assert {c.name: c.value for c in ErrorCode} == {
         "MALFORMED": 1, "UNKNOWN_MESSAGE": 2, "VERSION_MISMATCH": 3, "UNKNOWN_REGISTRATION": 4,
         "INVALID_ARGUMENT": 5, "LAYOUT": 6, "ENGINE_MEMORY": 7, "INTERNAL": 8, "TIMEOUT": 9, "UNSUPPORTED": 10,
-            "DISCONNECTED": 11, "UNAVAILABLE": 12, "FORBIDDEN": 13,
+            "DISCONNECTED": 11, "UNAVAILABLE": 12, "FORBIDDEN": 13, "TIER_UNAVAILABLE": 14,
     }
 
 
