@@ -14,7 +14,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
 
 import kv_engine as ke
 from conftest import start_daemon
