@@ -165,8 +165,11 @@ class RemoteTier:
         self._failures += 1
         refused = isinstance(exc, (ConnectionError, OSError)) or "connect" in type(exc).__name__.lower()
         if (self._failures >= _TRIP_FAILURES or refused) and time.monotonic() >= self._open_until:
-            log.warning("L3 at %s failed (%s: %s); skipping it for %.0f s", redact(self.url), what, exc, _RETRY_S)
+            log.warning("L3 at %s failed (%s: %s: %s); skipping it for %.0f s", redact(self.url), what,
+                        type(exc).__name__, exc, _RETRY_S)
             self._open_until = time.monotonic() + _RETRY_S
+        elif self._failures == 1:
+            log.warning("L3 at %s: %s failed: %s: %s", redact(self.url), what, type(exc).__name__, exc)
 
     def _call(self, coro, done: Callable[[object, BaseException | None], None], kind: str = "bulk") -> None:
         """Run ``coro`` on the client's loop (at most so many of its ``kind`` at once, in order
@@ -270,17 +273,17 @@ class RemoteTier:
         name, ttl = self._name(meta.key), self.ttl_s
 
         async def run() -> int:
-            # header then payload as one atomic MULTI (SET + APPEND on one key, one slot): the
-            # payload goes out straight from L1 (no copy); a reader never sees half a value
-            body = payload[:size]
-            hdr = bytearray(HEADER_BYTES)
+            # one SET of header + payload (one copy out of L1, here, off the daemon's loop): a
+            # reader never sees half a value. (SET header + APPEND payload in a MULTI would skip
+            # the copy, but redis-py 8.1's asyncio cluster transactions break the connection
+            # pool's event loop, and Redis then copies the value again to grow the string.)
+            value = bytearray(HEADER_BYTES + size)
+            body = memoryview(value)[HEADER_BYTES:]
+            body[:] = payload[:size]
             encode_header(ObjectMeta(meta.key, meta.parent, meta.model, meta.cache_salt, meta.fingerprint, size,
-                                     payload_checksum(body)), hdr)
-            pipe = self._client.pipeline(transaction=True)
-            pipe.set(name, bytes(hdr), px=int(ttl * 1000) if ttl > 0 else None)
-            pipe.append(name, body)
-            await pipe.execute()
-            return HEADER_BYTES + size
+                                     payload_checksum(body)), value)
+            await self._client.set(name, memoryview(value), px=int(ttl * 1000) if ttl > 0 else None)
+            return len(value)
 
         def back(n, exc) -> None:
             self.queued_bytes -= size
@@ -301,13 +304,14 @@ class RemoteTier:
 
         async def run() -> int:
             n, batch = 0, []
-            async for name in self._client.scan_iter(match=self.prefix + b"*", count=1000):
+            kw = {"target_nodes": self._client.PRIMARIES} if self.cluster else {}  # every node's keys
+            async for name in self._client.scan_iter(match=self.prefix + b"*", count=1000, **kw):
                 batch.append(name)
                 if len(batch) >= 1000:
-                    n += await self._client.unlink(*batch) if not self.cluster else await self._unlink_each(batch)
+                    n += await self._client.unlink(*batch)  # (a cluster client splits it by slot)
                     batch = []
             if batch:
-                n += await self._client.unlink(*batch) if not self.cluster else await self._unlink_each(batch)
+                n += await self._client.unlink(*batch)
             return n
 
         def back(n, exc) -> None:
@@ -319,9 +323,3 @@ class RemoteTier:
             done(n)
 
         self._call(run(), back, "admin")
-
-    async def _unlink_each(self, names: list[bytes]) -> int:
-        pipe = self._client.pipeline(transaction=False)
-        for n in names:  # one slot per key in a cluster
-            pipe.unlink(n)
-        return sum(await pipe.execute())

@@ -30,6 +30,8 @@ class RedisServer:
             pytest.skip("redis-server is not installed (apt-get install redis-server)")
         self.binary, self.workdir, self.extra = binary, workdir, extra
         self.port = free_port()
+        while self.port > 55000:  # a cluster node's bus port is port + 10000
+            self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
         workdir.mkdir(parents=True, exist_ok=True)

@@ -165,3 +165,47 @@ def test_flush_l3(daemon_factory, redis):
         with pytest.raises(KVDepotError) as ei:
             eng.client.flush()
         assert ei.value.code is ErrorCode.TIER_UNAVAILABLE
+
+
+@pytest.fixture
+def redis_cluster(tmp_path):
+    """Three redis-server nodes made one Redis Cluster (no replicas) with redis-cli."""
+    import shutil
+    import subprocess
+
+    nodes = [RedisServer(tmp_path / f"node{i}", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                         "--cluster-node-timeout", "2000") for i in range(3)]
+    try:
+        cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
+        assert cli, "redis-cli comes with the redis-server package"
+        r = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
+                            "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        deadline = time.monotonic() + 30
+        while not all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in nodes):
+            assert time.monotonic() < deadline, "the cluster did not converge"
+            time.sleep(0.1)
+        yield nodes
+    finally:
+        for n in nodes:
+            n.kill()
+
+
+def test_two_daemons_share_through_a_redis_cluster(daemon_factory, redis_cluster):
+    url = redis_cluster[0].url
+    args = ("--l3-url", url, "--l3-cluster", "--l3-prefix", "test:kv:")
+    d1, d2 = daemon_factory(*args), daemon_factory(*args)
+    spec1 = small_spec(d1.endpoint, 5500, num_blocks=2 * N)
+    spec2 = dataclasses.replace(small_spec(d2.endpoint, 5501, num_blocks=2 * N), layout="LBHNC")
+    with ke.Engine(spec1) as a, ke.Engine(spec2) as b:
+        keys = a.keys(ke.prompt_tokens(60, N * 16))
+        assert a.client.store(a.reg, keys, blocks(*range(N))).stored == N
+        settle(a.client)
+        assert tier(a.client, "l3").errors == 0
+        per_node = [len(n.client().keys("test:kv:*")) for n in redis_cluster]
+        assert sum(per_node) == N and sum(1 for x in per_node if x) >= 2, per_node  # spread over the slots
+        assert b.client.lookup(keys, 16) == N
+        assert b.client.retrieve(b.reg, keys, blocks(*range(N, 2 * N))) == N
+        assert_same_tokens(a, range(N), b, range(N, 2 * N))
+        assert b.client.flush(tier="l3").objects == N
+        assert sum(len(n.client().keys("test:kv:*")) for n in redis_cluster) == 0
