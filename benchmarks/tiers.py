@@ -29,7 +29,7 @@ import time
 
 from kvdepot.config import parse_bytes
 from kvdepot.server.disk import DiskTier
-from kvdepot.server.objfile import padded
+from kvdepot.server.objfile import HEADER_BYTES, padded
 
 _RAW_REQUEST_BYTES = 32 << 20
 
@@ -131,6 +131,50 @@ def l2_tier(path: str, total_bytes: int, object_bytes: int, threads: int, direct
     finally:
         tier.close()
         loop.close()
+
+
+def l2_scan(path: str, objects: int) -> dict:
+    """Start-up scan of an L2 directory of ``objects`` small objects (4 KiB payloads): the time
+    `DiskTier.open` takes to index them with no file page cached (``posix_fadvise(DONTNEED)``
+    on every file: cold, as after a reboot or any restart following O_DIRECT writes), then
+    once more with their headers cached (warm)."""
+    tier = DiskTier(path, capacity_bytes=objects * (3 * HEADER_BYTES), queue_bytes=objects * 2 * HEADER_BYTES)
+    tier.open()
+    loop = asyncio.new_event_loop()
+    tier.attach(loop)
+    src = mmap.mmap(-1, HEADER_BYTES)
+    src.write(os.urandom(HEADER_BYTES))
+    try:
+        async def write_all() -> None:
+            done, left = asyncio.Event(), [objects]
+
+            def one() -> None:
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+
+            for i in range(objects):
+                assert tier.write(i.to_bytes(16, "little"), b"", "bench", "", "fp", memoryview(src), HEADER_BYTES, one)
+            await done.wait()
+
+        loop.run_until_complete(write_all())
+    finally:
+        tier.close()
+        loop.close()
+    out = {"objects": objects}
+    for d, _, names in os.walk(path):  # (O_DIRECT writes leave nothing cached anyway)
+        for name in names:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+    for kind in ("cold", "warm"):  # a restart, then a second one (headers now cached)
+        tier = DiskTier(path, capacity_bytes=objects * (3 * HEADER_BYTES), queue_bytes=HEADER_BYTES)
+        t0 = time.perf_counter()
+        found = tier.open()
+        out[f"{kind}_s"] = time.perf_counter() - t0
+        tier.close()
+        assert found == objects, (found, objects)
+    return out
 
 
 def _redis_server(workdir: str) -> tuple[subprocess.Popen, str]:
@@ -258,6 +302,8 @@ def main(argv=None) -> int:
     ap.add_argument("--l3-url", default="", help="also L3, on this Redis (its keys bench:* and raw:* are used)")
     ap.add_argument("--l3-total-bytes", type=parse_bytes, default=512 << 20)
     ap.add_argument("--l3-concurrency", type=int, default=8)
+    ap.add_argument("--scan-objects", type=int, default=20000,
+                    help="objects in the L2 start-up scan measurement (0: skip it)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     base = tempfile.mkdtemp(prefix="kvdepot-tiers-", dir=args.dir or None)
@@ -283,6 +329,12 @@ def main(argv=None) -> int:
             print(f"L2 objects of {size >> 20} MiB x {r['objects']} ({'O_DIRECT' if r['direct_io'] else 'buffered'}): "
                   f"write {r['write_gbps']:.2f} GB/s = {100 * r['write_vs_raw']:.1f}% of raw, "
                   f"read {r['read_gbps']:.2f} GB/s = {100 * r['read_vs_raw']:.1f}% of raw")
+        if args.scan_objects:
+            res["scan"] = l2_scan(os.path.join(base, "scan"), args.scan_objects)
+            sc = res["scan"]
+            print(f"L2 start-up scan of {sc['objects']} objects: {sc['cold_s']:.2f} s cold "
+                  f"({1e6 * sc['cold_s'] / sc['objects']:.0f} us per object), {sc['warm_s']:.2f} s with headers cached")
+            shutil.rmtree(os.path.join(base, "scan"))
         if args.l3 or args.l3_url:
             server, url = (None, args.l3_url) if args.l3_url else _redis_server(base)
             try:

@@ -146,15 +146,21 @@ class DiskTier:
         for name in os.listdir(self._tmp):
             _unlink(os.path.join(self._tmp, name))
         self.direct_io = self._probe_direct_io() if self.direct_io_wanted is not False else False
-        found: list[tuple[int, DiskEntry]] = []
+        paths = []
         for sub in sorted(os.listdir(self._objects)):
             d = os.path.join(self._objects, sub)
-            if not os.path.isdir(d):
-                continue
-            for name in os.listdir(d):
-                e = self._scan_one(os.path.join(d, name))
-                if e is not None:
-                    found.append(e)
+            if os.path.isdir(d):
+                paths.extend(os.path.join(d, name) for name in os.listdir(d))
+        # the headers are read by the I/O threads: on a cold disk each is a random 4 KiB read,
+        # and several in flight hide their latency (measured: benchmarks/tiers.py, "start-up scan")
+        found: list[tuple[int, DiskEntry]] = []
+        for got in self._pool.map(self._scan_one, paths, chunksize=64):
+            if isinstance(got, tuple):
+                found.append(got)
+            elif got == "corrupt":
+                self.counters.corrupt += 1
+            else:
+                self.counters.errors += 1
         found.sort(key=lambda x: x[0])  # oldest first: LRU order
         for _, e in found:
             old = self._entries.pop(e.key, None)
@@ -171,7 +177,9 @@ class DiskTier:
                  self.used_bytes, self.capacity_bytes, "O_DIRECT" if self.direct_io else "buffered")
         return len(self._entries)
 
-    def _scan_one(self, path: str) -> tuple[int, DiskEntry] | None:
+    def _scan_one(self, path: str) -> tuple[int, DiskEntry] | str:
+        """(mtime, entry) of the object file at ``path``, or "corrupt" (the file was removed)
+        or "error" (it could not be read). Runs on an I/O thread."""
         try:
             with open(path, "rb", buffering=0) as f:
                 st = os.fstat(f.fileno())
@@ -180,13 +188,11 @@ class DiskTier:
                 raise CorruptObject("file name does not match its key")
         except CorruptObject as exc:
             log.warning("L2: dropping %s: %s", path, exc)
-            self.counters.corrupt += 1
             _unlink(path)
-            return None
+            return "corrupt"
         except OSError as exc:
             log.warning("L2: cannot read %s: %s", path, exc)
-            self.counters.errors += 1
-            return None
+            return "error"
         return st.st_mtime_ns, DiskEntry(meta.key, meta.parent, meta.model, meta.cache_salt, meta.fingerprint,
                                          meta.size_bytes, path, meta.checksum, DiskState.READY)
 
