@@ -17,13 +17,20 @@ on the current stream. Per shape:
   / ``save_kv_layer`` calls (the latter sends stores that waited for staging-ring room).
 * ``decode_step_us``: the same for a step that moves nothing (8 short requests decoding).
 * Every figure is less the timer's own cost per wrapped call (``timer_overhead_us_per_call``,
-  measured in the same process around a method that does nothing): a decode step of an
-  80-layer model makes 160 per-layer calls.
+  measured in the same process around a method that does nothing), and the per-layer calls
+  less what the same timer costs per call in their place in the forward, measured there on a
+  method that does nothing (`LayerProbe`, ``timer_in_layer_extra_us_per_call``): a step of an
+  80-layer model makes 80 to 240 per-layer calls.
 * ``store_gbps`` / ``load_gbps``: chunk bytes moved / wall time from the first step until vLLM
   freed every request (A: every store reported finished; B: every load done and the request
   finished), against ``direct_*``: the same chunks through `KVDepotClient` with engine-side
   staging, 16 chunks per request, 4 requests in flight; and ``roofline_*``: one pinned
   ``cudaMemcpyAsync`` of 16 chunks' bytes each way.
+* ``*_vs_bound``: max(the link's time for the bytes at the roofline, the engine's own time)
+  / the wall time. The engine's own time is the wall time of its steps that ran a forward,
+  less the connector's time in them: this harness's "forward" is far shorter than a model's,
+  so with 16 chunks per step its steps can take longer than the link needs for their bytes,
+  and then no connector could finish sooner.
 
     python benchmarks/vllm_connector.py --out result.json [--chunk 256] [--requests 24]
 
@@ -99,8 +106,16 @@ class FillForward(H.RankWorker):
                 bs = group.kv_cache_spec.block_size
                 blocks = sorted({run.table[g][p // bs] for p in range(start, start + n)})
                 ids[req_id, g] = (torch.tensor(blocks, device=self.device), (start // bs) % 127)
-        for name in self.kv_caches:  # layer by layer, as a model runs
+        probe = LayerProbe.get()
+        for i, name in enumerate(self.kv_caches):  # layer by layer, as a model runs
+            # the timer's own cost per call, here (see LayerProbe): before the connector's first
+            # call of a layer on odd layers, after it on even ones (the first call after the
+            # layer's tensor work runs with colder caches)
+            if i % 2:
+                probe.noop()
             per_layer = self.conn.has_connector_metadata()  # as vLLM's attention layers ask, then call:
+            if not i % 2:
+                probe.noop()
             if per_layer:
                 self.conn.wait_for_layer_load(name)
             for (_, g), (idx, value) in ids.items():
@@ -108,6 +123,49 @@ class FillForward(H.RankWorker):
                     self.kv_caches[name].view(torch.int8)[idx] = value
             if per_layer:
                 self.conn.save_kv_layer(name, self.kv_caches[name], None)
+
+
+class LayerProbe:
+    """A method that does nothing, wrapped by a `CallTimer` and called once per layer beside
+    the connector's per-layer calls: what the timer costs per call there (interleaved with the
+    forward's tensor work it costs more than in `CallTimer.overhead_s`'s tight loop), taken off
+    the per-layer calls' figures (``has_connector_metadata``, ``wait_for_layer_load``,
+    ``save_kv_layer``)."""
+
+    _one = None
+
+    @classmethod
+    def get(cls) -> LayerProbe:
+        if cls._one is None:
+            cls._one = cls()
+            cls._one.timer = CallTimer(cls._one, ["noop"])
+        return cls._one
+
+    def noop(self) -> None:
+        return None
+
+    def take_per_call_s(self) -> float | None:
+        """Seconds per probe call since the last take (beyond `CallTimer.overhead_s`, which
+        every figure has taken off already); None if no forward ran."""
+        calls = self.timer.calls.get("noop", 0)
+        spent = self.timer.take().get("noop", 0.0)
+        return spent / calls if calls else None
+
+
+PER_LAYER_CALLS = ("has_connector_metadata", "wait_for_layer_load", "save_kv_layer")
+
+
+def _less_probe(work: dict[str, float], calls: dict[str, int]) -> dict[str, float]:
+    """``work`` (a worker `CallTimer.take`) less the probe's in-place timer cost per
+    per-layer call (``calls``: the timer's call counts before the take)."""
+    per = LayerProbe.get().take_per_call_s()
+    if not per:
+        return work
+    LayerProbe.in_situ_us.append(1e6 * per)
+    return {n: max(0.0, v - per * calls.get(n, 0)) if n in PER_LAYER_CALLS else v for n, v in work.items()}
+
+
+LayerProbe.in_situ_us = []  # per step: the probe's cost per call beyond the tight-loop figure
 
 
 class FillEngine(H.Engine):
@@ -123,17 +181,23 @@ class CallTimer:
 
     profile = None  # class-wide: set by main() for --profile
     _overhead_s: float | None = None
+    _depth = 0  # wrapped calls under way (one inside another)
 
     def __init__(self, obj, names) -> None:
         self.spent_s: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         for name in names:
             if hasattr(obj, name):
-                setattr(obj, name, self._wrap(name, getattr(obj, name)))
+                fn = getattr(obj, name)
+                # a method an earlier timer wrapped is wrapped afresh, not once more: nested
+                # wrappers would count the inner one's cost as the connector's
+                setattr(obj, name, self._wrap(name, getattr(fn, "timed_fn", fn)))
 
     def _wrap(self, name, fn):
         def timed(*a, **kw):
-            prof = CallTimer.profile
+            # the profiler runs from the outermost wrapped call only (a second enable raises)
+            prof = CallTimer.profile if CallTimer._depth == 0 else None
+            CallTimer._depth += 1
             t0 = time.perf_counter()
             if prof is not None:
                 prof.enable()
@@ -142,8 +206,10 @@ class CallTimer:
             finally:
                 if prof is not None:
                     prof.disable()
+                CallTimer._depth -= 1
                 self.spent_s[name] = self.spent_s.get(name, 0.0) + time.perf_counter() - t0
                 self.calls[name] = self.calls.get(name, 0) + 1
+        timed.timed_fn = fn
         return timed
 
     @classmethod
@@ -194,13 +260,19 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, timeout_s: floa
     _sync()
     added = sched_t.take()  # on_new_request (keys hashed, lookup sent) at add time, not a step's
     steps, t0 = [], time.perf_counter()
+    engine_s = 0.0  # the engine's own time (its steps that ran a forward, less the connector's)
     deadline = time.monotonic() + timeout_s
     while engine.scheduler.has_requests():
+        ts = time.perf_counter()
         so = engine.step()
-        sched, work = sched_t.take(), work_t.take()
+        step_s = time.perf_counter() - ts
+        calls = dict(work_t.calls)
+        sched, work = sched_t.take(), _less_probe(work_t.take(), calls)
         if getattr(so.kv_connector_metadata, kind, None):
             steps.append((sched, work))
-        if not so.total_num_scheduled_tokens:
+        if so.total_num_scheduled_tokens:
+            engine_s += max(0.0, step_s - sum(sched.values()) - sum(work.values()))
+        else:
             time.sleep(0.0002)
         assert time.monotonic() < deadline, "engine did not finish"
     _sync()
@@ -208,7 +280,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, timeout_s: floa
     names = sorted({n for a, b in steps for n in (*a, *b)})
     per_call = {n: statistics.median([1e6 * (a.get(n, 0.0) + b.get(n, 0.0)) for a, b in steps]) for n in names}
     med = statistics.median
-    return {"wall_s": time.perf_counter() - t0, "steps_measured": len(steps),
+    return {"wall_s": time.perf_counter() - t0, "engine_s": engine_s, "steps_measured": len(steps),
             "step_us_median": med(total) if total else None, "step_us_p99": _pct(total, 0.99),
             "sched_us_median": med([1e6 * sum(a.values()) for a, _ in steps]) if steps else None,
             "worker_us_median": med([1e6 * sum(b.values()) for _, b in steps]) if steps else None,
@@ -228,7 +300,8 @@ def decode_steps(engine: H.Engine, requests: int = 8, steps: int = 48) -> dict:
     total, calls = [], {}
     while engine.scheduler.has_requests():
         so = engine.step()
-        spent = {**sched_t.take(), **work_t.take()}
+        counts = dict(work_t.calls)
+        spent = {**sched_t.take(), **_less_probe(work_t.take(), counts)}
         if so.total_num_scheduled_tokens == len(so.num_scheduled_tokens):  # one token per request
             total.append(1e6 * sum(spent.values()))
             for n, v in spent.items():
@@ -339,16 +412,26 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
     res["store_gbps"] = res["stored_chunks"] * res["chunk_bytes"] / store["wall_s"] / 1e9
     res["load_gbps"] = res["loaded_chunks"] * res["chunk_bytes"] / load["wall_s"] / 1e9
     for op, d in (("store", store), ("load", load)):
+        res[f"{op}_wall_s"], res[f"{op}_engine_s"] = d["wall_s"], d["engine_s"]
+    for op, d in (("store", store), ("load", load)):
         for k in ("step_us_median", "step_us_p99", "sched_us_median", "worker_us_median", "per_call_us_median",
                   "steps_measured", "on_new_request_us_per_request"):
             res[f"{op}_{k}"] = d[k]
     res["store_stats"], res["load_stats"] = store["stats"], load["stats"]
     res["timer_overhead_us_per_call"] = 1e6 * CallTimer.overhead_s()
+    res["timer_in_layer_extra_us_per_call"] = statistics.median(LayerProbe.in_situ_us) if LayerProbe.in_situ_us else 0.0
+    LayerProbe.in_situ_us.clear()
     if device != "cuda":
         return res  # a smoke run (no roofline on CPU)
     res.update(roofline(CHUNKS_PER_STEP * res["chunk_bytes"]))
     for op, roof in (("store", "roofline_d2h_gbps"), ("load", "roofline_h2d_gbps")):
         res[f"{op}_vs_roofline"] = res[f"{op}_gbps"] / res[roof]
+        # the run cannot end before the link moved the bytes nor before the engine's own steps
+        # ran (this harness's steps are far shorter than a real model's forward): the bound
+        chunks = res["stored_chunks" if op == "store" else "loaded_chunks"]
+        link_s = chunks * res["chunk_bytes"] / res[roof] / 1e9
+        res[f"{op}_link_s"] = link_s
+        res[f"{op}_vs_bound"] = max(link_s, res[f"{op}_engine_s"]) / res[f"{op}_wall_s"]
     res["direct_store_vs_roofline"] = res["direct_store_gbps"] / res["roofline_d2h_gbps"]
     res["direct_retrieve_vs_roofline"] = res["direct_retrieve_gbps"] / res["roofline_h2d_gbps"]
     return res
@@ -359,16 +442,20 @@ def report(r: dict) -> str:
                                                                    key=lambda kv: -kv[1]) if v >= 1)
     return (f"{r['shape']:<24} chunk {r['chunk_tokens']:>3}, ring {r['staging_bytes'] >> 20} MiB:\n"
             f"  store: {r['store_gbps']:.1f} GB/s = {100 * r['store_vs_roofline']:.1f}% of {r['roofline_d2h_gbps']:.1f}"
-            f" (direct {r['direct_store_gbps']:.1f} = {100 * r['direct_store_vs_roofline']:.1f}%); per step"
+            f" (direct {r['direct_store_gbps']:.1f} = {100 * r['direct_store_vs_roofline']:.1f}%); wall"
+            f" {1e3 * r['store_wall_s']:.0f} ms = {100 * r['store_vs_bound']:.1f}% of max(link {1e3 * r['store_link_s']:.0f},"
+            f" engine's own steps {1e3 * r['store_engine_s']:.0f} ms); per step"
             f" +{r['store_step_us_median']:.0f} us median, {r['store_step_us_p99']:.0f} p99 (scheduler"
             f" {r['store_sched_us_median']:.0f}, worker {r['store_worker_us_median']:.0f}; {calls('store')})\n"
             f"  load:  {r['load_gbps']:.1f} GB/s = {100 * r['load_vs_roofline']:.1f}% of {r['roofline_h2d_gbps']:.1f}"
-            f" (direct {r['direct_retrieve_gbps']:.1f} = {100 * r['direct_retrieve_vs_roofline']:.1f}%); per step"
+            f" (direct {r['direct_retrieve_gbps']:.1f} = {100 * r['direct_retrieve_vs_roofline']:.1f}%); wall"
+            f" {1e3 * r['load_wall_s']:.0f} ms = {100 * r['load_vs_bound']:.1f}% of max(link {1e3 * r['load_link_s']:.0f},"
+            f" engine's own steps {1e3 * r['load_engine_s']:.0f} ms); per step"
             f" +{r['load_step_us_median']:.0f} us median over {r['load_steps_measured']} steps (scheduler"
             f" {r['load_sched_us_median']:.0f}, worker {r['load_worker_us_median']:.0f}; {calls('load')})\n"
             f"  decode step (8 requests, nothing moved): +{r['decode_step_us_median']:.0f} us median,"
             f" {r['decode_step_us_p99']:.0f} p99 (the timer's own {r['timer_overhead_us_per_call']:.2f} us per call"
-            f" taken off every figure)\n"
+            f" taken off every figure, {r['timer_in_layer_extra_us_per_call']:.2f} more per per-layer call)\n"
             f"  on_new_request (keys of {CHUNKS_PER_STEP * r['chunk_tokens']} tokens, lookup sent) "
             f"{r['load_on_new_request_us_per_request']:.0f} us per request;"
             f" chunks stored {r['stored_chunks']}, loaded {r['loaded_chunks']}, direct {r['direct_store_chunks']}/"

@@ -80,6 +80,8 @@ STORE_EVENTS_PER_STREAM = 16
 # the daemon's events a client keeps open (each registration's retrieves use 32 in turn)
 _MAX_PEER_EVENTS = 1024
 
+_IDLE_POLL_S = 0.01  # `KVDepotClient.poll` with no reply awaited looks at the socket this often
+
 _PR_GET_TIMERSLACK = 30
 _slack = threading.local()
 
@@ -148,6 +150,9 @@ class KVDepotClient:
         self._probe_rid: int | None = None
         self._next_probe_s = 0.0
         self._hello_rid: int | None = None  # the Hello sent on a (re)connected socket
+        self._unread = 0  # requests sent on this socket whose reply has not been read yet
+        self._idle_poll_at = 0.0  # time.monotonic() before which an idle `poll` does nothing
+        self.replies_read = 0  # replies read so far (a change says `poll` brought something)
         self._greeted = not connect  # greet every connection but the one hello() below greets
         if connect:
             try:
@@ -169,6 +174,7 @@ class KVDepotClient:
                                 pid=os.getpid())
                 self._sock.send(codec.encode(hello))
                 self._hello_rid = hello.rid
+                self._unread += 1
         return self._sock
 
     @property
@@ -187,10 +193,13 @@ class KVDepotClient:
                 self._replies[rid] = m.ErrorReply(rid=rid, code=int(code), message=f"request {rid} was lost: {why}")
         self._outstanding.clear()
         self._hello_rid = self._probe_rid = None
+        self._unread = 0
 
     def _on_reply(self, got: m.Msg) -> m.Msg | None:
         """Book one arrived reply: boot ids, the Hello / ping of a reconnect; returns it if it
         answers an outstanding request (kept for its wait), else None."""
+        self._unread -= 1
+        self.replies_read += 1
         boot = getattr(got, "boot_id", None)
         if isinstance(boot, str) and boot:
             if self.boot_id is not None and boot != self.boot_id:
@@ -213,10 +222,17 @@ class KVDepotClient:
     def poll(self, timeout_s: float = 0.0) -> None:
         """Collect every reply that has arrived (waiting at most ``timeout_s`` for the first);
         never raises: a connection the daemon closed loses its outstanding requests
-        (DISCONNECTED, see `PendingStore.done`)."""
+        (DISCONNECTED, see `PendingStore.done`). While every reply has been read it looks at
+        the socket (for a connection the daemon closed) at most every `_IDLE_POLL_S`: an
+        engine's step calls it several times, and each look is a system call."""
         sock = self._sock
         if sock is None:
             return
+        if self._unread <= 0 and timeout_s <= 0:
+            now = time.monotonic()
+            if now < self._idle_poll_at:
+                return
+            self._idle_poll_at = now + _IDLE_POLL_S
         ms = max(0, int(timeout_s * 1000))
         try:
             while sock.poll(ms):
@@ -290,6 +306,7 @@ class KVDepotClient:
             # of it was delivered, and requests still outstanding are lost with the connection
             self._reset(ErrorCode.DISCONNECTED, "the daemon closed the connection")
             self._socket().send(frame)
+        self._unread += 1
         self._outstanding.add(req.rid)
         return req.rid
 

@@ -219,6 +219,9 @@ class StreamSocket:
         self._check_open()
         if self._frame_end() >= 0:
             return zmq.POLLIN
+        if timeout_ms == 0:  # the common case (a non-blocking look): no clock reads
+            self._fill(0)
+            return zmq.POLLIN if self._frame_end() >= 0 else 0
         if timeout_ms is None or timeout_ms < 0:
             while self._frame_end() < 0:
                 self._fill(-1)

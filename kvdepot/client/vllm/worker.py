@@ -52,6 +52,7 @@ from kvdepot.protocol.errors import ErrorCode, KVDepotError
 log = logging.getLogger("kvdepot.vllm")
 
 _LAYER_PUMP_INTERVAL_S = 100e-6  # between two `WorkerSide.on_layer` pumps
+_LAYER_PUMP_IDLE_S = 1e-3  # ... and at most this long without one while no reply came
 # errors after which the daemon is treated as down (pinged until it answers) rather than as
 # having refused one request
 _DOWN = (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE, ErrorCode.DISCONNECTED, ErrorCode.INTERNAL)
@@ -125,6 +126,8 @@ class WorkerSide:
         self._invalid_blocks: set[int] = set()
         self._release: set[str] = set()  # finished requests vLLM keeps blocks for
         self._layer_pump_s = 0.0  # time.monotonic() of the last `on_layer` pump
+        self._replies_at_pump = -1  # the client's replies_read at the last pump
+        self._stream: tuple[int, torch.cuda.Stream | None] = (0, None)  # (raw pointer, the current stream)
         self.stats = {"loads": 0, "load_failures": 0, "loaded_chunks": 0, "stores": 0, "stored_chunks": 0,
                       "store_failures": 0, "stores_skipped_ring_full": 0, "pieces_queued": 0, "late_ops": 0,
                       "null_blocks_left_alone": 0, "pieces_sent_mid_forward": 0}
@@ -319,6 +322,12 @@ class WorkerSide:
         now = time.monotonic()
         if now - self._layer_pump_s < _LAYER_PUMP_INTERVAL_S:
             return
+        c = self.client
+        c.poll()
+        if c.replies_read == self._replies_at_pump and now - self._layer_pump_s < _LAYER_PUMP_IDLE_S:
+            # no reply since the last pump left the ring full: no store region freed up (a
+            # load's region frees without a reply, when its scatter ends: at most this late)
+            return
         if self.reg is not None and self.reg.device == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         self._layer_pump_s = now
@@ -332,9 +341,10 @@ class WorkerSide:
         if not self._queue:
             return
         self.client.poll()
+        self._replies_at_pump = self.client.replies_read
         self._collect()
         kvreg, c = self.kvreg, self.client
-        stream = torch.cuda.current_stream() if self.reg is not None and self.reg.device == "cuda" else None
+        stream = self._current_stream() if self.reg is not None and self.reg.device == "cuda" else None
         while self._queue:
             p = self._queue[0]
             if kvreg is None or self._reg_generation != c.generation or not c.up:
@@ -376,6 +386,21 @@ class WorkerSide:
                 break
             self._queue.popleft()
             self._ops.append(_Op(p, pending, c.generation, time.monotonic()))
+
+    def _current_stream(self) -> torch.cuda.Stream:
+        """``torch.cuda.current_stream()``, without building a new Stream object (several
+        microseconds) while the current stream stays the same one."""
+        raw_fn = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw_fn is None:
+            return torch.cuda.current_stream()
+        dev = self.reg.local[0].device.index if self.reg.local else None
+        if dev is None:
+            return torch.cuda.current_stream()
+        raw = raw_fn(dev)
+        got = self._stream
+        if got[0] != raw or got[1] is None:
+            got = self._stream = (raw, torch.cuda.current_stream(dev))
+        return got[1]
 
     def _drop(self, p: _Piece, why: str) -> None:
         if p.kind == "store":
