@@ -248,6 +248,48 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
+STAGE_CALLS = {  # --stages: the parts of the worker's transfer path, timed per call
+    "worker": ("_keys", "_block_ids", "_pump", "_collect", "_pump_due", "_current_stream"),
+    "client": ("submit_store", "submit_retrieve", "submit", "poll", "_record_event", "wait"),
+    "staging": ("gather", "scatter", "flat_ids"),
+    "ring": ("alloc",),
+    "pending": ("done", "result"),
+}
+
+
+class StageTimers:
+    """--stages: `CallTimer` around the worker's internal calls (`STAGE_CALLS`), for the figures
+    of one `drive`. Nested inside the connector's methods, each adds its own timer's cost to
+    the per-step figures (about a microsecond per call): those are not comparable with a run
+    without ``--stages``."""
+
+    enabled = False
+
+    def __init__(self, engine: H.Engine) -> None:
+        self.timers = []
+        if not self.enabled:
+            return
+        w = engine.worker_conn.worker
+        objs = {"worker": w, "client": w.client}
+        if w.kvreg is not None and w.kvreg.staging is not None:
+            objs["staging"], objs["ring"] = w.kvreg.staging, w.kvreg.staging.ring
+        for kind, obj in objs.items():
+            self.timers.append((kind, CallTimer(obj, STAGE_CALLS[kind])))
+        import kvdepot.client.pending as pending_mod
+
+        # handles are made per request: time their methods on the classes
+        for cls in (pending_mod.PendingStore, pending_mod.PendingRetrieve):
+            self.timers.append((cls.__name__, CallTimer(cls, STAGE_CALLS["pending"])))
+
+    def take(self) -> dict[str, dict]:
+        out = {}
+        for kind, t in self.timers:
+            calls = dict(t.calls)
+            for name, spent in t.take().items():
+                out[f"{kind}.{name}"] = {"calls": calls[name], "us_per_call": 1e6 * spent / calls[name]}
+        return out
+
+
 def drive(engine: H.Engine, prompts: list[list[int]], kind: str, timeout_s: float = 300.0) -> dict:
     """Add every prompt, step until vLLM freed them all; the connector's CPU time in the steps
     whose connector metadata carried ``kind`` jobs ("stores" or "loads"): in total, scheduler
@@ -255,6 +297,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, timeout_s: floa
     sched_t = CallTimer(engine.sched_conn, SCHED_CALLS)
     work_t = CallTimer(engine.worker_conn, WORKER_CALLS)
     before = dict(engine.worker_conn.worker.stats)
+    stages = StageTimers(engine)
     for p in prompts:
         engine.add(p, max_tokens=1)
     _sync()
@@ -285,6 +328,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, timeout_s: floa
             "sched_us_median": med([1e6 * sum(a.values()) for a, _ in steps]) if steps else None,
             "worker_us_median": med([1e6 * sum(b.values()) for _, b in steps]) if steps else None,
             "per_call_us_median": per_call, "on_new_request_us_per_request": 1e6 * sum(added.values()) / len(prompts),
+            "stages": stages.take(),
             "stats": {k: v - before.get(k, 0) for k, v in engine.worker_conn.worker.stats.items()}}
 
 
@@ -415,7 +459,7 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
         res[f"{op}_wall_s"], res[f"{op}_engine_s"] = d["wall_s"], d["engine_s"]
     for op, d in (("store", store), ("load", load)):
         for k in ("step_us_median", "step_us_p99", "sched_us_median", "worker_us_median", "per_call_us_median",
-                  "steps_measured", "on_new_request_us_per_request"):
+                  "steps_measured", "on_new_request_us_per_request", "stages"):
             res[f"{op}_{k}"] = d[k]
     res["store_stats"], res["load_stats"] = store["stats"], load["stats"]
     res["timer_overhead_us_per_call"] = 1e6 * CallTimer.overhead_s()
@@ -459,7 +503,15 @@ def report(r: dict) -> str:
             f"  on_new_request (keys of {CHUNKS_PER_STEP * r['chunk_tokens']} tokens, lookup sent) "
             f"{r['load_on_new_request_us_per_request']:.0f} us per request;"
             f" chunks stored {r['stored_chunks']}, loaded {r['loaded_chunks']}, direct {r['direct_store_chunks']}/"
-            f"{r['direct_retrieve_chunks']}")
+            f"{r['direct_retrieve_chunks']}" + "".join(_stages_line(r, op) for op in ("store", "load")))
+
+
+def _stages_line(r: dict, op: str) -> str:
+    st = r.get(f"{op}_stages")
+    if not st:
+        return ""
+    parts = sorted(st.items(), key=lambda kv: -kv[1]["calls"] * kv[1]["us_per_call"])
+    return f"\n  {op} stages (calls x us): " + ", ".join(f"{k} {v['calls']}x{v['us_per_call']:.1f}" for k, v in parts)
 
 
 def main(argv=None) -> int:
@@ -474,6 +526,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default="",
                    help="write a cProfile of the connector's methods (all shapes, both engines) here, as text "
                         "(the timings above then include the profiler's own cost)")
+    p.add_argument("--stages", action="store_true",
+                   help="also time the worker's internal calls (ring, gather, event, send, poll...) per call; "
+                        "the per-step figures then include those timers' own cost")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke run of the same steps with shared-memory KV caches (no roofline)")
     args = p.parse_args(argv)
@@ -481,6 +536,7 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
         return 2
     results = []
+    StageTimers.enabled = args.stages
     if args.profile:
         CallTimer.profile = cProfile.Profile()
     with tempfile.TemporaryDirectory() as td:

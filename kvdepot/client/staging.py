@@ -165,7 +165,11 @@ class EngineStaging:
             return array.array("i", block_ids[self._gids[0]])
         out = array.array("i")
         for gid in self._gids:
-            out.extend(block_ids[gid])
+            ids = block_ids[gid]
+            if isinstance(ids, list):
+                out.fromlist(ids)  # a third of extend()'s time
+            else:
+                out.extend(ids)
         return out
 
     def gather(self, block_ids: Sequence[Sequence[int]], num_chunks: int, offset: int, stream) -> None:

@@ -34,6 +34,11 @@ ENV_ENDPOINT = "KVDEPOT_ENDPOINT"  # default endpoint for `kvdepot serve` and cl
 # Requests are small (KV bytes move through engine memory, not ZMQ); a deep queue absorbs
 # bursts from many engines without dropping (ROUTER drops on HWM, so keep it high).
 _HWM = 100_000
+# plain ints: arithmetic on the IntFlag members costs microseconds per message in Python
+_NOBLOCK = int(zmq.NOBLOCK)
+_POLLIN = int(zmq.POLLIN)
+_MSG_NOSIGNAL = int(socket.MSG_NOSIGNAL)
+_MSG_DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
 def default_endpoint() -> str:
@@ -155,14 +160,14 @@ class StreamSocket:
         parts = [FRAME_HEADER.pack(len(frame)), frame]
         total = FRAME_HEADER.size + len(frame)
         try:
-            sent = self._sock.sendmsg(parts, [], socket.MSG_NOSIGNAL | (socket.MSG_DONTWAIT if flags & zmq.NOBLOCK else 0))
+            sent = self._sock.sendmsg(parts, [], _MSG_NOSIGNAL | (_MSG_DONTWAIT if flags & _NOBLOCK else 0))
         except BlockingIOError:
             raise zmq.Again() from None
         except OSError as exc:
             raise self._lost(exc.errno or errno.EPIPE) from None
         if sent < total:  # a full socket buffer took part of it: finish, or the stream is torn
             try:
-                self._sock.sendall((parts[0] + frame)[sent:], socket.MSG_NOSIGNAL)
+                self._sock.sendall((parts[0] + frame)[sent:], _MSG_NOSIGNAL)
             except OSError as exc:
                 raise self._lost(exc.errno or errno.EPIPE) from None
 
@@ -195,12 +200,12 @@ class StreamSocket:
             return  # nothing arrived (one syscall; a recv that fails with EAGAIN costs more in Python)
         view = memoryview(self._buf)[self._end:]
         try:
-            n = self._sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+            n = self._sock.recv_into(view, 0, _MSG_DONTWAIT)
         except BlockingIOError:
             if block_ms == 0 or not self._poller.poll(block_ms):
                 return
             try:
-                n = self._sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+                n = self._sock.recv_into(view, 0, _MSG_DONTWAIT)
             except BlockingIOError:
                 return
             except OSError as exc:
@@ -218,19 +223,19 @@ class StreamSocket:
         (-1: no limit) without one."""
         self._check_open()
         if self._frame_end() >= 0:
-            return zmq.POLLIN
+            return _POLLIN
         if timeout_ms == 0:  # the common case (a non-blocking look): no clock reads
             self._fill(0)
-            return zmq.POLLIN if self._frame_end() >= 0 else 0
+            return _POLLIN if self._frame_end() >= 0 else 0
         if timeout_ms is None or timeout_ms < 0:
             while self._frame_end() < 0:
                 self._fill(-1)
-            return zmq.POLLIN
+            return _POLLIN
         deadline = _monotonic_ms() + timeout_ms
         while True:
             self._fill(max(0, deadline - _monotonic_ms()))
             if self._frame_end() >= 0:
-                return zmq.POLLIN
+                return _POLLIN
             if _monotonic_ms() >= deadline:
                 return 0
 
@@ -239,7 +244,7 @@ class StreamSocket:
         rounds up to whole milliseconds)."""
         self._check_open()
         if self._frame_end() >= 0:
-            return zmq.POLLIN
+            return _POLLIN
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -247,13 +252,13 @@ class StreamSocket:
                 select.select((self._sock,), (), (), left)
             self._fill(0)
             if self._frame_end() >= 0:
-                return zmq.POLLIN
+                return _POLLIN
             if left <= 0:
                 return 0
 
     def recv(self, flags: int = 0) -> bytes:
         """The next message's body; ``flags=zmq.NOBLOCK``: ``zmq.Again`` if none has arrived."""
-        if not self.poll(0 if flags & zmq.NOBLOCK else -1):
+        if not self.poll(0 if flags & _NOBLOCK else -1):
             raise zmq.Again()
         end = self._frame_end()
         body = bytes(self._buf[self._start + FRAME_HEADER.size:end])

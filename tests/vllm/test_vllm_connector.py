@@ -563,9 +563,10 @@ def test_tensor_parallel_prefix_hits_only_where_every_shard_is_cached(shared_dae
     assert [w.worker.stats["loaded_chunks"] for w in b.workers] == [0, 0]
 
 
-def test_per_layer_calls_only_while_stores_wait_for_ring_room(shared_daemon, cfg, engines):
+def test_per_layer_calls_only_while_pieces_wait_or_loads_run(shared_daemon, cfg, engines):
     """vLLM's attention layers call the connector around each layer only while
-    has_connector_metadata() is True: only while a store piece waits for staging-ring room."""
+    has_connector_metadata() is True: only while a piece waits for staging-ring room or a load
+    is in flight (its scatter is enqueued from save_kv_layer once its copies ended)."""
     from kvdepot.client.vllm.worker import _Piece
 
     e = engines(cfg(shared_daemon.endpoint))
@@ -574,8 +575,12 @@ def test_per_layer_calls_only_while_stores_wait_for_ring_room(shared_daemon, cfg
     assert conn.has_connector_metadata() is False  # idle, and during a decode step
     w = conn.worker
     w._queue.append(_Piece("r-load", "load", [b"k" * 16], [[1]]))
-    assert conn.has_connector_metadata() is False  # a waiting load needs no per-layer call
+    assert conn.has_connector_metadata() is True
     w._queue.appendleft(_Piece("r-store", "store", [b"k" * 16], [[1]]))
     assert conn.has_connector_metadata() is True
     w._queue.clear()
+    assert conn.has_connector_metadata() is False
+    w._loads_out = 1  # a load sent, not yet scattered
+    assert conn.has_connector_metadata() is True
+    w._collect()  # no op is in flight: recounted
     assert conn.has_connector_metadata() is False

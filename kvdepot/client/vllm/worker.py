@@ -8,9 +8,10 @@ Per step (order of vLLM's ``KVConnectorModelRunnerMixin``): ``handle_preemptions
 * Loads (``start_load_kv``): every retrieve of the step is submitted, none waited for. CUDA
   engines gather and scatter in this process on the engine's stream through a device staging
   ring (engine-side staging, `kvdepot.client.staging`): the daemon copies the chunks into the
-  ring and replies with its event; ``get_finished`` queries that event (never waits on it),
-  enqueues the scatter on the current stream once it completed (so the next forward on that
-  stream reads the blocks after it), and reports the request in finished_recving. What was not
+  ring and replies with its event; ``get_finished`` and, during a forward, ``save_kv_layer``
+  query that event (never wait on it), enqueue the scatter on the current stream once it
+  completed (so the next forward on that stream reads the blocks after it), and the request is
+  reported in finished_recving. What was not
   retrieved is reported as failed (invalid blocks for single-group models, failed_recving for
   hybrid ones) and vLLM recomputes it. vLLM's null block (which a sliding-window group's table
   holds for tokens outside the window) is left out of the scatter (block id -1).
@@ -125,6 +126,7 @@ class WorkerSide:
         self._failed_recving: set[str] = set()
         self._invalid_blocks: set[int] = set()
         self._release: set[str] = set()  # finished requests vLLM keeps blocks for
+        self._loads_out = 0  # load pieces sent whose scatter is not enqueued yet
         self._layer_pump_s = 0.0  # time.monotonic() of the last `on_layer` pump
         self._replies_at_pump = -1  # the client's replies_read at the last pump
         self._stream: tuple[int, torch.cuda.Stream | None] = (0, None)  # (raw pointer, the current stream)
@@ -307,26 +309,27 @@ class WorkerSide:
         self._pump(stores_now=True)
 
     def layer_calls_wanted(self) -> bool:
-        """Whether `on_layer` has anything to do: store pieces wait for staging-ring room."""
-        return bool(self._queue) and self._queue[0].kind == "store"
+        """Whether `on_layer` has anything to do: pieces wait for staging-ring room, or loads
+        are in flight (their scatters are enqueued as their copies end)."""
+        return bool(self._queue) or self._loads_out > 0
 
     def on_layer(self) -> None:
-        """One attention layer of the forward is done (vLLM's ``save_kv_layer``). Store pieces
-        waiting for staging-ring room are sent now rather than at the next step's connector calls: a
-        forward lasts far longer than the ring's bytes take on the link, so a ring refilled only
-        once per step would cap stores at a ring per step. Never while a CUDA graph is being
-        captured (a gather launched then would be recorded into the graph); at most every
+        """One attention layer of the forward is done (vLLM's ``save_kv_layer``). Loads whose
+        copies into the ring ended get their scatter enqueued (on the current stream: the
+        blocks belong to requests waiting for their KV, which this forward does not touch), and
+        pieces waiting for staging-ring room are sent, now rather than at the next step's
+        connector calls: a forward (tens of ms for a batch with a long prefill) lasts far longer
+        than the ring's bytes take on the link, so a ring refilled only once per step would cap
+        stores and loads at a ring per step. Never while a CUDA graph is being captured (work
+        launched then would be recorded into the graph); at most every
         ``_LAYER_PUMP_INTERVAL_S``."""
-        if not self._queue or self._queue[0].kind != "store":
-            return  # loads wait while their requests are not running: steps are short then
+        if not self._queue and self._loads_out <= 0:
+            return
         now = time.monotonic()
         if now - self._layer_pump_s < _LAYER_PUMP_INTERVAL_S:
             return
-        c = self.client
-        c.poll()
-        if c.replies_read == self._replies_at_pump and now - self._layer_pump_s < _LAYER_PUMP_IDLE_S:
-            # no reply since the last pump left the ring full: no store region freed up (a
-            # load's region frees without a reply, when its scatter ends: at most this late)
+        self.client.poll()
+        if now - self._layer_pump_s < _LAYER_PUMP_IDLE_S and not self._pump_due():
             return
         if self.reg is not None and self.reg.device == "cuda" and torch.cuda.is_current_stream_capturing():
             return
@@ -334,6 +337,23 @@ class WorkerSide:
         waiting = len(self._queue)
         self._pump()
         self.stats["pieces_sent_mid_forward"] += waiting - len(self._queue)
+
+    def _pump_due(self) -> bool:
+        """Whether a pump would find work, judged without one: a reply came since the last pump
+        (a store ended, or a load's copies were enqueued), the oldest load's copies into the
+        ring ended (its scatter is due; a registration's retrieves end in order), or the ring's
+        oldest region is free (a queued piece may fit)."""
+        if self.client.replies_read != self._replies_at_pump:
+            return True
+        for op in self._ops:
+            if op.piece.kind == "load":
+                if op.pending.done():
+                    return True
+                break
+        if self._queue and self.kvreg is not None and self.kvreg.staging is not None:
+            live = self.kvreg.staging.ring.live
+            return bool(live) and live[0].is_free()
+        return False
 
     def _pump(self, stores_now: bool = False) -> None:
         """Send queued pieces, in order, while the staging ring has room (never waits for it).
@@ -386,6 +406,7 @@ class WorkerSide:
                 break
             self._queue.popleft()
             self._ops.append(_Op(p, pending, c.generation, time.monotonic()))
+            self._loads_out += p.kind == "load"
 
     def _current_stream(self) -> torch.cuda.Stream:
         """``torch.cuda.current_stream()``, without building a new Stream object (several
@@ -414,6 +435,7 @@ class WorkerSide:
         """End the ops whose answer is in (never waits); give up on those of a daemon that
         restarted or after ``hold_max_s``."""
         if not self._ops:
+            self._loads_out = 0
             return
         now = time.monotonic()
         c = self.client
@@ -430,7 +452,7 @@ class WorkerSide:
                         if r.skipped:
                             self._stopped.add(p.req_id)
                     else:
-                        got = op.pending.result(before=torch.cuda.current_stream()
+                        got = op.pending.result(before=self._current_stream()
                                                 if self.reg.device == "cuda" else None)
                         self._piece_ended(p, got)
                 except KVDepotError as exc:
@@ -460,6 +482,7 @@ class WorkerSide:
                 c.mark_down()
             left.append(op)
         self._ops = left
+        self._loads_out = sum(op.piece.kind == "load" for op in left)
 
     def _failed_op(self, op: _Op, exc: KVDepotError | None) -> None:
         p = op.piece
