@@ -6,9 +6,11 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import urllib.request
 from collections.abc import Callable
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 STOP_TIMEOUT_S = 15.0
 
@@ -34,3 +36,17 @@ def stop_daemon(proc: subprocess.Popen, log: Callable[[], str]) -> str:
     text = log()
     assert "Traceback" not in text, f"daemon logged a traceback:\n{text}"
     return text
+
+
+def scrape(port: int) -> dict[tuple[str, frozenset], float]:
+    """``{(sample name, labels): value}`` of the daemon's /metrics on 127.0.0.1:``port``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        assert resp.status == 200
+        text = resp.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def metric(samples, name: str, **labels: str) -> float:
+    """One sample of `scrape`'s result (0 when absent)."""
+    return samples.get((name, frozenset(labels.items())), 0.0)

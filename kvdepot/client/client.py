@@ -186,6 +186,7 @@ class KVDepotClient:
     def _reset(self, code: ErrorCode = ErrorCode.TIMEOUT, why: str = "an earlier wait timed out") -> None:
         """Drop the socket; every outstanding request is lost, and its wait or ``done()`` says so
         (``code``): a late reply on a new socket is never taken for another request."""
+        was_stream = isinstance(self._sock, StreamSocket)
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
@@ -195,6 +196,14 @@ class KVDepotClient:
         self._outstanding.clear()
         self._hello_rid = self._probe_rid = None
         self._unread = 0
+        if was_stream and code is ErrorCode.TIMEOUT and self._greeted:
+            # connect again now: the daemon reclaims what a stream connection registered and
+            # pinned shortly after it closed without a reconnect (kvdepot.server.liveness), and a
+            # slow daemon must not take this live engine for a dead one
+            try:
+                self._socket()
+            except (KVDepotError, OSError, zmq.ZMQError):
+                pass  # gone: the next request reports it
 
     def _on_reply(self, got: m.Msg) -> m.Msg | None:
         """Book one arrived reply: boot ids, the Hello / ping of a reconnect; returns it if it

@@ -40,6 +40,7 @@ from kvdepot.server.metrics import Metrics
 from kvdepot.server.netsec import TCP_TAG, CurveConfig, TcpFront, check_endpoints
 from kvdepot.server.pool import HostPool
 from kvdepot.server.front import SocketFront
+from kvdepot.server.liveness import Liveness
 from kvdepot.server.stream import StreamServer
 from kvdepot.server.tiering import Tiering
 from kvdepot.server.transfers import STORE_SKIP_REASONS, TransferHandlers
@@ -62,6 +63,9 @@ class DaemonConfig:
     metrics_addr: str = "127.0.0.1"  # (--metrics-addr)
     pin_ttl_s: float = 120.0  # (--pin-ttl-s) lookup pins expire after this long
     liveness_interval_s: float = 1.0  # how often dead engines / expired pins are reclaimed
+    # a stream client's registrations and pins are reclaimed once its connection has been closed
+    # this long without a reconnect (kvdepot.server.liveness)
+    peer_grace_s: float = 0.25
     transfer_threads: int = 2  # (--transfer-threads) copy worker threads
     staging_batch_bytes: int = 64 << 20  # (--staging-batch-bytes) device staging per slot (2 per direction per GPU)
     pin_l1: bool | None = None  # (--pin-l1/--no-pin-l1) page-lock L1 for DMA; None = if a GPU is visible
@@ -119,6 +123,8 @@ class Registration:
     staging_ptr: int = 0
     staging_bytes: int = 0
     on_release: object = None  # callable closing the CUDA mappings
+    identity: bytes = b""  # the client connection that registered it (kvdepot.server.liveness)
+    watch_pid: int = 0  # the pid whose exit reclaims it (0: none; see kvdepot.server.liveness)
     metric_children: dict = dataclasses.field(default_factory=dict)  # op -> bound metric children
 
     def release_memory(self) -> None:
@@ -149,19 +155,7 @@ class Pin:
     pid: int
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class Daemon(SocketFront, TransferHandlers, Tiering):
+class Daemon(SocketFront, TransferHandlers, Tiering, Liveness):
     """The kvdepot daemon. Use ``await Daemon(cfg).serve()``; `stop` ends it."""
 
     def __init__(self, config: DaemonConfig) -> None:
@@ -173,7 +167,8 @@ class Daemon(SocketFront, TransferHandlers, Tiering):
         self.index = ChunkIndex(self._free_entry)
         self.registrations: dict[str, Registration] = {}
         self.pins: dict[tuple[bytes, str], Pin] = {}
-        self.client_pids: dict[bytes, int] = {}
+        self.client_pids: dict[bytes, int] = {}  # watched pids of ZMQ ipc clients (kvdepot.server.liveness)
+        self._init_liveness()
         self._models: set[str] = set()  # every model ever registered (metric label values)
         self._cuda = None  # CudaRuntime, created by the first CUDA registration
         self.transfer_engine_name = CpuTransferEngine.name
@@ -196,7 +191,7 @@ class Daemon(SocketFront, TransferHandlers, Tiering):
         self._sock: zmq.Socket | None = None  # the ROUTER of the ipc:// endpoints
         self._tcp: TcpFront | None = None  # the ROUTER of the tcp:// endpoints
         self._fronts: list[tuple[zmq.Socket, bytes]] = []
-        self._streams = StreamServer(self._on_stream_frame)
+        self._streams = StreamServer(self._on_stream_frame, self.peer_attached, self.peer_detached)
         self._busy_poll_s = max(0, config.busy_poll_us) / 1e6
         self._busy_until = 0.0
         self._spinning = False
@@ -362,8 +357,9 @@ class Daemon(SocketFront, TransferHandlers, Tiering):
             raise RequestError(ErrorCode.VERSION_MISMATCH,
                                f"client speaks protocol {req.protocol_version}, daemon {m.PROTOCOL_VERSION}; "
                                "upgrade the older side")
-        if req.pid:
-            self.client_pids[identity] = req.pid
+        pid = self.watch_pid(identity, req.pid)
+        if pid:
+            self.client_pids[identity] = pid
         return m.HelloReply(rid=req.rid, protocol_version=m.PROTOCOL_VERSION, boot_id=self.boot_id,
                             version=kvdepot.__version__)
 
@@ -421,7 +417,7 @@ class Daemon(SocketFront, TransferHandlers, Tiering):
         layout = group_layers(req.layers, req.groups, req.chunk_size, [s.size_bytes for s in req.storages])
         if req.device != "cpu":
             reg = self._register_cuda(req, layout)
-            return self._add_registration(req, reg)
+            return self._add_registration(identity, req, reg)
         if any(s.kind != "shm" for s in req.storages):
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "a CPU registration's storages must all be shm")
         storages = [open_shm(s.name, s.size_bytes) for s in req.storages]
@@ -435,10 +431,11 @@ class Daemon(SocketFront, TransferHandlers, Tiering):
                 os.close(fd)
             raise
         reg = Registration("", req.model, req.shard, req.pid, req.device, layout, storages, engine, files=files)
-        return self._add_registration(req, reg)
+        return self._add_registration(identity, req, reg)
 
-    def _add_registration(self, req: m.Register, reg: Registration) -> m.Msg:
+    def _add_registration(self, identity: bytes, req: m.Register, reg: Registration) -> m.Msg:
         layout = reg.layout
+        reg.identity, reg.watch_pid = identity, self.watch_pid(identity, req.pid)
         self._reg_seq += 1
         reg_id = reg.id = f"{self.boot_id[:8]}-{self._reg_seq}"
         self.registrations[reg_id] = reg
@@ -530,22 +527,6 @@ class Daemon(SocketFront, TransferHandlers, Tiering):
                 self.sweep()
             except Exception:  # noqa: BLE001 - never let the sweeper die
                 log.exception("sweep failed")
-
-    def sweep(self) -> None:
-        """Reclaim registrations of exited engine processes and expired or orphaned pins; write
-        L1's least recently used entries ahead to L2 if stores left it short."""
-        for reg in list(self.registrations.values()):
-            if not _pid_alive(reg.pid):
-                log.warning("engine pid %d of %s exited; reclaiming its registration", reg.pid, reg.id)
-                self._unregister(reg)
-        now = time.monotonic()
-        for key, pin in list(self.pins.items()):
-            if pin.deadline < now or not _pid_alive(pin.pid):
-                self._unpin(*key)
-        for ident, pid in list(self.client_pids.items()):
-            if not _pid_alive(pid):
-                del self.client_pids[ident]
-        self._spill_ahead()
 
 
 def _endpoint_answers(endpoint: str, timeout_s: float = 0.5) -> bool:

@@ -7,7 +7,7 @@ Conventions (prometheus-client): ``kvdepot_`` prefix, base units, counters end i
 
 Labels come from small fixed sets only: ``model`` (registered model names), ``op``
 (store | retrieve), ``tier`` (l1), ``code`` (ErrorCode names), ``reason`` (why a store skipped
-chunks), ``type`` (request message types). Never request ids or hashes. Every series exists (at 0) from the moment it can: per
+chunks, why a registration was reclaimed), ``type`` (request message types). Never request ids or hashes. Every series exists (at 0) from the moment it can: per
 op, tier, code and reason when the daemon starts (`Metrics.start`), per model at the model's
 first registration (`Metrics.add_model`). The HTTP side is `kvdepot.server.http`.
 
@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 OPS = ("store", "retrieve")  # values of the ``op`` label
+RECLAIM_REASONS = ("connection_closed", "pid_exited")  # values of kvdepot_engines_reclaimed's ``reason``
 _TRANSFER_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -229,6 +230,11 @@ class Metrics:
                                     "early reply.", ["code"])
         self.registered_engines = GaugeFamily("kvdepot_registered_engines", "Live engine registrations.")
         self.registered_engines.set(0)
+        self.engines_reclaimed = CounterFamily(
+            "kvdepot_engines_reclaimed", "Registrations reclaimed without an unregister: the engine's connection "
+            "closed (connection_closed) or its watched pid exited (pid_exited).", ["reason"])
+        for reason in RECLAIM_REASONS:
+            self.engines_reclaimed.labels(reason)
         self.build_info = GaugeFamily(
             "kvdepot_build_info", "Always 1: the daemon's version, wire protocol version and where its CUDA "
             "kernels come from (see kvdepot.gpu.kernels.kernels_source).", ["version", "protocol", "kernels"])

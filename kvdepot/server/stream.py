@@ -104,10 +104,16 @@ class StreamServer:
 
     Args:
         on_frame: called on the loop with ``(identity, body)`` for each whole message.
+        on_attach: called with ``identity`` when a connection of it opened (its identity arrived).
+        on_detach: called with ``identity`` when its connection closed, unless a newer
+            connection of the same identity took over (a reconnect).
     """
 
-    def __init__(self, on_frame: Callable[[bytes, bytes], None]) -> None:
+    def __init__(self, on_frame: Callable[[bytes, bytes], None], on_attach: Callable[[bytes], None] | None = None,
+                 on_detach: Callable[[bytes], None] | None = None) -> None:
         self.on_frame = on_frame
+        self.on_attach = on_attach
+        self.on_detach = on_detach
         self._conns: dict[bytes, _Connection] = {}
         self._servers: list[tuple[asyncio.AbstractServer, str]] = []
 
@@ -151,10 +157,17 @@ class StreamServer:
         self._conns[conn.identity] = conn  # a reconnecting client takes its identity over
         if old is not None and old is not conn and old.transport is not None:
             old.transport.close()
+        if self.on_attach is not None:
+            self.on_attach(conn.identity)
 
     def _detach(self, conn: _Connection) -> None:
         if conn.identity is not None and self._conns.get(conn.identity) is conn:
             del self._conns[conn.identity]
+            if self.on_detach is not None:
+                try:
+                    self.on_detach(conn.identity)
+                except Exception:  # noqa: BLE001 - a closing connection must never break the loop
+                    log.exception("handling the close of a stream connection failed")
 
     def close(self) -> None:
         """Stop listening, close every connection and remove the socket files."""

@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import random
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -311,3 +312,22 @@ def register_store_and_die(spec: EngineSpec, tokens: Sequence[int], out_path: st
     registered.set()
     proceed.wait(60)
     os._exit(0)
+
+
+def register_store_and_hang(spec: EngineSpec, tokens: Sequence[int], out_path: str, registered,
+                            report_pid: int = 0) -> None:
+    """Like `register_store_and_die`, but the engine waits to be killed (SIGKILL from the test).
+    ``report_pid``: the pid its client tells the daemon instead of its own, as a process in
+    another PID namespace (another container) would: a number naming some other process here."""
+    if report_pid:
+        os.getpid = lambda: report_pid  # this process only (spawned for the test)
+    warm_up()
+    eng = Engine(spec, name="doomed-engine")
+    keys = eng.keys(tokens)
+    r = eng.client.store(eng.reg, keys, rotated_block_ids(spec, len(keys), start=0))
+    assert eng.client.lookup(keys, spec.chunk_size, pin_request="doomed-request") == len(keys)
+    Path(out_path).write_text(json.dumps({"registration": eng.reg.id, "stored": r.stored,
+                                          "transport": eng.client.transport, "keys": [k.hex() for k in keys]}))
+    eng.cache.close()
+    registered.set()
+    time.sleep(600)

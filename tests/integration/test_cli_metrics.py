@@ -7,12 +7,11 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import kv_engine as ke
+from daemon_proc import metric, scrape
 from kvdepot.client import KVDepotClient
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
@@ -27,19 +26,6 @@ def ok(*args: str) -> str:
     r = kvdepot(*args)
     assert r.returncode == 0, f"kvdepot {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
     return r.stdout
-
-
-def scrape(port: int) -> dict[tuple[str, frozenset], float]:
-    """``{(sample name, labels): value}`` of the daemon's /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        assert resp.status == 200
-        text = resp.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def metric(samples, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
 
 
 @pytest.fixture
