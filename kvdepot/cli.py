@@ -1,4 +1,4 @@
-"""``kvdepot serve | describe | flush | ping | build-kernels | demo`` (subcommands import lazily).
+"""``kvdepot serve | describe | flush | ping | build-kernels | keygen | demo | soak`` (subcommands import lazily).
 
 The daemon's settings (flags, environment variables, configuration file) are declared once in
 `kvdepot.config`. Every client subcommand takes ``--endpoint`` (default ``$KVDEPOT_ENDPOINT``,
@@ -152,6 +152,17 @@ def cmd_demo(args) -> int:
     return demo_main(args)
 
 
+def cmd_soak(args) -> int:
+    from kvdepot.config import parse_bytes
+    from kvdepot.soak.run import SoakConfig, main as soak_main
+
+    return soak_main(SoakConfig(
+        duration_s=args.duration_s, engines=args.engines, seed=args.seed, device=args.device,
+        l1_bytes=parse_bytes(args.l1_bytes), l2=not args.no_l2, l3=args.l3, fault_interval_s=args.fault_interval_s,
+        reply_faults=args.reply_faults, client_timeout_s=args.client_timeout_s, hang_s=args.hang_s,
+        reclaim_limit_s=args.reclaim_limit_s, workdir=args.workdir or "", json_path=args.json or ""))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvdepot", description="KV-cache server daemon for LLM serving engines.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -204,6 +215,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the model's architecture with seeded random weights (no GGUF file needed; the byte "
                          "and token checks stay exact, the answers are noise)")
     dm.set_defaults(func=cmd_demo)
+
+    sk = sub.add_parser("soak", help="a daemon, engine processes checking every byte, and injected faults; "
+                                     "exit 1 on a corrupt byte, a hang, a crash or unbounded memory")
+    sk.add_argument("--duration-s", type=float, default=60.0, help="seconds of load once every engine registered")
+    sk.add_argument("--engines", type=int, default=4, help="engine processes (3 model families, mixed layouts)")
+    sk.add_argument("--seed", type=int, default=1, help="seed of the workload and of every fault")
+    sk.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engines' KV caches live")
+    sk.add_argument("--l1-bytes", default="16m", help="the daemon's L1 (small: eviction all the time)")
+    sk.add_argument("--no-l2", action="store_true", help="no L2 disk tier (else one under the work directory)")
+    sk.add_argument("--l3", action="store_true", help="an L3 tier on a redis-server the soak starts and kills")
+    sk.add_argument("--fault-interval-s", type=float, default=2.0, help="mean seconds between injected faults")
+    sk.add_argument("--reply-faults", default="drop=0.002,delay=0.01,delay_s=0.3",
+                    help="replies the daemon drops / delays ($KVDEPOT_INJECT_FAULTS format; '' = none)")
+    sk.add_argument("--client-timeout-s", type=float, default=2.0, help="the engines' reply timeout")
+    sk.add_argument("--hang-s", type=float, default=10.0, help="an engine without progress this long is a hang")
+    sk.add_argument("--reclaim-limit-s", type=float, default=1.0,
+                    help="an engine death reclaimed slower than this fails the run")
+    sk.add_argument("--workdir", default=None, help="daemon logs, sockets and L2 (default: a new /tmp directory)")
+    sk.add_argument("--json", default=None, help="also write the report as JSON here")
+    sk.set_defaults(func=cmd_soak)
     return p
 
 

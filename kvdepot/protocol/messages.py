@@ -161,6 +161,8 @@ class DaemonInfo(msgspec.Struct, omit_defaults=True):
     evicted_chunks: int
     transfer_engine: str
     pinned_requests: int
+    # replies the daemon dropped / delayed on purpose ($KVDEPOT_INJECT_FAULTS, soak tests only)
+    injected_faults: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- requests

@@ -40,6 +40,7 @@ from kvdepot.server.metrics import Metrics
 from kvdepot.server.netsec import TCP_TAG, CurveConfig, TcpFront, check_endpoints
 from kvdepot.server.pool import HostPool
 from kvdepot.server.front import SocketFront
+from kvdepot.server.faults import ENV_INJECT_FAULTS, ReplyFaults
 from kvdepot.server.liveness import Liveness
 from kvdepot.server.stream import StreamServer
 from kvdepot.server.tiering import Tiering
@@ -195,6 +196,9 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness):
         self._busy_poll_s = max(0, config.busy_poll_us) / 1e6
         self._busy_until = 0.0
         self._spinning = False
+        self._reply_faults = ReplyFaults.from_env()  # soak tests only (kvdepot.server.faults)
+        if self._reply_faults is not None:
+            log.warning("fault injection on (%s): %s", ENV_INJECT_FAULTS, self._reply_faults)
 
     # ------------------------------------------------------------------ main loop
 
@@ -490,6 +494,7 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness):
             engines=engines, lookup_requested_tokens=self.stats["lookup_requested_tokens"],
             lookup_hit_tokens=self.stats["lookup_hit_tokens"], stored_chunks=self.stats["stored_chunks"],
             retrieved_chunks=self.stats["retrieved_chunks"], evicted_chunks=self.index.evictions,
+            injected_faults=dict(self._reply_faults.counts) if self._reply_faults else {},
             transfer_engine=self.transfer_engine_name, pinned_requests=len(self.pins))
         return m.DescribeReply(rid=req.rid, info=info)
 

@@ -1,0 +1,262 @@
+"""A soak engine process: a KV cache (shared memory, or CUDA memory with engine-side staging)
+registered with the daemon, running random requests on overlapping prefixes until told to stop:
+lookup (pinned) -> retrieve the hit into random blocks and check every byte -> write the rest
+from its keys and store it -> end the request; now and then a flush. It survives what the fault
+injector does to the daemon (errors are counted; a restarted daemon is registered with again)
+and reports its counters to the orchestrator every ``report_interval_s``.
+
+Which blocks hold which chunk is tracked (``shadow``): every ``verify_every`` requests the whole
+cache is checked, so a copy that wrote outside its blocks is found too. Blocks an unanswered or
+failed retrieve may have written are forgotten (their bytes are unknown, not wrong).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import queue
+import random
+import time
+
+from kvdepot.protocol.errors import ErrorCode, KVDepotError
+from kvdepot.soak.content import FAMILIES, Family, corrupt_bytes, write_chunk
+
+# errors after which the engine reconnects (and registers again if the daemon restarted)
+_RECOVER = (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE, ErrorCode.DISCONNECTED, ErrorCode.UNKNOWN_REGISTRATION,
+            ErrorCode.INTERNAL)
+_SALTS = ("", "tenant-b")
+_LOST = (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED, ErrorCode.INTERNAL)  # the copy may still run
+_QUARANTINE_S = 30.0
+
+
+@dataclasses.dataclass
+class EngineSpec:
+    """One soak engine. ``family``: index into `FAMILIES`; ``prompts``: size of the pool of base
+    prompts whose prefixes the engines share; ``max_chunks``: chunks per request at most."""
+
+    index: int
+    endpoint: str
+    family: int
+    layout: str
+    seed: int
+    device: str = "cpu"
+    timeout_s: float = 2.0
+    prompts: int = 24
+    max_chunks: int = 8
+    unique_share: float = 0.25  # requests whose last chunks are new tokens (always stored)
+    flush_share: float = 0.002  # requests followed by a flush of this engine's model
+    verify_every: int = 25  # requests between checks of the whole cache
+    report_interval_s: float = 0.5
+
+
+class _Engine:
+    def __init__(self, spec: EngineSpec, reports) -> None:
+        import torch
+
+        from kvdepot.client import KVDepotClient
+        from kvdepot.client.kvcache import ShmKVCache
+
+        torch.set_num_threads(1)
+        self.spec = spec
+        self.fam: Family = FAMILIES[spec.family]
+        self.rng = random.Random(spec.seed)
+        self.reports = reports
+        device = "cuda" if spec.device == "cuda" else None
+        self.cache = ShmKVCache(list(self.fam.groups), list(self.fam.num_blocks), spec.layout, device=device)
+        self.client = KVDepotClient(spec.endpoint, timeout_s=spec.timeout_s, name=f"soak-engine-{spec.index}",
+                                    connect=False)
+        self.stream = torch.cuda.current_stream() if device else None
+        self.reg = None
+        self.reg_generation = -1
+        # shadow[gid][block] = (chunk key, index of the block within the chunk) or None (unknown)
+        self.shadow: list[list[tuple[bytes, int] | None]] = [[None] * n for n in self.fam.num_blocks]
+        self.quarantine: dict[tuple[int, int], float] = {}  # (gid, block) -> time.monotonic() it is free again
+        self.counts = collections.Counter()
+        self.errors = collections.Counter()
+        self.last_progress = time.time()
+        self._next_report = 0.0
+
+    # ------------------------------------------------------------------ daemon
+
+    def register(self) -> None:
+        c, cache = self.client, self.cache
+        if self.reg is None:
+            self.reg = c.register(self.fam.model, "tp0of1", self.fam.chunk_size, cache.storage_specs(),
+                                  cache.layer_specs(), cache.group_specs(), device=cache.register_device,
+                                  local_storages=[cache.storage] if cache.register_device == "cuda" else None,
+                                  staging_bytes=32 << 20)
+        else:
+            self.reg = c.reregister(self.reg)
+        self.reg_generation = c.generation
+        self.counts["registrations"] += 1
+
+    def recover(self, stop) -> None:
+        """Reconnect until the daemon answers (registering again if it restarted) or ``stop``."""
+        while not stop.is_set():
+            try:
+                self.client.ping()
+                if self.reg is None or self.reg_generation != self.client.generation or self._lost_registration:
+                    self._lost_registration = False
+                    self.register()
+                return
+            except KVDepotError as exc:
+                self.errors[exc.code.name] += 1
+                self.report()
+                time.sleep(0.05)
+
+    _lost_registration = False
+
+    # ------------------------------------------------------------------ one request
+
+    def blocks_for(self, num_chunks: int) -> list[list[int]]:
+        """Random distinct block ids per gid for ``num_chunks`` chunks, none in quarantine."""
+        now = time.monotonic()
+        if self.quarantine and min(self.quarantine.values()) < now:
+            self.quarantine = {k: t for k, t in self.quarantine.items() if t >= now}
+        out = []
+        for g, n in enumerate(self.fam.num_blocks):
+            free = [b for b in range(n) if (g, b) not in self.quarantine]
+            out.append(self.rng.sample(free, min(len(free), num_chunks * self.fam.blocks_per_chunk(g))))
+        return out
+
+    def quarantine_blocks(self, ids: list[list[int]]) -> None:
+        """A copy that touches ``ids`` was lost (no answer): the daemon may still read or write
+        them, so they are neither reused nor checked for ``_QUARANTINE_S`` (what the vLLM
+        connector's ``hold_max_s`` does for a request's blocks)."""
+        until = time.monotonic() + _QUARANTINE_S
+        self.forget(ids)
+        for g, blocks in enumerate(ids):
+            for b in blocks:
+                self.quarantine[(g, b)] = until
+        self.counts["quarantined_blocks"] += sum(map(len, ids))
+
+    def chunk_blocks(self, ids: list[list[int]], j: int) -> list[list[int]]:
+        return [x[j * self.fam.blocks_per_chunk(g):(j + 1) * self.fam.blocks_per_chunk(g)] for g, x in enumerate(ids)]
+
+    def own(self, ids: list[list[int]], keys: list[bytes], lo: int, hi: int) -> None:
+        """Blocks of chunks [lo, hi) now hold those chunks."""
+        for j in range(lo, hi):
+            for g, blocks in enumerate(self.chunk_blocks(ids, j)):
+                for part, b in enumerate(blocks):
+                    self.shadow[g][b] = (keys[j], part)
+
+    def forget(self, ids: list[list[int]]) -> None:
+        for g, blocks in enumerate(ids):
+            for b in blocks:
+                self.shadow[g][b] = None
+
+    def tokens(self) -> tuple[list[int], str]:
+        fam, rng = self.fam, self.rng
+        base = rng.randrange(self.spec.prompts)
+        n = rng.randint(1, self.spec.max_chunks) * fam.chunk_size
+        r = random.Random(base * 7919 + 17)  # the base prompt's tokens: shared by every engine
+        toks = [r.randrange(128_000) for _ in range(n)]
+        if rng.random() < self.spec.unique_share:
+            k = rng.randint(1, max(1, n // fam.chunk_size)) * fam.chunk_size
+            toks[-k:] = [rng.randrange(128_000) for _ in range(k)]
+        return toks, rng.choice(_SALTS)
+
+    def request(self) -> None:
+        c, fam = self.client, self.fam
+        toks, salt = self.tokens()
+        keys = self.reg.keys(toks, salt)
+        req = f"soak-{self.spec.index}-{self.counts['requests']}"
+        self.counts["requests"] += 1
+        ids = self.blocks_for(len(keys))
+        if any(len(x) < len(keys) * fam.blocks_per_chunk(g) for g, x in enumerate(ids)):
+            self.counts["skipped_no_free_blocks"] += 1
+            time.sleep(0.01)
+            return
+        hit = c.lookup(keys, fam.chunk_size, pin_request=req)
+        self.counts["lookups"] += 1
+        self.counts["lookup_hit_chunks"] += hit
+        got = 0
+        try:
+            if hit:
+                target = [x[:hit * fam.blocks_per_chunk(g)] for g, x in enumerate(ids)]
+                self.forget(target)  # written by the retrieve from here on
+                try:
+                    got = c.retrieve(self.reg, keys[:hit], target, request=req, before=self.stream, cpu_wait=True)
+                    if self.stream is not None:
+                        self.stream.synchronize()
+                except KVDepotError as exc:
+                    if exc.code in _LOST:
+                        self.quarantine_blocks(target)
+                    raise
+                self.counts["retrieves"] += 1
+                self.counts["retrieved_chunks"] += got
+                self.counts["short_retrieves"] += got < hit
+                self.check([(g, b, keys[j], p) for j in range(got)
+                            for g, blocks in enumerate(self.chunk_blocks(ids, j)) for p, b in enumerate(blocks)])
+                self.own(ids, keys, 0, got)
+            if got < len(keys):
+                for j in range(got, len(keys)):
+                    write_chunk(self.cache, fam, keys[j], self.chunk_blocks(ids, j))
+                self.own(ids, keys, got, len(keys))
+                rest = [x[got * fam.blocks_per_chunk(g):] for g, x in enumerate(ids)]
+                try:
+                    r = c.store(self.reg, keys[got:], rest, parent=keys[got - 1] if got else b"", cache_salt=salt,
+                                request=req, after=self.stream)
+                except KVDepotError as exc:
+                    if exc.code in _LOST:
+                        self.quarantine_blocks(rest)
+                    raise
+                self.counts["stores"] += 1
+                self.counts["stored_chunks"] += r.stored
+        finally:
+            try:
+                c.end_request(req)
+            except KVDepotError:
+                pass  # the pin goes with the connection or its TTL
+        if self.rng.random() < self.spec.flush_share:
+            c.flush(model=fam.model)
+            self.counts["flushes"] += 1
+        if self.counts["requests"] % self.spec.verify_every == 0:
+            self.check([(g, b, *owner) for g, col in enumerate(self.shadow) for b, owner in enumerate(col)
+                        if owner is not None], whole_cache=True)
+        self.last_progress = time.time()
+
+    def check(self, items, whole_cache: bool = False) -> None:
+        compared, differ = corrupt_bytes(self.cache, self.fam, items)
+        self.counts["verified_bytes"] += compared
+        if whole_cache:
+            self.counts["cache_checks"] += 1
+        if differ:
+            self.counts["corrupt_bytes"] += differ
+            self.counts["corrupt_checks"] += 1
+            self.report(force=True)
+
+    def report(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now < self._next_report:
+            return
+        self._next_report = now + self.spec.report_interval_s
+        msg = {"index": self.spec.index, "pid": os.getpid(), "registration": self.reg.id if self.reg else None,
+               "shm": self.cache.name if self.cache.register_device == "cpu" else None,
+               "counts": dict(self.counts), "errors": dict(self.errors), "last_progress": self.last_progress}
+        try:
+            self.reports.put_nowait(msg)
+        except queue.Full:
+            pass
+
+
+def engine_main(spec: EngineSpec, reports, stop) -> None:
+    """Entry point of an engine process (``multiprocessing`` spawn): runs until ``stop`` is set."""
+    eng = _Engine(spec, reports)
+    try:
+        eng.recover(stop)
+        while not stop.is_set():
+            try:
+                eng.request()
+            except KVDepotError as exc:
+                eng.errors[exc.code.name] += 1
+                if exc.code == ErrorCode.UNKNOWN_REGISTRATION:
+                    eng._lost_registration = True
+                if exc.code in _RECOVER:
+                    eng.recover(stop)
+            eng.report()
+        eng.report(force=True)
+    finally:
+        eng.client.close()
+        eng.cache.close()

@@ -1,0 +1,69 @@
+"""The soak's byte oracle (kvdepot.soak.content) and the daemon's reply fault injector
+(kvdepot.server.faults): the soak is only as good as these."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from kvdepot.client.kvcache import ShmKVCache
+from kvdepot.server.faults import ReplyFaults
+from kvdepot.soak.content import FAMILIES, chunk_layers, corrupt_bytes, write_chunk
+
+
+def _key(i: int) -> bytes:
+    return hashlib.blake2b(str(i).encode(), digest_size=16).digest()
+
+
+@pytest.mark.parametrize("fam", FAMILIES, ids=lambda f: f.model)
+def test_chunk_bytes_survive_any_layout_and_one_flipped_byte_is_found(fam):
+    ids = [[(5 + 3 * i) % n for i in range(fam.blocks_per_chunk(g))] for g, n in enumerate(fam.num_blocks)]
+    items = [(g, b, _key(1), p) for g, blocks in enumerate(ids) for p, b in enumerate(blocks)]
+    for layout in fam.layouts:
+        with ShmKVCache(list(fam.groups), list(fam.num_blocks), layout) as cache:
+            write_chunk(cache, fam, _key(1), ids)
+            compared, differ = corrupt_bytes(cache, fam, items)
+            assert (compared, differ) == (fam.object_bytes, 0), layout
+            # the same blocks read as another key's chunk: almost every byte differs
+            assert corrupt_bytes(cache, fam, [(g, b, _key(2), p) for g, b, _, p in items])[1] > fam.object_bytes // 2
+            last = len(cache.layer_names) - 1
+            view = cache.token_view(last, as_bytes=True)
+            view[ids[cache.layer_gids[last]][-1], -1, -1, -1, -1] ^= 0x10
+            assert corrupt_bytes(cache, fam, items) == (fam.object_bytes, 1), layout
+
+
+def test_chunk_bytes_are_a_function_of_the_key_only():
+    fam = FAMILIES[0]
+    a, b, c = chunk_layers(fam, _key(7)), chunk_layers(fam, _key(7)), chunk_layers(fam, _key(8))
+    assert all(x.equal(y) for x, y in zip(a, b))
+    assert not any(x.equal(z) for x, z in zip(a, c))
+    assert sum(x.numel() for x in a) == fam.object_bytes
+
+
+def test_reply_faults_spec_and_shares():
+    f = ReplyFaults("drop=0.1,delay=0.2,delay_s=0.5,seed=3")
+    decisions = [f.decide() for _ in range(20_000)]
+    dropped = sum(d is None for d in decisions)
+    delayed = [d for d in decisions if d]
+    assert 1700 < dropped < 2300 and 3500 < len(delayed) < 4500
+    assert all(0 < d <= 0.5 for d in delayed)
+    assert f.counts == {"dropped_replies": dropped, "delayed_replies": len(delayed)}
+    runs = [ReplyFaults(f"drop=0.5,delay=0.3,seed={s}") for s in (3, 3, 4)]
+    a, b, c = ([f.decide() for _ in range(64)] for f in runs)
+    assert a == b != c  # the seed decides
+
+
+@pytest.mark.parametrize("spec", ["drop", "drop=x", "lose=0.1", "drop=0.7,delay=0.7", "delay_s=-1", "drop=2"])
+def test_reply_faults_refuse_bad_specs(spec):
+    with pytest.raises(ValueError, match="KVDEPOT_INJECT_FAULTS"):
+        ReplyFaults(spec)
+
+
+def test_reply_faults_are_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("KVDEPOT_INJECT_FAULTS", raising=False)
+    assert ReplyFaults.from_env() is None
+    monkeypatch.setenv("KVDEPOT_INJECT_FAULTS", "  ")
+    assert ReplyFaults.from_env() is None
+    monkeypatch.setenv("KVDEPOT_INJECT_FAULTS", "drop=1")
+    assert ReplyFaults.from_env().decide() is None
