@@ -6,6 +6,7 @@
   of the project's shared ``model_kv_shapes.json``).
 * ``model_groups``: `KVGroupShape` lists built from those real shapes.
 * ``shm_kv_cache``: a factory of `ShmKVCache` segments that are unlinked at teardown.
+* hypothesis: derandomized under ``CI`` (profile ``ci``), random elsewhere.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ import random
 
 import pytest
 import torch
+from hypothesis import settings
+
+# CI (CI=true) replays a fixed set of examples so that a landing never depends on luck; local
+# runs draw new ones (that is where fuzzing finds things)
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 from kvdepot.client.kvcache import KVGroupShape, ShmKVCache
 

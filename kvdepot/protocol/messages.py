@@ -28,6 +28,10 @@ PROTOCOL_VERSION = 1
 
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosInt = Annotated[int, Meta(gt=0)]
+# a lookup's sizes, bounded so that the daemon's token counters (uint64 in `DaemonInfo`) cannot
+# be overflowed by a few absurd requests: chunk_size as `kvdepot.gpu.layout.MAX_CHUNK_TOKENS`
+LookupChunkSize = Annotated[int, Meta(gt=0, le=1 << 20)]
+PromptTokens = Annotated[int, Meta(ge=0, le=1 << 32)]
 ChunkKey = Annotated[bytes, Meta(min_length=8, max_length=64)]
 BlockIds = list[NonNegInt]
 # a RETRIEVE's block ids may be -1: that block is left unwritten (vLLM's null block, which a
@@ -216,8 +220,8 @@ class Lookup(Msg, tag="look"):
     """
 
     keys: list[list[ChunkKey]]
-    chunk_size: PosInt
-    num_tokens: NonNegInt = 0
+    chunk_size: LookupChunkSize
+    num_tokens: PromptTokens = 0
     model: Name = ""
     pin_request: Name = ""
 

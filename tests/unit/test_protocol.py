@@ -71,7 +71,7 @@ ROUND_TRIP = [
     Unregister(rid=3, registration=""),
     Lookup(rid=4, keys=[], chunk_size=256),
     Lookup(rid=4, keys=[[]], chunk_size=256),
-    Lookup(rid=4, keys=[[KEY_MIN, KEY_MAX], [KEY16]], chunk_size=16, num_tokens=2**40, model="m", pin_request="p"),
+    Lookup(rid=4, keys=[[KEY_MIN, KEY_MAX], [KEY16]], chunk_size=16, num_tokens=2**32, model="m", pin_request="p"),
     Store(rid=5, registration="r", keys=[], block_ids=[]),
     Store(rid=5, registration="r", keys=[KEY_MAX], block_ids=[[], [0, 2**63]], parent=KEY_MAX, cache_salt="",
           request="q", event=b"\x00" * 64),
@@ -334,3 +334,16 @@ def test_golden_v1_covers_every_v1_message_type():
     assert names == v1_types
     # message types are never removed
     assert v1_types <= {t.__name__ for t in (*REQUEST_TYPES, *REPLY_TYPES)}
+
+
+def test_lookup_sizes_are_bounded_so_the_daemons_counters_cannot_overflow():
+    """Found by tests/integration/test_fuzz_daemon.py: two lookups with num_tokens near 2**63
+    pushed the daemon's requested-token counter past uint64, and every Describe reply after that
+    failed to encode (no reply at all)."""
+    keys = [[b"k" * 16]]
+    for bad in (dict(chunk_size=(1 << 20) + 1), dict(chunk_size=16, num_tokens=(1 << 32) + 1)):
+        with pytest.raises(RequestError) as err:
+            decode_request(encode(Lookup(rid=3, keys=keys, **{"num_tokens": 0, **bad})))
+        assert err.value.code is ErrorCode.MALFORMED and err.value.rid == 3
+    ok = decode_request(encode(Lookup(rid=3, keys=keys, chunk_size=1 << 20, num_tokens=1 << 32)))
+    assert ok.chunk_size == 1 << 20
