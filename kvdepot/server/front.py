@@ -102,7 +102,12 @@ class SocketFront:
                 self._reply(identity, reply)
 
     def _reply(self, identity: bytes, reply: m.Msg) -> None:
-        self._send(identity, codec.encode(reply))
+        try:
+            frame = codec.encode(reply)
+        except Exception as exc:  # noqa: BLE001 - a reply that cannot be encoded still gets an answer
+            self._reply_error(identity, reply.rid, exc)
+            return
+        self._send(identity, frame)
         trace_point(reply.rid, "sent")
 
     def _note_activity(self) -> None:
