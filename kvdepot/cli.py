@@ -50,7 +50,7 @@ def cmd_serve(args) -> int:
         curve=curve, l2_path=v["l2_path"], l2_capacity_bytes=v["l2_bytes"], l2_queue_bytes=v["l2_queue_bytes"],
         l2_io_threads=v["l2_io_threads"], l2_direct_io=v["l2_direct_io"], l3_url=v["l3_url"],
         l3_cluster=v["l3_cluster"], l3_prefix=v["l3_prefix"], l3_ttl_s=v["l3_ttl_s"], l3_timeout_s=v["l3_timeout_s"],
-        l3_queue_bytes=v["l3_queue_bytes"])
+        l3_queue_bytes=v["l3_queue_bytes"], watchdog_s=v["watchdog_s"])
     run_daemon(cfg)
     return 0
 
@@ -95,6 +95,16 @@ def describe_text(info) -> str:
         for g in e.groups:
             lines.append(f"  {g.gid:>4} {g.layout:<11}{g.dtype:<10}{g.kv_dtype:<14}{g.num_layers:>7}{g.num_blocks:>8}"
                          f"{g.tokens_per_block:>8}{g.num_heads:>6}{g.num_kv:>3}{g.row_bytes:>7}{g.bytes_per_token:>9}")
+    if info.stuck_transfers:
+        lines.append("")
+        lines.append(f"STUCK COPIES (past the watchdog's deadline, not ended): {len(info.stuck_transfers)}")
+        for t in info.stuck_transfers:
+            lines.append(f"  {t.op} of request {t.rid} for {t.registration}: {_fmt_bytes(t.size_bytes)}, "
+                         f"{t.age_s:.1f} s old")
+    if info.injected_faults:
+        lines.append("")
+        lines.append("FAULT INJECTION ON ($KVDEPOT_INJECT_FAULTS): " +
+                     ", ".join(f"{k} {v}" for k, v in sorted(info.injected_faults.items())))
     return "\n".join(lines)
 
 
@@ -159,7 +169,8 @@ def cmd_soak(args) -> int:
     return soak_main(SoakConfig(
         duration_s=args.duration_s, engines=args.engines, seed=args.seed, device=args.device,
         l1_bytes=parse_bytes(args.l1_bytes), l2=not args.no_l2, l3=args.l3, fault_interval_s=args.fault_interval_s,
-        reply_faults=args.reply_faults, client_timeout_s=args.client_timeout_s, hang_s=args.hang_s,
+        daemon_faults=args.daemon_faults, watchdog_s=args.watchdog_s, client_timeout_s=args.client_timeout_s,
+        hang_s=args.hang_s,
         reclaim_limit_s=args.reclaim_limit_s, workdir=args.workdir or "", json_path=args.json or ""))
 
 
@@ -226,8 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     sk.add_argument("--no-l2", action="store_true", help="no L2 disk tier (else one under the work directory)")
     sk.add_argument("--l3", action="store_true", help="an L3 tier on a redis-server the soak starts and kills")
     sk.add_argument("--fault-interval-s", type=float, default=2.0, help="mean seconds between injected faults")
-    sk.add_argument("--reply-faults", default="drop=0.002,delay=0.01,delay_s=0.3",
-                    help="replies the daemon drops / delays ($KVDEPOT_INJECT_FAULTS format; '' = none)")
+    sk.add_argument("--daemon-faults", default="drop=0.002,delay=0.01,delay_s=0.3,stall=0.0005,stall_s=3",
+                    help="replies the daemon drops / delays and CPU copies it stalls ($KVDEPOT_INJECT_FAULTS "
+                         "format; '' = none)")
+    sk.add_argument("--watchdog-s", type=float, default=1.0, help="the daemon's --watchdog-s (stalled copies)")
     sk.add_argument("--client-timeout-s", type=float, default=2.0, help="the engines' reply timeout")
     sk.add_argument("--hang-s", type=float, default=10.0, help="an engine without progress this long is a hang")
     sk.add_argument("--reclaim-limit-s", type=float, default=1.0,

@@ -168,6 +168,9 @@ SETTINGS: tuple[Setting, ...] = (
             "page-lock L1 for DMA at full speed (needs a memlock limit >= l1_bytes); default: when a GPU is visible",
             env="KVDEPOT_PIN_L1", metavar=""),
     Setting("transfer_threads", "--transfer-threads", _int, 2, "copy threads for CPU engines", metavar="N"),
+    Setting("watchdog_s", "--watchdog-s", _float, 30.0,
+            "a copy not completed after this many seconds (plus its bytes at 100 MB/s) is declared stuck: its "
+            "request is answered TIMEOUT and describe lists it; 0 = no watchdog", metavar="SECONDS"),
     Setting("staging_batch_bytes", "--staging-batch-bytes", parse_bytes, 64 << 20,
             "daemon-side GPU staging per slot, 2 slots per direction per GPU (for engines that do not stage "
             "themselves)", metavar="BYTES"),

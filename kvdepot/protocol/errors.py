@@ -19,7 +19,8 @@ class ErrorCode(enum.IntEnum):
     LAYOUT = 6  # a registered KV-cache layout the daemon cannot describe or that exceeds its storage
     ENGINE_MEMORY = 7  # the engine's memory (shared memory / IPC handle) could not be opened or vanished
     INTERNAL = 8  # a bug in the daemon; the request was rolled back and the daemon keeps serving
-    TIMEOUT = 9  # client side only: no reply within the client's timeout_s
+    TIMEOUT = 9  # no reply within the client's timeout_s, or the daemon's copy watchdog gave up waiting
+    # (kvdepot.server.watchdog); either way the copy may still run: keep the blocks
     UNSUPPORTED = 10  # a valid request this daemon build cannot serve (e.g. CUDA IPC without CUDA)
     DISCONNECTED = 11  # client side only: the daemon closed the connection (it stopped or restarted)
     UNAVAILABLE = 12  # client side only: no daemon listens at the endpoint (connection refused, no socket file)

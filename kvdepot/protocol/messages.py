@@ -149,6 +149,16 @@ class TierInfo(msgspec.Struct, omit_defaults=True):
     detail: str = ""  # e.g. the directory and I/O mode of L2
 
 
+class TransferInfo(msgspec.Struct, omit_defaults=True):
+    """A copy in flight in `DaemonInfo` (the watchdog's stuck ones, `kvdepot.server.watchdog`)."""
+
+    op: str  # store / retrieve
+    registration: str
+    rid: int
+    size_bytes: int
+    age_s: float  # since it was enqueued
+
+
 class DaemonInfo(msgspec.Struct, omit_defaults=True):
     boot_id: str
     version: str
@@ -167,6 +177,8 @@ class DaemonInfo(msgspec.Struct, omit_defaults=True):
     pinned_requests: int
     # replies the daemon dropped / delayed on purpose ($KVDEPOT_INJECT_FAULTS, soak tests only)
     injected_faults: dict[str, int] = msgspec.field(default_factory=dict)
+    # copies past the watchdog's deadline that have not ended yet (kvdepot.server.watchdog)
+    stuck_transfers: list[TransferInfo] = msgspec.field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- requests

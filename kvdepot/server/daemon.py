@@ -40,11 +40,12 @@ from kvdepot.server.metrics import Metrics
 from kvdepot.server.netsec import TCP_TAG, CurveConfig, TcpFront, check_endpoints
 from kvdepot.server.pool import HostPool
 from kvdepot.server.front import SocketFront
-from kvdepot.server.faults import ENV_INJECT_FAULTS, ReplyFaults
+from kvdepot.server.faults import ENV_INJECT_FAULTS, InjectedFaults
 from kvdepot.server.liveness import Liveness
 from kvdepot.server.stream import StreamServer
 from kvdepot.server.tiering import Tiering
 from kvdepot.server.transfers import STORE_SKIP_REASONS, TransferHandlers
+from kvdepot.server.watchdog import Watchdog
 
 log = logging.getLogger("kvdepot.daemon")
 
@@ -67,6 +68,7 @@ class DaemonConfig:
     # a stream client's registrations and pins are reclaimed once its connection has been closed
     # this long without a reconnect (kvdepot.server.liveness)
     peer_grace_s: float = 0.25
+    watchdog_s: float = 30.0  # (--watchdog-s) floor of a copy's deadline (kvdepot.server.watchdog); 0 = off
     transfer_threads: int = 2  # (--transfer-threads) copy worker threads
     staging_batch_bytes: int = 64 << 20  # (--staging-batch-bytes) device staging per slot (2 per direction per GPU)
     pin_l1: bool | None = None  # (--pin-l1/--no-pin-l1) page-lock L1 for DMA; None = if a GPU is visible
@@ -156,7 +158,7 @@ class Pin:
     pid: int
 
 
-class Daemon(SocketFront, TransferHandlers, Tiering, Liveness):
+class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
     """The kvdepot daemon. Use ``await Daemon(cfg).serve()``; `stop` ends it."""
 
     def __init__(self, config: DaemonConfig) -> None:
@@ -170,6 +172,7 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness):
         self.pins: dict[tuple[bytes, str], Pin] = {}
         self.client_pids: dict[bytes, int] = {}  # watched pids of ZMQ ipc clients (kvdepot.server.liveness)
         self._init_liveness()
+        self._init_watchdog()
         self._models: set[str] = set()  # every model ever registered (metric label values)
         self._cuda = None  # CudaRuntime, created by the first CUDA registration
         self.transfer_engine_name = CpuTransferEngine.name
@@ -196,9 +199,9 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness):
         self._busy_poll_s = max(0, config.busy_poll_us) / 1e6
         self._busy_until = 0.0
         self._spinning = False
-        self._reply_faults = ReplyFaults.from_env()  # soak tests only (kvdepot.server.faults)
-        if self._reply_faults is not None:
-            log.warning("fault injection on (%s): %s", ENV_INJECT_FAULTS, self._reply_faults)
+        self._faults = InjectedFaults.from_env()  # soak tests only (kvdepot.server.faults)
+        if self._faults is not None:
+            log.warning("fault injection on (%s): %s", ENV_INJECT_FAULTS, self._faults)
 
     # ------------------------------------------------------------------ main loop
 
@@ -494,7 +497,8 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness):
             engines=engines, lookup_requested_tokens=self.stats["lookup_requested_tokens"],
             lookup_hit_tokens=self.stats["lookup_hit_tokens"], stored_chunks=self.stats["stored_chunks"],
             retrieved_chunks=self.stats["retrieved_chunks"], evicted_chunks=self.index.evictions,
-            injected_faults=dict(self._reply_faults.counts) if self._reply_faults else {},
+            injected_faults=dict(self._faults.counts) if self._faults else {},
+            stuck_transfers=self.stuck_infos(),
             transfer_engine=self.transfer_engine_name, pinned_requests=len(self.pins))
         return m.DescribeReply(rid=req.rid, info=info)
 

@@ -2,7 +2,7 @@
 decoding and dispatching each request to its handler, and sending the reply (or the typed
 error). A mixin of `kvdepot.server.daemon.Daemon`, whose attributes it uses: ``_fronts`` (ZMQ
 sockets and their identity tags), ``_sock``, ``_tcp``, ``_streams``, ``_loop``, ``_handlers``,
-``_request_cells``, ``_reply_faults``, ``metrics`` and the busy-poll state."""
+``_request_cells``, ``_faults``, ``metrics`` and the busy-poll state."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ class SocketFront:
             self._spinning = False
 
     def _send(self, identity: bytes, frame: bytes) -> None:
-        faults = self._reply_faults  # None unless $KVDEPOT_INJECT_FAULTS (kvdepot.server.faults)
+        faults = self._faults  # None unless $KVDEPOT_INJECT_FAULTS (kvdepot.server.faults)
         if faults is not None:
             wait_s = faults.decide()
             if wait_s is None:

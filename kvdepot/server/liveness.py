@@ -96,7 +96,8 @@ class Liveness:
 
     def sweep(self) -> None:
         """Reclaim registrations of exited (watched) engine processes and expired or orphaned
-        pins; write L1's least recently used entries ahead to L2 if stores left it short."""
+        pins; declare copies past their deadline stuck (`kvdepot.server.watchdog`); write L1's
+        least recently used entries ahead to L2 if stores left it short."""
         for reg in list(self.registrations.values()):
             if reg.watch_pid and not pid_alive(reg.watch_pid):
                 log.warning("engine pid %d of %s exited; reclaiming its registration", reg.watch_pid, reg.id)
@@ -109,4 +110,5 @@ class Liveness:
         for ident, pid in list(self.client_pids.items()):
             if not pid_alive(pid):
                 del self.client_pids[ident]
+        self.check_stuck(now)
         self._spill_ahead()

@@ -230,6 +230,15 @@ class Metrics:
                                     "early reply.", ["code"])
         self.registered_engines = GaugeFamily("kvdepot_registered_engines", "Live engine registrations.")
         self.registered_engines.set(0)
+        self.stuck_transfers = GaugeFamily(
+            "kvdepot_stuck_transfers", "Copies past the watchdog's deadline that have not ended yet (a hung GPU or "
+            "copy thread; kvdepot.server.watchdog).")
+        self.stuck_transfers.set(0)  # a function of the daemon's copies in flight once it runs
+        self.transfers_stuck = CounterFamily(
+            "kvdepot_transfers_stuck", "Copies the watchdog declared stuck (their requests were answered TIMEOUT).",
+            ["op"])
+        for op in OPS:
+            self.transfers_stuck.labels(op)
         self.engines_reclaimed = CounterFamily(
             "kvdepot_engines_reclaimed", "Registrations reclaimed without an unregister: the engine's connection "
             "closed (connection_closed) or its watched pid exited (pid_exited).", ["reason"])

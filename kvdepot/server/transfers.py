@@ -6,6 +6,7 @@ metrics, executor)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -109,14 +110,18 @@ class TransferHandlers:
         t0 = time.perf_counter()
 
         replied = False  # an early reply went out at enqueue
+        token = self.watch("store", reg.id, identity, req.rid, len(new) * lay.object_bytes, reply_pending=not early)
 
         def finish(err: BaseException | None) -> None:  # on the loop, once the copies ended
             trace_point(req.rid, "gpu_done")
             self._finish_transfer(reg)
+            stuck = self.unwatch(token)  # answered TIMEOUT by the watchdog: publish nothing, reply nothing
             try:
-                if err is not None:
+                if err is not None or stuck:
                     for _, e in reversed(new):
                         self.index.abort(e)
+                    if stuck:
+                        return
                     if not isinstance(err, RequestError):
                         err = RequestError(ErrorCode.ENGINE_MEMORY, f"store copy failed: {err}")
                     if replied:  # the engine was told "being stored": the chunks just never appear
@@ -161,6 +166,9 @@ class TransferHandlers:
 
     def _in_executor(self, finish: Callable[[BaseException | None], None], fn, *args) -> None:
         """Run ``fn(*args)`` in the copy threads; ``finish(error or None)`` runs on the loop."""
+        stall_s = self._faults.copy_stall_s() if self._faults is not None else 0.0
+        if stall_s:  # an injected stuck copy (soak tests only, kvdepot.server.faults)
+            fn = functools.partial(_stalled, stall_s, fn)
         fut = self._loop.run_in_executor(self._executor, fn, *args)
 
         def done(f: asyncio.Future) -> None:
@@ -206,12 +214,16 @@ class TransferHandlers:
             return m.RetrieveReply(rid=req.rid, retrieved=0)
         reg.active += 1
         t0 = time.perf_counter()
+        token = self.watch("retrieve", reg.id, identity, req.rid, len(entries) * lay.object_bytes, reply_pending=True)
 
         def finish(err: BaseException | None) -> None:
             self._finish_transfer(reg)
+            stuck = self.unwatch(token)  # answered TIMEOUT by the watchdog
             for e in entries:
                 self.index.release(e)
             self.index.touch_chain([e.key for e in entries])
+            if stuck:
+                return
             if err is not None:
                 if not isinstance(err, RequestError):
                     err = RequestError(ErrorCode.ENGINE_MEMORY, f"retrieve copy failed: {err}")
@@ -236,10 +248,13 @@ class TransferHandlers:
             return m.RetrieveReply(rid=req.rid, retrieved=0)
         reg.active += 1
         t0 = time.perf_counter()
+        token = self.watch("retrieve", reg.id, b"", req.rid, len(entries) * reg.layout.object_bytes,
+                           reply_pending=False)  # replied at enqueue: the engine waits on the event
 
         def done(err: BaseException | None) -> None:
             trace_point(req.rid, "gpu_done")
             self._finish_transfer(reg)
+            self.unwatch(token)
             for e in entries:
                 self.index.release(e)
             if err is not None:
@@ -281,3 +296,8 @@ class TransferHandlers:
                 continue
             eng.scatter(self.pool.buffer(e.offset, e.size_bytes), self._chunk_block_ids(reg, block_ids, j), skip)
 
+
+
+def _stalled(stall_s: float, fn, *args):
+    time.sleep(stall_s)
+    return fn(*args)

@@ -6,8 +6,9 @@ Faults, one every ``fault_interval_s`` on average (exponential gaps), picked by 
 daemon dropped its registration and pins is a reclaim time), ``kill_daemon`` (SIGKILL, restart
 on the same endpoint and L2 directory), ``corrupt_l2`` (flip bytes of a random L2 object file),
 ``kill_redis`` (SIGKILL the L3 Redis, restart it 1-3 s later). All along, the daemon drops and
-delays a share of its replies (`kvdepot.server.faults`), and an L1 much smaller than the
-engines' working set keeps eviction busy.
+delays a share of its replies and stalls a share of its CPU copies past its watchdog's deadline
+(`kvdepot.server.faults`, `kvdepot.server.watchdog`), and an L1 much smaller than the engines'
+working set keeps eviction busy.
 
 Fails (exit status 1) on: a corrupt byte, a hang (an engine without a finished request for
 ``hang_s`` while the daemon was up), a daemon or engine that died by itself, a reclaim slower
@@ -54,7 +55,8 @@ class SoakConfig:
     l2: bool = True
     l3: bool = False  # needs redis-server (or valkey-server) on PATH
     fault_interval_s: float = 2.0
-    reply_faults: str = "drop=0.002,delay=0.01,delay_s=0.3"
+    daemon_faults: str = "drop=0.002,delay=0.01,delay_s=0.3,stall=0.0005,stall_s=3"
+    watchdog_s: float = 1.0
     client_timeout_s: float = 2.0
     hang_s: float = 10.0
     reclaim_limit_s: float = 1.0
@@ -112,14 +114,14 @@ class _Daemon:
     def __init__(self, cfg: SoakConfig, workdir: Path, l3_url: str) -> None:
         self.endpoint = f"ipc://{workdir}/kvdepot.sock"
         self.args = [sys.executable, "-m", "kvdepot", "serve", "--endpoint", self.endpoint,
-                     "--l1-bytes", str(cfg.l1_bytes), "--pin-ttl-s", "30"]
+                     "--l1-bytes", str(cfg.l1_bytes), "--pin-ttl-s", "30", "--watchdog-s", str(cfg.watchdog_s)]
         if cfg.device == "cpu":
             self.args.append("--no-pin-l1")
         if cfg.l2:
             self.args += ["--l2-path", str(workdir / "l2"), "--l2-bytes", str(8 * cfg.l1_bytes)]
         if l3_url:
             self.args += ["--l3-url", l3_url, "--l3-timeout-s", "0.5"]
-        self.env = dict(os.environ, KVDEPOT_INJECT_FAULTS=f"{cfg.reply_faults},seed={cfg.seed}")
+        self.env = dict(os.environ, KVDEPOT_INJECT_FAULTS=f"{cfg.daemon_faults},seed={cfg.seed}")
         self.workdir = workdir
         self.proc: subprocess.Popen | None = None
         self.incarnation = 0
@@ -394,7 +396,7 @@ class Soak:
                                  f"(limit {rss_limit >> 20} MiB: 110% of L1 + tier queues)")
         ops = t["lookups"] + t["retrieves"] + t["stores"] + t["flushes"] + t["requests"]  # requests = end_request
         faults = dict(self.faults)
-        faults.update({k: daemon[k] for k in ("dropped_replies", "delayed_replies")})
+        faults.update({k: daemon[k] for k in ("dropped_replies", "delayed_replies", "stalled_copies")})
         tiers = {k: v for k, v in sorted(daemon.items()) if k.startswith(("l1_", "l2_", "l3_"))}
         rs = sorted(self.reclaim_s)
         return {

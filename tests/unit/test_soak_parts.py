@@ -8,7 +8,7 @@ import hashlib
 import pytest
 
 from kvdepot.client.kvcache import ShmKVCache
-from kvdepot.server.faults import ReplyFaults
+from kvdepot.server.faults import InjectedFaults
 from kvdepot.soak.content import FAMILIES, chunk_layers, corrupt_bytes, write_chunk
 
 
@@ -41,29 +41,35 @@ def test_chunk_bytes_are_a_function_of_the_key_only():
     assert sum(x.numel() for x in a) == fam.object_bytes
 
 
-def test_reply_faults_spec_and_shares():
-    f = ReplyFaults("drop=0.1,delay=0.2,delay_s=0.5,seed=3")
+def test_faults_spec_and_shares():
+    f = InjectedFaults("drop=0.1,delay=0.2,delay_s=0.5,seed=3")
     decisions = [f.decide() for _ in range(20_000)]
     dropped = sum(d is None for d in decisions)
     delayed = [d for d in decisions if d]
     assert 1700 < dropped < 2300 and 3500 < len(delayed) < 4500
     assert all(0 < d <= 0.5 for d in delayed)
-    assert f.counts == {"dropped_replies": dropped, "delayed_replies": len(delayed)}
-    runs = [ReplyFaults(f"drop=0.5,delay=0.3,seed={s}") for s in (3, 3, 4)]
+    assert f.counts == {"dropped_replies": dropped, "delayed_replies": len(delayed), "stalled_copies": 0}
+    assert f.copy_stall_s() == 0.0  # no stall asked for
+    g = InjectedFaults("stall=0.25,stall_s=7,seed=1")
+    stalls = [g.copy_stall_s() for _ in range(4000)]
+    assert set(stalls) == {0.0, 7.0} and 800 < stalls.count(7.0) < 1200
+    assert g.counts["stalled_copies"] == stalls.count(7.0) and g.decide() == 0.0
+    runs = [InjectedFaults(f"drop=0.5,delay=0.3,seed={s}") for s in (3, 3, 4)]
     a, b, c = ([f.decide() for _ in range(64)] for f in runs)
     assert a == b != c  # the seed decides
 
 
-@pytest.mark.parametrize("spec", ["drop", "drop=x", "lose=0.1", "drop=0.7,delay=0.7", "delay_s=-1", "drop=2"])
-def test_reply_faults_refuse_bad_specs(spec):
+@pytest.mark.parametrize("spec", ["drop", "drop=x", "lose=0.1", "drop=0.7,delay=0.7", "delay_s=-1", "drop=2",
+                                  "stall=1.5", "stall_s=-2"])
+def test_faults_refuse_bad_specs(spec):
     with pytest.raises(ValueError, match="KVDEPOT_INJECT_FAULTS"):
-        ReplyFaults(spec)
+        InjectedFaults(spec)
 
 
-def test_reply_faults_are_off_unless_asked(monkeypatch):
+def test_faults_are_off_unless_asked(monkeypatch):
     monkeypatch.delenv("KVDEPOT_INJECT_FAULTS", raising=False)
-    assert ReplyFaults.from_env() is None
+    assert InjectedFaults.from_env() is None
     monkeypatch.setenv("KVDEPOT_INJECT_FAULTS", "  ")
-    assert ReplyFaults.from_env() is None
+    assert InjectedFaults.from_env() is None
     monkeypatch.setenv("KVDEPOT_INJECT_FAULTS", "drop=1")
-    assert ReplyFaults.from_env().decide() is None
+    assert InjectedFaults.from_env().decide() is None
