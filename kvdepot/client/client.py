@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Sequence
 
 import msgspec
+import msgspec.structs
 import zmq
 
 from kvdepot.client.hashing import chunk_keys, namespace_seed
@@ -35,7 +36,8 @@ from kvdepot.client.pending import PendingRetrieve, PendingStore
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
-from kvdepot.protocol.transport import StreamSocket, connect_socket, default_endpoint
+from kvdepot.protocol.fdpass import fds_path, pass_fds
+from kvdepot.protocol.transport import StreamSocket, connect_socket, default_endpoint, ipc_path
 
 
 @dataclasses.dataclass
@@ -58,6 +60,9 @@ class Registration:
     # CUDA engines: the engine-side staging (`kvdepot.client.staging.EngineStaging`) when the
     # daemon serves it, else None (the daemon gathers and scatters the blocks itself)
     staging: object = dataclasses.field(default=None, repr=False, compare=False)
+    # CPU engines with sealed memfds: the descriptor of each "memfd" storage (None for others),
+    # passed to the daemon again at every (re)registration
+    storage_fds: list | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def model(self) -> str:
@@ -399,8 +404,14 @@ class KVDepotClient:
 
     def register(self, model: str, shard: str, chunk_size: int, storages: list[m.StorageSpec],
                  layers: list[m.LayerSpec], groups: list[m.KVGroupSpec], device: str = "cpu",
-                 local_storages: Sequence | None = None, staging_bytes: int | None = None) -> Registration:
+                 local_storages: Sequence | None = None, staging_bytes: int | None = None,
+                 storage_fds: Sequence[int | None] | None = None) -> Registration:
         """Register an engine's KV caches.
+
+        storage_fds: CPU engines with sealed memfds (`kvdepot.client.kvcache.ShmKVCache` with
+            ``sealed=True``): per storage, its descriptor for a ``"memfd"`` storage, else None.
+            They are passed to the daemon over its descriptor socket (`kvdepot.protocol.fdpass`)
+            before the `Register` message, which names them by token.
 
         local_storages: CUDA engines: this process's tensors of ``storages`` (same order; layer
             offsets are relative to their ``data_ptr()``). With them, and the kernel library
@@ -413,6 +424,10 @@ class KVDepotClient:
             KVDepotError: LAYOUT (layers the daemon cannot describe, chunk size not a multiple
                 of a group's tokens per block), ENGINE_MEMORY (shared memory not found), ...
         """
+        if any(st.kind == "memfd" for st in storages) and (
+                storage_fds is None or len(storage_fds) != len(storages)
+                or any((fd is None) != (st.kind != "memfd") for st, fd in zip(storages, storage_fds))):
+            raise ValueError("every memfd storage needs its descriptor in storage_fds (and only those)")
         req = m.Register(rid=0, model=model, shard=shard, chunk_size=chunk_size, storages=storages, layers=layers,
                          groups=groups, pid=os.getpid(), device=device)
         staging = None
@@ -420,7 +435,7 @@ class KVDepotClient:
             staging = self._engine_staging(req, local_storages, staging_bytes)
             if staging is not None:
                 req.staging = staging.spec
-        return self._register(req, staging)
+        return self._register(req, staging, list(storage_fds) if storage_fds is not None else None)
 
     @staticmethod
     def _engine_staging(req: m.Register, local_storages: Sequence, staging_bytes: int | None):
@@ -443,7 +458,13 @@ class KVDepotClient:
             logging.getLogger("kvdepot.client").warning("engine-side staging off (the daemon gathers): %s", exc)
             return None
 
-    def _register(self, req: m.Register, staging=None) -> Registration:
+    def _register(self, req: m.Register, staging=None, storage_fds: list | None = None) -> Registration:
+        if storage_fds:  # a fresh token per registration: the daemon takes each passed set once
+            path = ipc_path(self.endpoint)
+            if path is None:
+                raise KVDepotError(ErrorCode.FORBIDDEN, "memfd storages need the daemon's ipc:// endpoint")
+            req.storages = [msgspec.structs.replace(st, name=pass_fds(fds_path(path), [fd], self.timeout_s))
+                            if fd is not None else st for st, fd in zip(req.storages, storage_fds)]
         r = self.call(req)
         self.boot_id = r.boot_id
         if staging is not None and (not r.staging or r.layout_fingerprint != staging.layout.fingerprint
@@ -451,13 +472,14 @@ class KVDepotClient:
             staging.close()  # the daemon does not serve it (no kernel library there), or another layout
             staging = None
             req.staging = None
-        return Registration(r.registration, r.layout_fingerprint, r.object_bytes, r.boot_id, req, staging)
+        return Registration(r.registration, r.layout_fingerprint, r.object_bytes, r.boot_id, req, staging,
+                            storage_fds)
 
     def reregister(self, reg: Registration) -> Registration:
         """Register ``reg``'s caches again (after a daemon restart). The staging ring starts
         empty: the old daemon, gone, copies nothing more, and the regions of requests lost with
         it would otherwise stay taken."""
-        new = self._register(reg.request, reg.staging)
+        new = self._register(reg.request, reg.staging, reg.storage_fds)
         if new.staging is not None and new.boot_id != reg.boot_id:
             new.staging.ring.reset()
         return new

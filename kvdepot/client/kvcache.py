@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from kvdepot.gpu.layout import LayerLayout, dtype_name
-from kvdepot.gpu.shm import create_shm, unlink_shm
+from kvdepot.gpu.shm import create_memfd, create_shm, unlink_shm
 from kvdepot.protocol.messages import KVGroupSpec, LayerSpec, StorageSpec
 
 VLLM_ORDERS = ("LBNHC", "LBHNC", "BLNHC", "BLHNC")
@@ -98,6 +98,10 @@ class ShmKVCache:
         layout: one of `ALL_LAYOUTS`.
         name: shared-memory name (default: a fresh unique name). The segment is unlinked by
             `close` (or, failing that, when the object is collected or the interpreter exits).
+        device: ``"cuda"`` for a CUDA cache (shared by IPC handle); default CPU shared memory.
+        sealed: CPU: an anonymous memfd sealed against any size change instead of a /dev/shm
+            segment (``fd``; pass `storage_fds` to ``KVDepotClient.register``): the daemon's
+            copies can never fault on a shrunk segment (`kvdepot.gpu.shm`).
 
     Attributes:
         storage: uint8 tensor over the whole segment.
@@ -107,7 +111,7 @@ class ShmKVCache:
     """
 
     def __init__(self, groups: Sequence[KVGroupShape], num_blocks: int | Sequence[int], layout: str = "LBNHC",
-                 name: str | None = None, device: str | torch.device | None = None) -> None:
+                 name: str | None = None, device: str | torch.device | None = None, sealed: bool = False) -> None:
         if layout not in ALL_LAYOUTS:
             raise ValueError(f"layout {layout!r} not in {ALL_LAYOUTS}")
         self.groups = sorted(groups, key=lambda g: g.gid)
@@ -159,9 +163,15 @@ class ShmKVCache:
             size = _align(off)
         self.size_bytes = max(size, 4096)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.fd: int | None = None  # the sealed memfd (sealed=True), else None
         if self.device.type == "cuda":
             # one device allocation, shared with the daemon by CUDA IPC handle (vLLM 0.33 style)
             self.storage = torch.zeros(self.size_bytes, dtype=torch.uint8, device=self.device)
+        elif sealed:
+            # an anonymous memfd sealed against shrinking: nothing can fault the daemon's copies
+            self.fd, self.storage = create_memfd(self.name, self.size_bytes)
+            self._unlink = weakref.finalize(self, os.close, self.fd)
+            self.storage.zero_()
         else:
             self.storage = create_shm(self.name, self.size_bytes)
             # unlinked by close(), else when this object is collected or the interpreter exits:
@@ -186,7 +196,13 @@ class ShmKVCache:
     def storage_specs(self) -> list[StorageSpec]:
         if self.device.type == "cuda":
             return [export_cuda_storage(self.storage)]
+        if self.fd is not None:
+            return [StorageSpec(kind="memfd", size_bytes=self.size_bytes)]
         return [StorageSpec(kind="shm", size_bytes=self.size_bytes, name=self.name)]
+
+    def storage_fds(self) -> list[int | None] | None:
+        """``KVDepotClient.register``'s ``storage_fds`` for this cache (None unless sealed)."""
+        return None if self.fd is None else [self.fd]
 
     def group_specs(self) -> list[KVGroupSpec]:
         return [KVGroupSpec(gid=g.gid, tokens_per_block=g.tokens_per_block) for g in self.groups]
@@ -253,7 +269,8 @@ class ShmKVCache:
             v[b].copy_(data[i])
 
     def close(self) -> None:
-        """Unlink the segment (the mapping lives on until this object is dropped)."""
+        """Unlink the segment, or close the memfd (the mapping lives on until this object is
+        dropped)."""
         if self.device.type != "cuda":
             self._unlink()
 

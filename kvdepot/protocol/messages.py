@@ -52,14 +52,16 @@ class Msg(msgspec.Struct, tag_field="t", array_like=True, omit_defaults=True):
 class StorageSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     """One engine memory allocation that layer views point into.
 
-    kind: ``"shm"`` (POSIX shared memory, ``name`` is the /dev/shm name) or ``"cuda_ipc"``
+    kind: ``"shm"`` (POSIX shared memory, ``name`` is the /dev/shm name), ``"memfd"`` (a sealed
+    memfd passed beforehand over the daemon's descriptor socket, ``name`` is the token it was
+    passed under: `kvdepot.protocol.fdpass`) or ``"cuda_ipc"``
     (``handle`` is a ``cudaIpcMemHandle_t`` of the allocation holding the storage, which starts
     ``handle_offset_bytes`` into it; ``device_uuid`` is the GPU's UUID, matched by the daemon
     against its visible GPUs, never by ordinal).
     size_bytes: bytes of the allocation; every layer view must lie inside it.
     """
 
-    kind: Annotated[str, Meta(pattern="^(shm|cuda_ipc)$")]
+    kind: Annotated[str, Meta(pattern="^(shm|memfd|cuda_ipc)$")]
     size_bytes: PosInt
     name: Name = ""
     handle: bytes = b""

@@ -29,10 +29,11 @@ import kvdepot
 from kvdepot import trace
 from kvdepot.gpu.cpu_engine import CpuTransferEngine
 from kvdepot.gpu.layout import EngineLayout, group_layers
-from kvdepot.gpu.shm import open_shm, shm_path
+from kvdepot.gpu.shm import open_memfd, open_shm, shm_path
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, RequestError
+from kvdepot.protocol.fdpass import fds_path
 from kvdepot.protocol.transport import ipc_path, make_socket, stream_path
 from kvdepot.server.index import ChunkIndex
 from kvdepot.server.http import HttpEndpoints
@@ -41,6 +42,7 @@ from kvdepot.server.netsec import TCP_TAG, CurveConfig, TcpFront, check_endpoint
 from kvdepot.server.pool import HostPool
 from kvdepot.server.front import SocketFront
 from kvdepot.server.faults import ENV_INJECT_FAULTS, InjectedFaults
+from kvdepot.server.fdinbox import FdInbox
 from kvdepot.server.liveness import Liveness
 from kvdepot.server.stream import StreamServer
 from kvdepot.server.tiering import Tiering
@@ -196,6 +198,7 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
         self._tcp: TcpFront | None = None  # the ROUTER of the tcp:// endpoints
         self._fronts: list[tuple[zmq.Socket, bytes]] = []
         self._streams = StreamServer(self._on_stream_frame, self.peer_attached, self.peer_detached)
+        self.fd_inbox = FdInbox()  # sealed memfds passed by CPU engines (kvdepot.server.fdinbox)
         self._busy_poll_s = max(0, config.busy_poll_us) / 1e6
         self._busy_until = 0.0
         self._spinning = False
@@ -242,6 +245,11 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
                     await self._streams.listen(path)
                 except OSError as exc:  # e.g. a path too long for AF_UNIX once suffixed: ZMQ still serves
                     log.warning("no stream socket at %s (%s); clients use ZMQ at %s", path, exc, ep)
+                try:
+                    self.fd_inbox.listen(fds_path(ipc_path(ep)))
+                except OSError as exc:
+                    log.warning("no descriptor socket beside %s (%s): CPU engines must use named shared memory",
+                                ep, exc)
         if self.config.metrics_port:
             self.http = HttpEndpoints(self.metrics.registry, self._healthy, self._ready)
             self.http.serve(self.config.metrics_port, self.config.metrics_addr)
@@ -267,6 +275,7 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
             for sock, _ in self._fronts:
                 loop.remove_reader(sock.getsockopt(zmq.FD))
             self._streams.close()
+            self.fd_inbox.close()
             sweeper.cancel()
             ticker.cancel()
             await asyncio.gather(sweeper, ticker, return_exceptions=True)
@@ -425,13 +434,23 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
         if req.device != "cpu":
             reg = self._register_cuda(req, layout)
             return self._add_registration(identity, req, reg)
-        if any(s.kind != "shm" for s in req.storages):
-            raise RequestError(ErrorCode.INVALID_ARGUMENT, "a CPU registration's storages must all be shm")
-        storages = [open_shm(s.name, s.size_bytes) for s in req.storages]
-        files = []
+        if any(s.kind not in ("shm", "memfd") for s in req.storages):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "a CPU registration's storages must be shm or memfd")
+        storages, files = [], []
         try:
             for s in req.storages:
-                files.append((os.open(shm_path(s.name), os.O_RDONLY | os.O_CLOEXEC), s.size_bytes))
+                if s.kind == "memfd":  # sealed: can never shrink under a copy (kvdepot.gpu.shm)
+                    fds = self.fd_inbox.take(s.name)
+                    if not fds:
+                        raise RequestError(ErrorCode.ENGINE_MEMORY, f"no descriptor was passed under token "
+                                                                    f"{s.name!r} (or it expired)")
+                    for extra in fds[1:]:
+                        os.close(extra)
+                    files.append((fds[0], s.size_bytes))
+                    storages.append(open_memfd(fds[0], s.size_bytes))
+                else:
+                    storages.append(open_shm(s.name, s.size_bytes))
+                    files.append((os.open(shm_path(s.name), os.O_RDONLY | os.O_CLOEXEC), s.size_bytes))
             engine = CpuTransferEngine(layout, storages)
         except BaseException:
             for fd, _ in files:

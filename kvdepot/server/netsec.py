@@ -143,7 +143,7 @@ def authorize(req: m.Msg, authenticated: bool) -> None:
     Raises:
         RequestError: FORBIDDEN.
     """
-    if isinstance(req, m.Register) and any(s.kind == "shm" for s in req.storages):
+    if isinstance(req, m.Register) and any(s.kind in ("shm", "memfd") for s in req.storages):
         raise RequestError(ErrorCode.FORBIDDEN, "registrations of shared memory are refused over tcp:// "
                                                 "(use the daemon's ipc:// endpoint on its host)")
     if isinstance(req, m.Flush) and not authenticated:

@@ -63,7 +63,9 @@ class _Engine:
         self.rng = random.Random(spec.seed)
         self.reports = reports
         device = "cuda" if spec.device == "cuda" else None
-        self.cache = ShmKVCache(list(self.fam.groups), list(self.fam.num_blocks), spec.layout, device=device)
+        # CPU: a sealed memfd, which the fault injector tries to shrink under the daemon's copies
+        self.cache = ShmKVCache(list(self.fam.groups), list(self.fam.num_blocks), spec.layout, device=device,
+                                sealed=device is None)
         self.client = KVDepotClient(spec.endpoint, timeout_s=spec.timeout_s, name=f"soak-engine-{spec.index}",
                                     connect=False)
         self.stream = torch.cuda.current_stream() if device else None
@@ -85,7 +87,7 @@ class _Engine:
             self.reg = c.register(self.fam.model, "tp0of1", self.fam.chunk_size, cache.storage_specs(),
                                   cache.layer_specs(), cache.group_specs(), device=cache.register_device,
                                   local_storages=[cache.storage] if cache.register_device == "cuda" else None,
-                                  staging_bytes=32 << 20)
+                                  staging_bytes=32 << 20, storage_fds=cache.storage_fds())
         else:
             self.reg = c.reregister(self.reg)
         self.reg_generation = c.generation
@@ -233,7 +235,7 @@ class _Engine:
             return
         self._next_report = now + self.spec.report_interval_s
         msg = {"index": self.spec.index, "pid": os.getpid(), "registration": self.reg.id if self.reg else None,
-               "shm": self.cache.name if self.cache.register_device == "cpu" else None,
+               "memfd": self.cache.fd, "memfd_bytes": self.cache.size_bytes,
                "counts": dict(self.counts), "errors": dict(self.errors), "last_progress": self.last_progress}
         try:
             self.reports.put_nowait(msg)

@@ -5,7 +5,8 @@ Faults, one every ``fault_interval_s`` on average (exponential gaps), picked by 
 ``kill_engine`` (SIGKILL an engine mid-request; a new one takes its place; the time until the
 daemon dropped its registration and pins is a reclaim time), ``kill_daemon`` (SIGKILL, restart
 on the same endpoint and L2 directory), ``corrupt_l2`` (flip bytes of a random L2 object file),
-``kill_redis`` (SIGKILL the L3 Redis, restart it 1-3 s later). All along, the daemon drops and
+``kill_redis`` (SIGKILL the L3 Redis, restart it 1-3 s later), ``shrink_segment`` (CPU: truncate
+an engine's KV memory, which its memfd seal must refuse). All along, the daemon drops and
 delays a share of its replies and stalls a share of its CPU copies past its watchdog's deadline
 (`kvdepot.server.faults`, `kvdepot.server.watchdog`), and an L1 much smaller than the engines'
 working set keeps eviction busy.
@@ -209,11 +210,6 @@ class Soak:
             return
         self.totals.update(rep["counts"])
         self.errors.update(rep["errors"])
-        if rep.get("shm"):
-            try:
-                os.unlink(f"/dev/shm/{rep['shm']}")
-            except OSError:
-                pass
 
     def _drain_reports(self) -> None:
         while True:
@@ -231,6 +227,8 @@ class Soak:
         """Inject one fault: the first ones go through every kind once (in a seeded order, so
         a run of a few faults covers them all), later ones are drawn by weight."""
         kinds = ["kill_engine"] * 4 + ["kill_daemon"]
+        if self.cfg.device == "cpu":
+            kinds += ["shrink_segment"] * 2
         if self.cfg.l2:
             kinds += ["corrupt_l2"] * 2
         if self.redis is not None:
@@ -257,7 +255,24 @@ class Soak:
             self.pending_reclaims.clear()  # the registrations went with it
             time.sleep(self.rng.uniform(0.0, 0.5))
             self.daemon.start()
-        elif kind == "corrupt_l2":
+        elif kind == "shrink_segment":
+            # an engine (or anyone of its uid) truncating its KV memory while the daemon copies
+            # from it: the memfd's seal must refuse it (else the daemon's next copy would fault)
+            ready = [rep for rep in self.last.values() if rep.get("registration") and rep.get("memfd") is not None]
+            if not ready:
+                return
+            rep = self.rng.choice(ready)
+            try:
+                fd = os.open(f"/proc/{rep['pid']}/fd/{rep['memfd']}", os.O_RDWR)
+            except OSError:
+                return  # the engine just died
+            try:
+                os.ftruncate(fd, rep["memfd_bytes"] // 2)
+                self.failures.append(f"engine {rep['index']}'s KV memory could be shrunk (not sealed)")
+            except PermissionError:
+                pass
+            finally:
+                os.close(fd)
             files = list((self.workdir / "l2" / "objects").rglob("*.kvd"))
             if not files:
                 return
@@ -291,17 +306,20 @@ class Soak:
                 self.failures.append(f"engine {i} exited by itself (status {p.exitcode})")
                 self._retire(i)
                 self._spawn(i)
+        asked_at = time.monotonic()  # the daemon's state is read no earlier than this
         try:
             info = client.describe()
         except KVDepotError:
-            return
+            return  # e.g. an injected dropped reply: the next look (0.1 s on) asks again
         live = {e.registration for e in info.engines}
         for item in list(self.pending_reclaims):
             reg, killed_at, incarnation = item
             if incarnation != d.incarnation:
                 self.pending_reclaims.remove(item)
             elif reg not in live:
-                self.reclaim_s.append(now - killed_at)
+                # reclaimed before the describe that saw it gone was sent, or up to ~0.1 s
+                # later: its send time is the bound, whatever delay the reply had
+                self.reclaim_s.append(max(0.0, asked_at - killed_at))
                 self.pending_reclaims.remove(item)
         seen = collections.Counter(info.injected_faults)
         for tier in info.tiers:
@@ -330,7 +348,8 @@ class Soak:
         self.t0 = time.monotonic()
         for i in range(cfg.engines):
             self._spawn(i)
-        client = KVDepotClient(self.daemon.endpoint, timeout_s=5.0, name="soak-orchestrator", connect=False)
+        # a short timeout: the injector drops some of the orchestrator's replies too
+        client = KVDepotClient(self.daemon.endpoint, timeout_s=0.5, name="soak-orchestrator", connect=False)
         try:
             # the clock starts once every engine registered (spawned interpreters import torch)
             deadline = time.monotonic() + 120

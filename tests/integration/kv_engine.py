@@ -89,6 +89,7 @@ class EngineSpec:
     fill_seed: int  # seed of the bytes the cache starts with
     shard: str = "tp0of1"  # "replicated" for MLA
     model_id: str = ""  # registered model identity (default: model)
+    sealed: bool = False  # a sealed memfd passed to the daemon instead of a /dev/shm segment
 
     @property
     def model_name(self) -> str:
@@ -202,14 +203,14 @@ class Engine:
 
     def __init__(self, spec: EngineSpec, name: str = "") -> None:
         self.spec = spec
-        self.cache = ShmKVCache(spec.groups(), list(spec.num_blocks), spec.layout)
+        self.cache = ShmKVCache(spec.groups(), list(spec.num_blocks), spec.layout, sealed=spec.sealed)
         try:
             fill_cache(self.cache, spec.fill_seed)
             self.client = KVDepotClient(spec.endpoint, timeout_s=60.0, name=name)
             try:
                 self.reg: Registration = self.client.register(
                     spec.model_name, spec.shard, spec.chunk_size, self.cache.storage_specs(),
-                    self.cache.layer_specs(), self.cache.group_specs())
+                    self.cache.layer_specs(), self.cache.group_specs(), storage_fds=self.cache.storage_fds())
             except BaseException:
                 self.client.close()
                 raise
