@@ -10,6 +10,8 @@ logical token rows of `kvdepot.client.kvcache.ShmKVCache.token_view`, whatever t
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -39,15 +41,19 @@ class Family:
     def blocks_per_chunk(self, gid: int) -> int:
         return self.chunk_size // self.groups[gid].tokens_per_block
 
-    @property
+    @functools.cached_property
     def layer_shapes(self) -> list[tuple[int, tuple[int, int, int, int]]]:
         """(gid, ``[chunk_size, H, KV, row_bytes]``) of each layer, in cache layer order."""
         return [(g.gid, (self.chunk_size, g.num_heads, 1 if g.mla else 2, g.row_bytes))
                 for g in self.groups for _ in range(g.num_layers)]
 
-    @property
+    @functools.cached_property
+    def layer_bytes(self) -> list[int]:
+        return [math.prod(shape) for _, shape in self.layer_shapes]
+
+    @functools.cached_property
     def object_bytes(self) -> int:
-        return sum(int(np.prod(shape)) for _, shape in self.layer_shapes)
+        return sum(self.layer_bytes)
 
 
 _DENSE = KVGroupShape(0, 6, 3, 64, 16)  # a SmolLM2-like slice: 6 layers, 3 KV heads, head dim 64, bf16
@@ -60,13 +66,14 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 
+@functools.lru_cache(maxsize=256)  # engines on shared prefixes meet the same keys again and again
 def chunk_layers(family: Family, key: bytes) -> list[torch.Tensor]:
-    """The bytes of the chunk with ``key``: per layer, uint8 ``[chunk_size, H, KV, row_bytes]``."""
+    """The bytes of the chunk with ``key``: per layer, uint8 ``[chunk_size, H, KV, row_bytes]``
+    (shared by callers: read only)."""
     gen = np.random.Generator(np.random.PCG64(int.from_bytes(key, "little")))
     raw = torch.frombuffer(bytearray(gen.bytes(family.object_bytes)), dtype=torch.uint8)
     out, off = [], 0
-    for _, shape in family.layer_shapes:
-        n = int(np.prod(shape))
+    for (_, shape), n in zip(family.layer_shapes, family.layer_bytes):
         out.append(raw[off:off + n].view(shape))
         off += n
     return out
