@@ -18,7 +18,6 @@ says it is back. An ``ipc://`` daemon that is not running fails a call at once (
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import itertools
 import os
 import sys
@@ -31,54 +30,13 @@ import msgspec
 import msgspec.structs
 import zmq
 
-from kvdepot.client.hashing import chunk_keys, namespace_seed
 from kvdepot.client.pending import PendingRetrieve, PendingStore
+from kvdepot.client.registration import Registration, engine_staging
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 from kvdepot.protocol.fdpass import fds_path, pass_fds
 from kvdepot.protocol.transport import StreamSocket, connect_socket, default_endpoint, ipc_path
-
-
-@dataclasses.dataclass
-class Registration:
-    """A registration as the client holds it.
-
-    Attributes:
-        id: registration id to put in Store / Retrieve.
-        layout_fingerprint: what the daemon says the chunk bytes mean.
-        object_bytes: bytes of one chunk object.
-        boot_id: daemon boot the registration belongs to.
-        request: the `Register` message (kept to re-register after a daemon restart).
-    """
-
-    id: str
-    layout_fingerprint: str
-    object_bytes: int
-    boot_id: str
-    request: m.Register
-    # CUDA engines: the engine-side staging (`kvdepot.client.staging.EngineStaging`) when the
-    # daemon serves it, else None (the daemon gathers and scatters the blocks itself)
-    staging: object = dataclasses.field(default=None, repr=False, compare=False)
-    # CPU engines with sealed memfds: the descriptor of each "memfd" storage (None for others),
-    # passed to the daemon again at every (re)registration
-    storage_fds: list | None = dataclasses.field(default=None, repr=False, compare=False)
-
-    @property
-    def model(self) -> str:
-        return self.request.model
-
-    @property
-    def chunk_size(self) -> int:
-        return self.request.chunk_size
-
-    def seed(self, cache_salt: str = "") -> bytes:
-        """Namespace seed of this registration's chunk chains for one tenant."""
-        return namespace_seed(self.request.model, self.layout_fingerprint, cache_salt)
-
-    def keys(self, token_ids: Sequence[int], cache_salt: str = "") -> list[bytes]:
-        """This shard's chunk keys of the whole chunks of ``token_ids``."""
-        return chunk_keys(self.seed(cache_salt), token_ids, self.request.chunk_size, self.request.shard)
 
 
 # interprocess events a client records in turn on each stream it stores from (`_record_event`)
@@ -432,31 +390,10 @@ class KVDepotClient:
                          groups=groups, pid=os.getpid(), device=device)
         staging = None
         if device != "cpu" and local_storages is not None and staging_bytes != 0:
-            staging = self._engine_staging(req, local_storages, staging_bytes)
+            staging = engine_staging(req, local_storages, staging_bytes)
             if staging is not None:
                 req.staging = staging.spec
         return self._register(req, staging, list(storage_fds) if storage_fds is not None else None)
-
-    @staticmethod
-    def _engine_staging(req: m.Register, local_storages: Sequence, staging_bytes: int | None):
-        """The engine side of staged transfers, or None (logged) where this process cannot run
-        the kernels."""
-        import logging
-
-        from kvdepot.client.staging import DEFAULT_STAGING_BYTES, EngineStaging
-        from kvdepot.gpu.kernels import KernelError, load_kernels
-        from kvdepot.gpu.layout import group_layers
-
-        try:
-            kernels = load_kernels()
-            if kernels is None:
-                raise KernelError("the kernel library is unavailable here")
-            layout = group_layers(req.layers, req.groups, req.chunk_size, [s.size_bytes for s in req.storages])
-            return EngineStaging(kernels, local_storages[0].device, layout, local_storages,
-                                 staging_bytes or DEFAULT_STAGING_BYTES)
-        except Exception as exc:  # noqa: BLE001 - the daemon-side path still works
-            logging.getLogger("kvdepot.client").warning("engine-side staging off (the daemon gathers): %s", exc)
-            return None
 
     def _register(self, req: m.Register, staging=None, storage_fds: list | None = None) -> Registration:
         if storage_fds:  # a fresh token per registration: the daemon takes each passed set once

@@ -13,6 +13,7 @@ import socket
 import time
 
 from kvdepot.protocol.fdpass import ACK_OK, MAX_FDS_PER_MESSAGE, TOKEN_TTL_S
+from kvdepot.server.stream import unix_listener
 
 log = logging.getLogger("kvdepot.daemon")
 
@@ -34,18 +35,7 @@ class FdInbox:
         Raises:
             OSError: the socket cannot be bound.
         """
-        if os.path.exists(path):
-            os.unlink(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            sock.bind(path)
-        except BaseException:
-            sock.close()
-            raise
-        finally:
-            os.umask(old)
-        sock.listen(64)
+        sock = unix_listener(path, backlog=64)
         sock.setblocking(False)
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(sock.fileno(), self._accept, sock)

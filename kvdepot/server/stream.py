@@ -99,6 +99,28 @@ class _Connection(asyncio.Protocol):
         self.server._detach(self)
 
 
+def unix_listener(path: str, backlog: int) -> socket.socket:
+    """A listening Unix stream socket at ``path``, created mode 0600 (only the daemon's uid may
+    connect); a stale file there is replaced (the caller checked that no live daemon serves it).
+
+    Raises:
+        OSError: the socket cannot be bound (directory missing, path too long).
+    """
+    if os.path.exists(path):
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.umask(old)
+    sock.listen(backlog)
+    return sock
+
+
 class StreamServer:
     """Listening stream sockets and their connections, keyed by client identity.
 
@@ -124,18 +146,7 @@ class StreamServer:
         Raises:
             OSError: the socket cannot be bound (directory missing, path too long).
         """
-        if os.path.exists(path):
-            os.unlink(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            sock.bind(path)
-        except BaseException:
-            sock.close()
-            raise
-        finally:
-            os.umask(old)
-        sock.listen(1024)
+        sock = unix_listener(path, backlog=1024)
         loop = asyncio.get_running_loop()
         server = await loop.create_unix_server(lambda: _Connection(self), sock=sock)
         self._servers.append((server, path))

@@ -1,0 +1,72 @@
+"""A registration as the client holds it (`Registration`), and the engine side of staged CUDA
+transfers it may carry (`engine_staging`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from kvdepot.client.hashing import chunk_keys, namespace_seed
+from kvdepot.protocol import messages as m
+
+
+@dataclasses.dataclass
+class Registration:
+    """A registration as the client holds it.
+
+    Attributes:
+        id: registration id to put in Store / Retrieve.
+        layout_fingerprint: what the daemon says the chunk bytes mean.
+        object_bytes: bytes of one chunk object.
+        boot_id: daemon boot the registration belongs to.
+        request: the `Register` message (kept to re-register after a daemon restart).
+    """
+
+    id: str
+    layout_fingerprint: str
+    object_bytes: int
+    boot_id: str
+    request: m.Register
+    # CUDA engines: the engine-side staging (`kvdepot.client.staging.EngineStaging`) when the
+    # daemon serves it, else None (the daemon gathers and scatters the blocks itself)
+    staging: object = dataclasses.field(default=None, repr=False, compare=False)
+    # CPU engines with sealed memfds: the descriptor of each "memfd" storage (None for others),
+    # passed to the daemon again at every (re)registration
+    storage_fds: list | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def model(self) -> str:
+        return self.request.model
+
+    @property
+    def chunk_size(self) -> int:
+        return self.request.chunk_size
+
+    def seed(self, cache_salt: str = "") -> bytes:
+        """Namespace seed of this registration's chunk chains for one tenant."""
+        return namespace_seed(self.request.model, self.layout_fingerprint, cache_salt)
+
+    def keys(self, token_ids: Sequence[int], cache_salt: str = "") -> list[bytes]:
+        """This shard's chunk keys of the whole chunks of ``token_ids``."""
+        return chunk_keys(self.seed(cache_salt), token_ids, self.request.chunk_size, self.request.shard)
+
+
+def engine_staging(req: m.Register, local_storages: Sequence, staging_bytes: int | None):
+    """The engine side of staged transfers, or None (logged) where this process cannot run
+    the kernels."""
+    import logging
+
+    from kvdepot.client.staging import DEFAULT_STAGING_BYTES, EngineStaging
+    from kvdepot.gpu.kernels import KernelError, load_kernels
+    from kvdepot.gpu.layout import group_layers
+
+    try:
+        kernels = load_kernels()
+        if kernels is None:
+            raise KernelError("the kernel library is unavailable here")
+        layout = group_layers(req.layers, req.groups, req.chunk_size, [s.size_bytes for s in req.storages])
+        return EngineStaging(kernels, local_storages[0].device, layout, local_storages,
+                             staging_bytes or DEFAULT_STAGING_BYTES)
+    except Exception as exc:  # noqa: BLE001 - the daemon-side path still works
+        logging.getLogger("kvdepot.client").warning("engine-side staging off (the daemon gathers): %s", exc)
+        return None
