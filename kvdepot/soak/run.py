@@ -459,12 +459,17 @@ def format_report(r: dict) -> str:
         + " ".join(f"{s:g}:{b / mib:.0f}" for s, b in r["daemon_rss_anon_bytes"][:40]),
     ]
     lines += [f"  FAILURE: {f}" for f in r["failures"]]
+    if r["failures"] and r["workdir"]:
+        lines.append(f"  daemon logs and L2 files: {r['workdir']}")
     return "\n".join(lines)
 
 
 def main(cfg: SoakConfig) -> int:
     """Run, print the report (and write it as JSON to ``cfg.json_path``); 0 if it passed."""
     report = Soak(cfg).run()
+    if report["ok"] and not cfg.workdir:  # a directory of its own: kept only to read a failure's logs
+        shutil.rmtree(report["workdir"], ignore_errors=True)
+        report["workdir"] = ""
     print(format_report(report), flush=True)
     if cfg.json_path:
         Path(cfg.json_path).write_text(json.dumps(report, indent=1))

@@ -9,6 +9,7 @@ modules, and imports on a CPU-only machine.
 from __future__ import annotations
 
 import signal
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -94,3 +95,4 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
         if d.proc is not None and d.proc.poll() is None:
             d.resume()
         d.stop()
+        shutil.rmtree(d.sock_path.parent, ignore_errors=True)  # the short-path socket directory
