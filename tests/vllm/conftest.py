@@ -70,6 +70,11 @@ class Daemon:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def close(self) -> None:
+        """`stop` for good: also removes the short-path socket directory."""
+        self.stop()
+        shutil.rmtree(self.sock_path.parent, ignore_errors=True)
+
     def stop(self) -> None:
         """SIGTERM and a clean exit (status 0, no traceback logged)."""
         if self.proc is None:
@@ -94,5 +99,4 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
     finally:
         if d.proc is not None and d.proc.poll() is None:
             d.resume()
-        d.stop()
-        shutil.rmtree(d.sock_path.parent, ignore_errors=True)  # the short-path socket directory
+        d.close()

@@ -35,7 +35,7 @@ def shared_daemon(tmp_path_factory):
 
     d = Daemon(tmp_path_factory.mktemp("daemon")).start()
     yield d
-    d.stop()
+    d.close()
 
 
 @pytest.fixture
