@@ -128,12 +128,14 @@ def _setup(args, layout: str):
     load_s = time.perf_counter() - t0
     shape = KVGroupShape(0, model.num_layers, model.num_kv_heads, model.head_dim, TOKENS_PER_BLOCK, model.dtype)
     cuda = args.device == "cuda"
-    cache = ShmKVCache([shape], NUM_BLOCKS, layout, device="cuda" if cuda else None)
+    # CPU: a sealed memfd handed to the daemon, which nobody can shrink under its copies
+    cache = ShmKVCache([shape], NUM_BLOCKS, layout, device="cuda" if cuda else None, sealed=not cuda)
     client = KVDepotClient(args.endpoint, timeout_s=60.0, name=f"demo-{layout}")
     # CUDA: engine-side staging, the gather / scatter kernels run in this process on its stream
     model_id = MODEL_ID + (":random-weights" if args.random_weights else "")
     reg = client.register(model_id, shard_name(0, 1), args.chunk_size, cache.storage_specs(), cache.layer_specs(),
-                          cache.group_specs(), device=args.device, local_storages=[cache.storage] if cuda else None)
+                          cache.group_specs(), device=args.device, local_storages=[cache.storage] if cuda else None,
+                          storage_fds=cache.storage_fds())
     return model, cache, client, reg, load_s
 
 
