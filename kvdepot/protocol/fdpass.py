@@ -10,7 +10,6 @@ descriptors nobody claimed within `TOKEN_TTL_S`.
 
 from __future__ import annotations
 
-import os
 import secrets
 import socket
 from collections.abc import Sequence
@@ -33,23 +32,22 @@ def pass_fds(path: str, fds: Sequence[int], timeout_s: float = 5.0) -> str:
     the `Register` message.
 
     Raises:
-        KVDepotError: UNSUPPORTED (no descriptor socket: a daemon that predates sealed memfds),
-            UNAVAILABLE (refused: no daemon), TIMEOUT, ENGINE_MEMORY (the daemon refused them).
+        KVDepotError: UNAVAILABLE (no daemon there, or one that predates sealed memfds), TIMEOUT,
+            ENGINE_MEMORY (the daemon refused them).
     """
     if not 0 < len(fds) <= MAX_FDS_PER_MESSAGE:
         raise ValueError(f"1..{MAX_FDS_PER_MESSAGE} descriptors per message, got {len(fds)}")
     token = secrets.token_hex(16)
-    if not os.path.exists(path):
-        raise KVDepotError(ErrorCode.UNSUPPORTED, f"no descriptor socket at {path}: this daemon does not take "
-                                                  "sealed memfds (create the KV cache with sealed=False)")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout_s)
         try:
             s.connect(path)
             socket.send_fds(s, [token.encode()], list(fds))
             ack = s.recv(1)
-        except ConnectionRefusedError:
-            raise KVDepotError(ErrorCode.UNAVAILABLE, f"no kvdepot daemon listens at {path}") from None
+        except (ConnectionRefusedError, FileNotFoundError):
+            # no daemon (down, or starting), or one that predates sealed memfds: the caller retries
+            raise KVDepotError(ErrorCode.UNAVAILABLE, f"no kvdepot daemon takes descriptors at {path} (not "
+                                                      "running, or older than sealed memfds)") from None
         except TimeoutError:
             raise KVDepotError(ErrorCode.TIMEOUT, f"the daemon did not take the descriptors within {timeout_s} s") \
                 from None

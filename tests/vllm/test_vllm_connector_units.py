@@ -3,6 +3,7 @@ arithmetic, the vLLM config -> registration mapping, and the channel's behaviour
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -130,7 +131,10 @@ def test_registration_of_vllm_views_matches_the_schedulers_fingerprint(model, la
             caches = H.allocate_kv_cache(kcc, cfg.cache_config.get_resolved_kv_cache_layout(), H.torch.device("cpu"))
         assert len(segs.made) == 1 and find_shm_segment(next(iter(caches.values()))) is not None
         reg = build_registration(caches, kcc, groups)
-        assert reg.device == "cpu" and [s.kind for s in reg.storages] == ["shm"]
+        assert reg.device == "cpu" and [s.kind for s in reg.storages] == ["memfd"]  # sealed (kvdepot.gpu.shm)
+        assert reg.storage_fds == [segs.made[0][0]]
+        with pytest.raises(PermissionError):
+            os.ftruncate(segs.made[0][0], 0)
         assert [(g.gid, g.tokens_per_block) for g in reg.groups] == [(0, 16), (1, 32)]
         lay = group_layers(reg.layers, reg.groups, 64, [s.size_bytes for s in reg.storages])
         sched_groups, _ = transfer_groups(sched_cfg)

@@ -46,7 +46,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from kvdepot.gpu.layout import LayerLayout, dtype_name, group_layers
-from kvdepot.gpu.shm import create_shm, unlink_shm
+from kvdepot.gpu.shm import create_memfd
 from kvdepot.protocol.messages import KVGroupSpec, LayerSpec, StorageSpec
 
 
@@ -169,14 +169,15 @@ _segments_lock = threading.Lock()
 _segments: dict[int, tuple[str, int, weakref.ref]] = {}  # base address -> (shm name, size, tensor ref)
 
 
-def register_shm_segment(name: str, storage: torch.Tensor) -> None:
+def register_shm_segment(name: str, storage: torch.Tensor, fd: int | None = None) -> None:
     """Record that ``storage`` (a CPU tensor mapping the whole segment, e.g. from
-    `kvdepot.gpu.shm.create_shm` or ``ShmKVCache.storage``) is shared-memory segment ``name``,
-    so KV-cache views into it can be registered with the daemon."""
+    `kvdepot.gpu.shm.create_memfd` or ``ShmKVCache.storage``) is shared memory the daemon can
+    map, so KV-cache views into it can be registered with the daemon: the sealed memfd ``fd``
+    (``name`` only labels it), or without ``fd`` the /dev/shm segment ``name``."""
     base = storage.untyped_storage().data_ptr()
     size = storage.untyped_storage().nbytes()
     with _segments_lock:
-        _segments[base] = (name, size, weakref.ref(storage))
+        _segments[base] = (name, size, weakref.ref(storage), fd)
 
 
 def unregister_shm_segment(storage: torch.Tensor) -> None:
@@ -184,14 +185,14 @@ def unregister_shm_segment(storage: torch.Tensor) -> None:
         _segments.pop(storage.untyped_storage().data_ptr(), None)
 
 
-def find_shm_segment(t: torch.Tensor) -> tuple[str, int, int] | None:
-    """(segment name, segment size, byte offset of ``t``'s first element) for a CPU tensor
-    inside a registered segment, else None."""
+def find_shm_segment(t: torch.Tensor) -> tuple[str, int, int, int | None] | None:
+    """(segment name, segment size, byte offset of ``t``'s first element, memfd or None) for a
+    CPU tensor inside a registered segment, else None."""
     ptr = t.data_ptr()
     with _segments_lock:
-        for base, (name, size, _) in _segments.items():
+        for base, (name, size, _, fd) in _segments.items():
             if base <= ptr < base + size:
-                return name, size, ptr - base
+                return name, size, ptr - base, fd
     return None
 
 
@@ -200,7 +201,8 @@ _MIN_SHM_BYTES = 64 << 10  # smaller int8 buffers made under the context stay or
 
 class _ShmZeros(TorchFunctionMode):
     """Turns ``torch.zeros(n, dtype=int8, device=cpu)`` -- vLLM's KV-cache allocation
-    (``vllm.v1.worker.utils.allocate_kv_cache``) -- into a zero-filled shared-memory segment."""
+    (``vllm.v1.worker.utils.allocate_kv_cache``) -- into a zero-filled sealed memfd (nobody can
+    shrink it under the daemon's copies, `kvdepot.gpu.shm`)."""
 
     def __init__(self, prefix: str, made: list[tuple[str, torch.Tensor]]) -> None:
         super().__init__()
@@ -216,21 +218,22 @@ class _ShmZeros(TorchFunctionMode):
                 size = size[0]
             if isinstance(size, int) and size >= _MIN_SHM_BYTES and (dev is None or torch.device(dev).type == "cpu"):
                 name = f"{self._prefix}-{len(self._made)}"
-                t = create_shm(name, size).view(kwargs["dtype"])
-                register_shm_segment(name, t)
-                self._made.append((name, t))
+                fd, t = create_memfd(name, size)
+                t = t.view(kwargs["dtype"])
+                register_shm_segment(name, t, fd)
+                self._made.append((fd, t))
                 return t
         return func(*args, **kwargs)
 
 
 class ShmSegments:
-    """The shared-memory segments one worker allocated its KV cache in (`allocation_context`);
-    unlinked by `close` (also at garbage collection and interpreter exit)."""
+    """The sealed memfds one worker allocated its KV cache in (`allocation_context`); closed by
+    `close` (also at garbage collection and interpreter exit; mappings stay valid)."""
 
     def __init__(self) -> None:
         self.prefix = f"kvdepot-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.made: list[tuple[str, torch.Tensor]] = []
-        self._finalizer = weakref.finalize(self, _unlink_all, self.made)
+        self.made: list[tuple[int, torch.Tensor]] = []  # (memfd, its mapping)
+        self._finalizer = weakref.finalize(self, _close_all, self.made)
 
     def allocation_context(self) -> TorchFunctionMode:
         """Context under which vLLM's CPU KV-cache allocation lands in shared memory."""
@@ -240,10 +243,10 @@ class ShmSegments:
         self._finalizer()
 
 
-def _unlink_all(made: list[tuple[str, torch.Tensor]]) -> None:
-    for name, t in made:
+def _close_all(made: list[tuple[int, torch.Tensor]]) -> None:
+    for fd, t in made:
         unregister_shm_segment(t)
-        unlink_shm(name)
+        os.close(fd)
     made.clear()
 
 
@@ -262,6 +265,7 @@ class Registration:
     ratio: list[int]  # per daemon gid
     views: dict[str, torch.Tensor]  # layer name -> int8 view [B, H, N, C]
     local: list[torch.Tensor]  # CUDA: the storages' tensors in this process (engine-side staging)
+    storage_fds: list[int | None] | None = None  # CPU: per storage, its sealed memfd (None: a /dev/shm name)
 
     def expand(self, daemon_gid: int, block_ids: Sequence[int]) -> list[int]:
         """Manager block ids of ``daemon_gid`` -> the registered (kernel) block ids."""
@@ -293,6 +297,7 @@ def build_registration(kv_caches: Mapping[str, torch.Tensor], kv_cache_config,
     views: dict[str, torch.Tensor] = {}
     ratio: list[int] = []
     local: list[torch.Tensor] = []
+    fds: list[int | None] = []  # CPU: per storage, its memfd or None
     device = "cpu"
     for g in groups:
         group = kv_cache_config.kv_cache_groups[g.vllm_gid]
@@ -331,11 +336,13 @@ def build_registration(kv_caches: Mapping[str, torch.Tensor], kv_cache_config,
                         f"layer {name!r}: a CPU KV cache must live in shared memory for the daemon to reach it; "
                         "vLLM allocates it there through the connector's get_mem_pool_context() (CPU workers), "
                         "other engines call kvdepot.client.vllm.register_shm_segment(name, storage)")
-                seg, size, offset = found
+                seg, size, offset, fd = found
                 key = ("shm", seg)
                 if key not in storage_index:
                     storage_index[key] = len(storages)
-                    storages.append(StorageSpec(kind="shm", size_bytes=size, name=seg))
+                    storages.append(StorageSpec(kind="memfd" if fd is not None else "shm", size_bytes=size,
+                                                name="" if fd is not None else seg))
+                    fds.append(fd)
                 sid = storage_index[key]
             layers.append(LayerSpec(name=name, storage=sid, offset_bytes=offset, shape=list(v.shape),
                                     strides=list(v.stride()), dtype="int8", kv_dtype=dtype_name(spec.dtype),
@@ -345,4 +352,5 @@ def build_registration(kv_caches: Mapping[str, torch.Tensor], kv_cache_config,
     kv_groups = [KVGroupSpec(gid=g.daemon_gid, tokens_per_block=g.block_size // ratio[g.daemon_gid]) for g in groups]
     if device == "cuda" and any(s.kind != "cuda_ipc" for s in storages):
         raise ValueError("KV-cache layers are split between CPU and CUDA memory")
-    return Registration(device, storages, layers, kv_groups, ratio, views, local)
+    return Registration(device, storages, layers, kv_groups, ratio, views, local,
+                        fds if any(fd is not None for fd in fds) else None)

@@ -166,7 +166,7 @@ class WorkerSide:
             else:
                 new = c.register(self.model_id, self.shard, self.cfg.chunk_size, reg.storages, reg.layers, reg.groups,
                                  device=reg.device, local_storages=reg.local if reg.device == "cuda" else None,
-                                 staging_bytes=self.cfg.staging_bytes)
+                                 staging_bytes=self.cfg.staging_bytes, storage_fds=reg.storage_fds)
         except KVDepotError as exc:
             if exc.code in _DOWN:
                 log.warning("kvdepot: registration failed (%s); retrying while the daemon is reachable", exc)
