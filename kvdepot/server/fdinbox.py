@@ -41,10 +41,6 @@ class FdInbox:
         self._loop.add_reader(sock.fileno(), self._accept, sock)
         self._socks.append((sock, path))
 
-    @property
-    def paths(self) -> list[str]:
-        return [p for _, p in self._socks]
-
     def _accept(self, sock: socket.socket) -> None:
         try:
             conn, _ = sock.accept()

@@ -47,7 +47,6 @@ class Liveness:
     def _init_liveness(self) -> None:
         self.connected_peers: set[bytes] = set()  # identities with an open stream connection
         self._peer_reclaims: dict[bytes, asyncio.TimerHandle] = {}  # closed, reclaim scheduled
-        self.reclaim_s: list[float] = []  # connection closed -> reclaimed, the last 256 (seconds)
 
     def watch_pid(self, identity: bytes, pid: int) -> int:
         """The pid to watch for a client (0: none): only a ZMQ ``ipc://`` client's."""
@@ -69,17 +68,16 @@ class Liveness:
         if not self._owns_anything(identity):
             return
         loop = asyncio.get_running_loop()
-        t0 = time.monotonic()
         old = self._peer_reclaims.pop(identity, None)
         if old is not None:
             old.cancel()
-        self._peer_reclaims[identity] = loop.call_later(self.config.peer_grace_s, self._reclaim_peer, identity, t0)
+        self._peer_reclaims[identity] = loop.call_later(self.config.peer_grace_s, self._reclaim_peer, identity)
 
     def _owns_anything(self, identity: bytes) -> bool:
         return (any(r.identity == identity for r in self.registrations.values())
                 or any(k[0] == identity for k in self.pins))
 
-    def _reclaim_peer(self, identity: bytes, closed_at: float) -> None:
+    def _reclaim_peer(self, identity: bytes) -> None:
         self._peer_reclaims.pop(identity, None)
         if identity in self.connected_peers:
             return
@@ -92,7 +90,6 @@ class Liveness:
         for key in [k for k in self.pins if k[0] == identity]:
             self._unpin(*key)
         self.client_pids.pop(identity, None)
-        self.reclaim_s = self.reclaim_s[-255:] + [time.monotonic() - closed_at]
 
     def sweep(self) -> None:
         """Reclaim registrations of exited (watched) engine processes and expired or orphaned

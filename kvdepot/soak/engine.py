@@ -98,16 +98,13 @@ class _Engine:
         while not stop.is_set():
             try:
                 self.client.ping()
-                if self.reg is None or self.reg_generation != self.client.generation or self._lost_registration:
-                    self._lost_registration = False
+                if self.reg is None or self.reg_generation != self.client.generation:
                     self.register()
                 return
             except KVDepotError as exc:
                 self.errors[exc.code.name] += 1
                 self.report()
                 time.sleep(0.05)
-
-    _lost_registration = False
 
     # ------------------------------------------------------------------ one request
 
@@ -254,7 +251,7 @@ def engine_main(spec: EngineSpec, reports, stop) -> None:
             except KVDepotError as exc:
                 eng.errors[exc.code.name] += 1
                 if exc.code == ErrorCode.UNKNOWN_REGISTRATION:
-                    eng._lost_registration = True
+                    eng.reg_generation = -1  # the daemon lost it: register again
                 if exc.code in _RECOVER:
                     eng.recover(stop)
             eng.report()

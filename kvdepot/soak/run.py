@@ -175,7 +175,6 @@ class Soak:
         l3_url = f"redis://127.0.0.1:{self.redis.port}/0" if self.redis else ""
         self.daemon = _Daemon(cfg, self.workdir, l3_url)
         self.engines: dict[int, multiprocessing.Process] = {}
-        self.specs: dict[int, EngineSpec] = {}
         self.last: dict[int, dict] = {}  # index -> latest report of the engine running now
         self.totals = collections.Counter()  # counters of engines that ended
         self.errors = collections.Counter()
@@ -200,7 +199,7 @@ class Soak:
                           device=self.cfg.device, timeout_s=self.cfg.client_timeout_s)
         p = self.ctx.Process(target=engine_main, args=(spec, self.reports, self.stop_event), daemon=True)
         p.start()
-        self.engines[index], self.specs[index] = p, spec
+        self.engines[index] = p
         self.last.pop(index, None)
 
     def _retire(self, index: int) -> None:
