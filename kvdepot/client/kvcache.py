@@ -264,9 +264,8 @@ class ShmKVCache:
         """Write ``data`` ``[T, H, KV, D]`` (T = len(block_ids) * N) into ``block_ids``."""
         v = self.token_view(layer, as_bytes)
         n = v.shape[1]
-        data = data.reshape(len(block_ids), n, *v.shape[2:])
-        for i, b in enumerate(block_ids):
-            v[b].copy_(data[i])
+        data = data.reshape(len(block_ids), n, *v.shape[2:]).to(v.device)
+        v.index_copy_(0, torch.as_tensor(list(block_ids), dtype=torch.long, device=v.device), data)
 
     def close(self) -> None:
         """Unlink the segment, or close the memfd (the mapping lives on until this object is

@@ -67,9 +67,11 @@ FAMILIES: tuple[Family, ...] = (
 
 
 @functools.lru_cache(maxsize=256)  # engines on shared prefixes meet the same keys again and again
-def chunk_layers(family: Family, key: bytes) -> list[torch.Tensor]:
-    """The bytes of the chunk with ``key``: per layer, uint8 ``[chunk_size, H, KV, row_bytes]``
-    (shared by callers: read only)."""
+def chunk_layers(family: Family, key: bytes, device: str = "cpu") -> list[torch.Tensor]:
+    """The bytes of the chunk with ``key``: per layer, uint8 ``[chunk_size, H, KV, row_bytes]`` on
+    ``device`` (shared by callers: read only)."""
+    if device != "cpu":
+        return [t.to(device) for t in chunk_layers(family, key)]
     gen = np.random.Generator(np.random.PCG64(int.from_bytes(key, "little")))
     raw = torch.frombuffer(bytearray(gen.bytes(family.object_bytes)), dtype=torch.uint8)
     out, off = [], 0
@@ -81,27 +83,29 @@ def chunk_layers(family: Family, key: bytes) -> list[torch.Tensor]:
 
 def write_chunk(cache: ShmKVCache, family: Family, key: bytes, block_ids: Sequence[Sequence[int]]) -> None:
     """Write the chunk with ``key`` into ``block_ids`` (per gid, the chunk's blocks in token order)."""
-    for layer, data in enumerate(chunk_layers(family, key)):
-        cache.write_tokens(layer, block_ids[cache.layer_gids[layer]], data.to(cache.device), as_bytes=True)
+    for layer, data in enumerate(chunk_layers(family, key, str(cache.device))):
+        cache.write_tokens(layer, block_ids[cache.layer_gids[layer]], data, as_bytes=True)
 
 
 def corrupt_bytes(cache: ShmKVCache, family: Family, items: Iterable[tuple[int, int, bytes, int]]) -> tuple[int, int]:
-    """Compare blocks with what they must hold. ``items``: ``(gid, block id, chunk key, index of the
-    block within its chunk)``. Returns (bytes compared, bytes that differ)."""
+    """Compare blocks with what they must hold, where the cache lives (one device sync in all).
+    ``items``: ``(gid, block id, chunk key, index of the block within its chunk)``. Returns
+    (bytes compared, bytes that differ)."""
     by_key: dict[bytes, list[tuple[int, int, int]]] = {}
     for gid, block, key, part in items:
         by_key.setdefault(key, []).append((gid, block, part))
-    compared = differ = 0
+    device = str(cache.device)
+    compared, differ = 0, []
     for key, blocks in by_key.items():
-        expected = chunk_layers(family, key)
+        expected = chunk_layers(family, key, device)
         for layer, exp in enumerate(expected):
             gid = cache.layer_gids[layer]
             mine = [(b, p) for g, b, p in blocks if g == gid]
             if not mine:
                 continue
             tpb = family.groups[gid].tokens_per_block
-            got = cache.read_tokens(layer, [b for b, _ in mine], as_bytes=True).cpu()
+            got = cache.read_tokens(layer, [b for b, _ in mine], as_bytes=True)
             want = torch.cat([exp[p * tpb:(p + 1) * tpb] for _, p in mine])
             compared += want.numel()
-            differ += int((got != want).sum())
-    return compared, differ
+            differ.append((got != want).sum())
+    return compared, int(torch.stack(differ).sum()) if differ else 0

@@ -42,6 +42,7 @@ from kvdepot.soak.engine import EngineSpec, engine_main
 # beside L1 and the tier queues, the daemon's heap may grow this much (index entries of L1 and L2,
 # connection buffers, allocator slack) before a run counts as leaking
 _HEAP_ALLOWANCE_BYTES = 32 << 20
+_PROGRESS_INTERVAL_S = 30.0  # between progress lines on stderr
 
 
 @dataclasses.dataclass
@@ -360,6 +361,7 @@ class Soak:
             self.t0 = start = time.monotonic()
             next_fault = start + self.rng.expovariate(1 / cfg.fault_interval_s)
             next_watch = start
+            next_progress = start + _PROGRESS_INTERVAL_S
             while (now := time.monotonic()) < start + cfg.duration_s:
                 self._drain_reports()
                 if self.redis is not None and self.redis.proc.poll() is not None and now > self.redis_down_until:
@@ -370,6 +372,9 @@ class Soak:
                 if now >= next_watch:
                     self._watch(client, now)
                     next_watch = now + 0.1
+                if now >= next_progress:
+                    self._progress(now - start)
+                    next_progress = now + _PROGRESS_INTERVAL_S
                 time.sleep(0.01)
             elapsed_s = time.monotonic() - start
             self.stop_event.set()
@@ -393,6 +398,16 @@ class Soak:
         if status != 0:
             self.failures.append(f"the daemon exited with status {status} on SIGTERM")
         return self._report(elapsed_s)
+
+    def _progress(self, elapsed_s: float) -> None:
+        """One line on stderr so far: a long run shows its rate and health while it runs."""
+        t = collections.Counter(self.totals)
+        for rep in self.last.values():
+            t.update(rep["counts"])
+        ops = t["lookups"] + t["retrieves"] + t["stores"] + t["flushes"] + t["requests"]
+        print(f"soak {elapsed_s:.0f} s: {ops} ops ({ops / max(elapsed_s, 1e-9):.0f}/s), "
+              f"{t['verified_bytes'] >> 20} MiB verified, corrupt bytes {t['corrupt_bytes']}, "
+              f"faults {sum(self.faults.values())}, failures {len(self.failures)}", file=sys.stderr, flush=True)
 
     def _report(self, elapsed_s: float) -> dict:
         cfg, t = self.cfg, self.totals
