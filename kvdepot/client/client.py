@@ -117,6 +117,8 @@ class KVDepotClient:
         self._unread = 0  # requests sent on this socket whose reply has not been read yet
         self._idle_poll_at = 0.0  # time.monotonic() before which an idle `poll` does nothing
         self.replies_read = 0  # replies read so far (a change says `poll` brought something)
+        # staged registrations' stores / retrieves that went the daemon-gathers way (no ring room)
+        self.unstaged_requests = 0
         self._greeted = not connect  # greet every connection but the one hello() below greets
         if connect:
             try:
@@ -471,8 +473,10 @@ class KVDepotClient:
         staging = reg.staging
         if staging is not None and keys:
             region = staging.ring.alloc(len(keys) * reg.object_bytes, self, wait=wait_for_room)
-            if region is None and not wait_for_room:
-                return None
+            if region is None:
+                if not wait_for_room:
+                    return None
+                self.unstaged_requests += 1
         if region is not None:
             import torch
 
@@ -528,8 +532,10 @@ class KVDepotClient:
         region = None
         if reg.staging is not None and keys:
             region = reg.staging.ring.alloc(len(keys) * reg.object_bytes, self, wait=wait_for_room)
-            if region is None and not wait_for_room:
-                return None
+            if region is None:
+                if not wait_for_room:
+                    return None
+                self.unstaged_requests += 1
         try:
             rid = self.submit(m.Retrieve(rid=0, registration=reg.id, keys=list(keys),
                                          block_ids=[list(b) for b in block_ids], skip_tokens=skip_tokens,

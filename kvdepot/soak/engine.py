@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import queue
 import random
+import sys
 import time
 
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
@@ -73,6 +75,11 @@ class _Engine:
         self.reg_generation = -1
         # shadow[gid][block] = (chunk key, index of the block within the chunk) or None (unknown)
         self.shadow: list[list[tuple[bytes, int] | None]] = [[None] * n for n in self.fam.num_blocks]
+        # how each block got what it holds, and what it held before: what a corrupt block's
+        # report names (`explain`)
+        self.origin: list[list[tuple | None]] = [[None] * n for n in self.fam.num_blocks]
+        self.previous: list[list[tuple[bytes, int] | None]] = [[None] * n for n in self.fam.num_blocks]
+        self.explained = 0
         self.quarantine: dict[tuple[int, int], float] = {}  # (gid, block) -> time.monotonic() it is free again
         self.counts = collections.Counter()
         self.errors = collections.Counter()
@@ -133,16 +140,19 @@ class _Engine:
     def chunk_blocks(self, ids: list[list[int]], j: int) -> list[list[int]]:
         return [x[j * self.fam.blocks_per_chunk(g):(j + 1) * self.fam.blocks_per_chunk(g)] for g, x in enumerate(ids)]
 
-    def own(self, ids: list[list[int]], keys: list[bytes], lo: int, hi: int) -> None:
-        """Blocks of chunks [lo, hi) now hold those chunks."""
+    def own(self, ids: list[list[int]], keys: list[bytes], lo: int, hi: int, how: tuple = ()) -> None:
+        """Blocks of chunks [lo, hi) now hold those chunks (``how``: by what, for reports)."""
         for j in range(lo, hi):
             for g, blocks in enumerate(self.chunk_blocks(ids, j)):
                 for part, b in enumerate(blocks):
                     self.shadow[g][b] = (keys[j], part)
+                    self.origin[g][b] = (*how, j)
 
     def forget(self, ids: list[list[int]]) -> None:
         for g, blocks in enumerate(ids):
             for b in blocks:
+                if self.shadow[g][b] is not None:
+                    self.previous[g][b] = self.shadow[g][b]
                 self.shadow[g][b] = None
 
     def tokens(self) -> tuple[list[int], str]:
@@ -175,6 +185,7 @@ class _Engine:
             if hit:
                 target = [x[:hit * fam.blocks_per_chunk(g)] for g, x in enumerate(ids)]
                 self.forget(target)  # written by the retrieve from here on
+                unstaged = c.unstaged_requests
                 try:
                     got = c.retrieve(self.reg, keys[:hit], target, request=req, before=self.stream, cpu_wait=True)
                     if self.stream is not None:
@@ -186,13 +197,18 @@ class _Engine:
                 self.counts["retrieves"] += 1
                 self.counts["retrieved_chunks"] += got
                 self.counts["short_retrieves"] += got < hit
+                how = ("retrieved", self.counts["requests"], "unstaged" if c.unstaged_requests > unstaged
+                       else "staged" if self.reg.staging is not None else "direct",
+                       c.generation)
+                self.own(ids, keys, 0, got, how)
                 self.check([(g, b, keys[j], p) for j in range(got)
-                            for g, blocks in enumerate(self.chunk_blocks(ids, j)) for p, b in enumerate(blocks)])
-                self.own(ids, keys, 0, got)
+                            for g, blocks in enumerate(self.chunk_blocks(ids, j)) for p, b in enumerate(blocks)],
+                           request_keys=keys)
             if got < len(keys):
+                self.forget([x[got * fam.blocks_per_chunk(g):] for g, x in enumerate(ids)])
                 for j in range(got, len(keys)):
                     write_chunk(self.cache, fam, keys[j], self.chunk_blocks(ids, j))
-                self.own(ids, keys, got, len(keys))
+                self.own(ids, keys, got, len(keys), ("written", self.counts["requests"]))
                 rest = [x[got * fam.blocks_per_chunk(g):] for g, x in enumerate(ids)]
                 try:
                     r = c.store(self.reg, keys[got:], rest, parent=keys[got - 1] if got else b"", cache_salt=salt,
@@ -216,7 +232,7 @@ class _Engine:
                         if owner is not None], whole_cache=True)
         self.last_progress = time.time()
 
-    def check(self, items, whole_cache: bool = False) -> None:
+    def check(self, items, whole_cache: bool = False, request_keys: list[bytes] = ()) -> None:
         compared, differ = corrupt_bytes(self.cache, self.fam, items)
         self.counts["verified_bytes"] += compared
         if whole_cache:
@@ -224,7 +240,42 @@ class _Engine:
         if differ:
             self.counts["corrupt_bytes"] += differ
             self.counts["corrupt_checks"] += 1
+            self.explain(items, "whole-cache check" if whole_cache else "retrieve", request_keys)
             self.report(force=True)
+
+    def explain(self, items, phase: str, request_keys: list[bytes]) -> None:
+        """Print (stderr, one JSON line each, at most 20 per engine) which blocks are corrupt,
+        how they got their bytes and what they hold instead: the chunk they held before (a write
+        that never happened), another block of the same request (a misplaced copy), zeros."""
+        if self.explained >= 20:
+            return
+        fam, cache = self.fam, self.cache
+        for g, b, key, part in items:
+            if corrupt_bytes(cache, fam, [(g, b, key, part)])[1] == 0:
+                continue
+            layers = [layer for layer, lg in enumerate(cache.layer_gids) if lg == g]
+            per_layer = [corrupt_bytes(_OneLayer(cache, layer), fam, [(g, b, key, part)])[1] for layer in layers]
+            holds = "unknown"
+            prev = self.previous[g][b]
+            if prev is not None and corrupt_bytes(cache, fam, [(g, b, *prev)])[1] == 0:
+                holds = "its previous chunk (stale)"
+            else:
+                for j, k in enumerate(request_keys):
+                    for p in range(fam.blocks_per_chunk(g)):
+                        if corrupt_bytes(cache, fam, [(g, b, k, p)])[1] == 0:
+                            holds = f"chunk {j} block {p} of the same request"
+                tok = [cache.read_tokens(layer, [b], as_bytes=True) for layer in layers]
+                if holds == "unknown" and all(int(t.count_nonzero()) == 0 for t in tok):
+                    holds = "zeros"
+            print(json.dumps({"soak_corrupt": phase, "engine": self.spec.index, "model": fam.model,
+                              "layout": self.spec.layout, "device": self.spec.device, "gid": g, "block": b,
+                              "part": part, "key": key.hex()[:16], "differ_per_layer": per_layer,
+                              "origin": self.origin[g][b], "holds": holds, "request": self.counts["requests"],
+                              "generation": self.client.generation,
+                              "unstaged_requests": self.client.unstaged_requests}), file=sys.stderr, flush=True)
+            self.explained += 1
+            if self.explained >= 20:
+                return
 
     def report(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -259,3 +310,15 @@ def engine_main(spec: EngineSpec, reports, stop) -> None:
     finally:
         eng.client.close()
         eng.cache.close()
+
+
+class _OneLayer:
+    """A cache seen through one layer (the others report nothing): per-layer corrupt counts."""
+
+    def __init__(self, cache, layer: int) -> None:
+        self._cache, self._layer = cache, layer
+        self.device = cache.device
+        self.layer_gids = [g if i == layer else -1 for i, g in enumerate(cache.layer_gids)]
+
+    def read_tokens(self, layer: int, block_ids, as_bytes: bool = False):
+        return self._cache.read_tokens(layer, block_ids, as_bytes)

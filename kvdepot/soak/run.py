@@ -239,10 +239,15 @@ class Soak:
         kind = self._first_faults.pop() if self._first_faults else self.rng.choice(kinds)
         if kind == "kill_redis" and time.monotonic() < self.redis_down_until:
             kind = "kill_engine"  # still down from the last one
+        if self._inject(kind):
+            self.faults[kind] += 1
+
+    def _inject(self, kind: str) -> bool:
+        """Inject one fault of ``kind``; False if there was nothing to inject it into."""
         if kind == "kill_engine":
             ready = [i for i, rep in self.last.items() if rep.get("registration")]
             if not ready:
-                return
+                return False
             i = self.rng.choice(ready)
             rep = self.last[i]
             os.kill(self.engines[i].pid, signal.SIGKILL)
@@ -260,12 +265,12 @@ class Soak:
             # from it: the memfd's seal must refuse it (else the daemon's next copy would fault)
             ready = [rep for rep in self.last.values() if rep.get("registration") and rep.get("memfd") is not None]
             if not ready:
-                return
+                return False
             rep = self.rng.choice(ready)
             try:
                 fd = os.open(f"/proc/{rep['pid']}/fd/{rep['memfd']}", os.O_RDWR)
             except OSError:
-                return  # the engine just died
+                return False  # the engine just died
             try:
                 os.ftruncate(fd, rep["memfd_bytes"] // 2)
                 self.failures.append(f"engine {rep['index']}'s KV memory could be shrunk (not sealed)")
@@ -273,9 +278,10 @@ class Soak:
                 pass
             finally:
                 os.close(fd)
+        elif kind == "corrupt_l2":
             files = list((self.workdir / "l2" / "objects").rglob("*.kvd"))
             if not files:
-                return
+                return False
             path = self.rng.choice(files)
             try:
                 with open(path, "r+b") as f:
@@ -283,11 +289,11 @@ class Soak:
                     f.seek(self.rng.randrange(max(1, size)))
                     f.write(os.urandom(8))
             except OSError:
-                return  # evicted meanwhile
+                return False  # evicted meanwhile
         elif kind == "kill_redis":
             self.redis.kill()
             self.redis_down_until = time.monotonic() + self.rng.uniform(1.0, 3.0)
-        self.faults[kind] += 1
+        return True
 
     # ------------------------------------------------------------------ watching
 

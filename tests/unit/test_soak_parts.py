@@ -73,3 +73,19 @@ def test_faults_are_off_unless_asked(monkeypatch):
     assert InjectedFaults.from_env() is None
     monkeypatch.setenv("KVDEPOT_INJECT_FAULTS", "drop=1")
     assert InjectedFaults.from_env().decide() is None
+
+
+def test_corrupt_l2_fault_changes_an_l2_object_file(tmp_path):
+    """Each fault kind must do what it is counted as (a lost ``elif`` once made corrupt_l2 on
+    CUDA runs count faults that never happened)."""
+    from kvdepot.soak.run import Soak, SoakConfig
+
+    soak = Soak(SoakConfig(workdir=str(tmp_path), device="cuda"))
+    assert soak._inject("corrupt_l2") is False  # no L2 file yet: nothing injected, nothing counted
+    obj = tmp_path / "l2" / "objects" / "ab" / "x.kvd"
+    obj.parent.mkdir(parents=True)
+    before = bytes(64 << 10)
+    obj.write_bytes(before)
+    assert soak._inject("corrupt_l2") is True
+    after = obj.read_bytes()
+    assert after[:len(before)] != before  # 8 random bytes at a random offset (may run past the end)
