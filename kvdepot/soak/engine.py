@@ -250,9 +250,15 @@ class _Engine:
         if self.explained >= 20:
             return
         fam, cache = self.fam, self.cache
+        busy = [set() for _ in fam.num_blocks]
+        for g, b, _, _ in items:
+            busy[g].add(b)
+        refetched: dict[bytes, str] = {}
         for g, b, key, part in items:
             if corrupt_bytes(cache, fam, [(g, b, key, part)])[1] == 0:
                 continue
+            if phase == "retrieve" and key not in refetched:
+                refetched[key] = self.refetch(key, busy)
             layers = [layer for layer, lg in enumerate(cache.layer_gids) if lg == g]
             per_layer = [corrupt_bytes(_OneLayer(cache, layer), fam, [(g, b, key, part)])[1] for layer in layers]
             holds = "unknown"
@@ -270,12 +276,40 @@ class _Engine:
             print(json.dumps({"soak_corrupt": phase, "engine": self.spec.index, "model": fam.model,
                               "layout": self.spec.layout, "device": self.spec.device, "gid": g, "block": b,
                               "part": part, "key": key.hex()[:16], "differ_per_layer": per_layer,
-                              "origin": self.origin[g][b], "holds": holds, "request": self.counts["requests"],
+                              "origin": self.origin[g][b], "holds": holds, "refetched": refetched.get(key),
+                              "request": self.counts["requests"],
                               "generation": self.client.generation,
                               "unstaged_requests": self.client.unstaged_requests}), file=sys.stderr, flush=True)
             self.explained += 1
             if self.explained >= 20:
                 return
+
+    def refetch(self, key: bytes, busy: list[set[int]]) -> str:
+        """Retrieve the chunk ``key`` again into blocks outside ``busy`` and check it: "right"
+        (the daemon holds the right bytes: the first retrieve went wrong on its way), "wrong
+        again" (the stored object itself is wrong), "gone" (evicted meanwhile) or an error."""
+        fam, c = self.fam, self.client
+        spare = []
+        for g, n in enumerate(fam.num_blocks):
+            free = [b for b in range(n) if b not in busy[g] and (g, b) not in self.quarantine]
+            if len(free) < fam.blocks_per_chunk(g):
+                return "no spare blocks"
+            spare.append(free[:fam.blocks_per_chunk(g)])
+        self.forget(spare)
+        try:
+            got = c.retrieve(self.reg, [key], spare, request=f"refetch-{self.spec.index}-{self.counts['requests']}",
+                             before=self.stream, cpu_wait=True)
+            if self.stream is not None:
+                self.stream.synchronize()
+        except KVDepotError as exc:
+            if exc.code in _LOST:
+                self.quarantine_blocks(spare)
+            return f"error {exc.code.name}"
+        if not got:
+            return "gone"
+        differ = corrupt_bytes(self.cache, fam, [(g, b, key, p) for g, blocks in enumerate(spare)
+                                                 for p, b in enumerate(blocks)])[1]
+        return "wrong again" if differ else "right"
 
     def report(self, force: bool = False) -> None:
         now = time.monotonic()
