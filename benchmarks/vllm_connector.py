@@ -250,7 +250,7 @@ def _pct(xs, q):
 
 STAGE_CALLS = {  # --stages: the parts of the worker's transfer path, timed per call
     "worker": ("_keys", "_block_ids", "_pump", "_collect", "_pump_due", "_current_stream"),
-    "client": ("submit_store", "submit_retrieve", "submit", "poll", "_record_event", "wait"),
+    "client": ("submit_store", "submit_retrieve", "submit", "poll", "_fence", "wait"),
     "staging": ("gather", "scatter", "flat_ids"),
     "ring": ("alloc",),
     "pending": ("done", "result"),

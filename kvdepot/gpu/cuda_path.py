@@ -273,11 +273,11 @@ class CudaDevicePath:
             self._after_call(rc, "kvd_store", self.store_lane, token, done)
 
     def retrieve(self, engine: NativeEngine, block_ids: Sequence[Sequence[int]], total_chunks: int,
-                 host_ptrs: Sequence[int], skip_tokens: int, out_event: int,
+                 host_ptrs: Sequence[int], skip_tokens: int, out_event: int | None,
                  done: Callable[[BaseException | None], None]) -> None:
         """Enqueue H2D + scatter of the host objects at ``host_ptrs`` (the request's leading
         chunks, chunk j = object j) into the engine's blocks, then record ``out_event``
-        (interprocess) after the scatter. Blocks of the first ``skip_tokens`` tokens are not
+        (interprocess, or None) after the scatter. Blocks of the first ``skip_tokens`` tokens are not
         touched; ``done(err)`` runs on the loop when the GPU finished reading the objects."""
         ids = engine.flat_ids(block_ids)
         hp = array.array("Q", host_ptrs)

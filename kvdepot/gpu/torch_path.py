@@ -161,9 +161,9 @@ class TorchDevicePath:
         self._complete(s, staging, done)
 
     def retrieve(self, engine: CudaTransferEngine, block_ids: Sequence[Sequence[int]], total_chunks: int,
-                 host_ptrs: Sequence[int], skip_tokens: int, out_event: torch.cuda.Event,
+                 host_ptrs: Sequence[int], skip_tokens: int, out_event: torch.cuda.Event | None,
                  done: Callable[[BaseException | None], None]) -> None:
-        """As `CudaDevicePath.retrieve` (``out_event`` is a torch interprocess event)."""
+        """As `CudaDevicePath.retrieve` (``out_event``: a torch interprocess event, or None)."""
         ob = engine.layout.object_bytes
         n = len(host_ptrs)
         s = self.retrieve_stream
@@ -172,5 +172,6 @@ class TorchDevicePath:
             for k, ptr in enumerate(host_ptrs):
                 staging[k * ob:(k + 1) * ob].copy_(host_tensor(ptr, ob), non_blocking=True)
             engine.copy(staging, self._ids(engine, block_ids, range(n)), n, False, s, skip_tokens=skip_tokens)
-            out_event.record(s)
+            if out_event is not None:
+                out_event.record(s)
         self._complete(s, staging, done)

@@ -248,9 +248,10 @@ class Store(Msg, tag="store"):
         same request): a chunk without its prefix can never hit.
     block_ids: per gid, the block ids holding those chunks' tokens, in token order.
     event: interprocess CUDA event handle to wait on before reading (CUDA engines only).
-    reply_early: CUDA engines: reply once the copies are enqueued, with an event after which
-        the blocks may be overwritten (the chunks become visible to lookups later, when they
-        are in L1); otherwise (and for CPU engines) reply once the chunks are in L1.
+        `KVDepotClient` sends none: it waits for its own gather first, since such an event
+        was seen to report a record complete before the work ahead of it ran.
+    reply_early: ignored (kept for the wire format): every store is answered once its
+        chunks are in L1; an early reply's event had the same flaw.
     staging_offset: >= 0: the engine already gathered the chunks into its registered staging
         buffer, chunk j at byte ``staging_offset + j * object_bytes`` in the canonical object
         format, and ``event`` follows that gather; the daemon reads only the staging buffer

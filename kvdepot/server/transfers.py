@@ -93,7 +93,11 @@ class TransferHandlers:
         # blocks (nothing to wait for before reusing them), and the copies may start later than
         # this enqueue (after the engine's gather, polled from the CPU), so an event recorded
         # behind them could not be handed out now.
-        early = req.reply_early and reg.cuda_device is not None and not staged
+        # An early reply (``reply_early``) is no longer given: it handed the engine an
+        # interprocess event to wait on before overwriting its blocks, and such an event can
+        # report a record complete before the copies ran (see `_retrieve_cuda`). Every store
+        # is answered once its copies completed.
+        early = False
         reply = m.StoreReply(rid=req.rid, stored=len(new), present=present, skipped=skipped,
                              event=reg.engine.gathered_event_handle if early and new else b"",
                              stored_event=reg.engine.stored_event_handle if early and new else b"")
@@ -209,7 +213,7 @@ class TransferHandlers:
             self.index.acquire(e)
             entries.append(e)
         if reg.cuda_device is not None:
-            return self._retrieve_cuda(reg, req, entries, staged_ptrs)
+            return self._retrieve_cuda(identity, reg, req, entries, staged_ptrs)
         if not entries:
             return m.RetrieveReply(rid=req.rid, retrieved=0)
         reg.active += 1
@@ -238,55 +242,62 @@ class TransferHandlers:
             finish(exc)
         return None
 
-    def _retrieve_cuda(self, reg: Registration, req: m.Retrieve, entries: list[Entry],
-                       staged_ptrs: list[int] | None) -> m.Msg:
-        """Enqueue the copies and reply at once with the interprocess event the engine waits on;
-        the entries stay acquired until the GPU finished reading them. ``staged_ptrs``: chunk
-        j's address in the engine's staging ring (staged), else None (the daemon scatters)."""
+    def _retrieve_cuda(self, identity: bytes, reg: Registration, req: m.Retrieve, entries: list[Entry],
+                       staged_ptrs: list[int] | None) -> m.Msg | None:
+        """Enqueue the copies; reply once they completed (the engine's blocks or staging ring
+        hold the chunks then: an interprocess event handed out for the engine to wait on was
+        found to report a record complete before the copies ran, `KVDepotClient._fence`).
+        The entries stay acquired until then. ``staged_ptrs``: chunk j's address in the
+        engine's staging ring (staged), else None (the daemon scatters)."""
         if not entries:
             self.index.touch_chain([])
             return m.RetrieveReply(rid=req.rid, retrieved=0)
         reg.active += 1
         t0 = time.perf_counter()
-        token = self.watch("retrieve", reg.id, b"", req.rid, len(entries) * reg.layout.object_bytes,
-                           reply_pending=False)  # replied at enqueue: the engine waits on the event
+        token = self.watch("retrieve", reg.id, identity, req.rid, len(entries) * reg.layout.object_bytes,
+                           reply_pending=True)
+        enqueued = True
 
         def done(err: BaseException | None) -> None:
             trace_point(req.rid, "gpu_done")
             self._finish_transfer(reg)
-            self.unwatch(token)
+            stuck = self.unwatch(token)
             for e in entries:
                 self.index.release(e)
+            if not enqueued:  # the caller answers the exception
+                return
             if err is not None:
                 log.error("CUDA retrieve for %s failed on the GPU: %s", reg.id, err)
+                if not stuck:
+                    self._reply_error(identity, req.rid, RequestError(ErrorCode.ENGINE_MEMORY, f"retrieve copy failed: {err}"))
                 return
             self._op_metrics(reg, "retrieve")[2].observe(time.perf_counter() - t0)
+            if not stuck:
+                self._reply(identity, m.RetrieveReply(rid=req.rid, retrieved=len(entries)))
 
         trace_point(req.rid, "enqueue")
         base = self.pool.base_ptr
-        event, event_handle = reg.retrieve_events[reg.next_retrieve_event]
-        reg.next_retrieve_event = (reg.next_retrieve_event + 1) % len(reg.retrieve_events)
         try:
             if staged_ptrs is not None:
                 first = req.skip_tokens // reg.layout.chunk_size  # wholly skipped chunks need no copy
                 if first < len(entries):
                     self._cuda.path(reg.cuda_device).copy_staged(
                         False, [base + e.offset for e in entries[first:]], staged_ptrs[first:len(entries)],
-                        reg.layout.object_bytes, b"", event, done)
+                        reg.layout.object_bytes, b"", None, done)
                 else:
-                    event_handle = b""
                     done(None)
             else:
                 self._cuda.path(reg.cuda_device).retrieve(
                     reg.engine, req.block_ids, len(req.keys), [base + e.offset for e in entries], req.skip_tokens,
-                    event, done)
+                    None, done)
         except BaseException:  # raised before anything was enqueued
+            enqueued = False
             done(None)
             raise
         trace_point(req.rid, "r_enqueued")
         self._count_transfer(reg, "retrieve", len(entries))
         self.index.touch_chain([e.key for e in entries])
-        return m.RetrieveReply(rid=req.rid, retrieved=len(entries), event=event_handle)
+        return None
 
     def _scatter(self, reg: Registration, block_ids, skip_tokens: int, entries: list[Entry]) -> None:
         eng, cs = reg.engine, reg.layout.chunk_size

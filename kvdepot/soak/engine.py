@@ -80,6 +80,10 @@ class _Engine:
         self.origin: list[list[tuple | None]] = [[None] * n for n in self.fam.num_blocks]
         self.previous: list[list[tuple[bytes, int] | None]] = [[None] * n for n in self.fam.num_blocks]
         self.explained = 0
+        self._selftest_rng = random.Random(spec.seed + 1)
+        self._ring = None  # (ring offset, block ids, chunks) of the last staged retrieve
+        # the engine's last staged copies: (request number, "store" / "retrieve", keys, ring offset)
+        self.history: collections.deque = collections.deque(maxlen=48)
         self.quarantine: dict[tuple[int, int], float] = {}  # (gid, block) -> time.monotonic() it is free again
         self.counts = collections.Counter()
         self.errors = collections.Counter()
@@ -187,7 +191,12 @@ class _Engine:
                 self.forget(target)  # written by the retrieve from here on
                 unstaged = c.unstaged_requests
                 try:
-                    got = c.retrieve(self.reg, keys[:hit], target, request=req, before=self.stream, cpu_wait=True)
+                    pending = c.submit_retrieve(self.reg, keys[:hit], target, request=req)
+                    got = pending.result(self.stream, cpu_wait=True)
+                    region = getattr(pending, "_region", None)
+                    self._ring = (region.offset, target, hit) if region is not None else None
+                    if region is not None:
+                        self.history.append((self.counts["requests"], "retrieve", keys[:hit], region.offset))
                     if self.stream is not None:
                         self.stream.synchronize()
                 except KVDepotError as exc:
@@ -201,9 +210,16 @@ class _Engine:
                        else "staged" if self.reg.staging is not None else "direct",
                        c.generation)
                 self.own(ids, keys, 0, got, how)
+                before = self.counts["corrupt_checks"]
                 self.check([(g, b, keys[j], p) for j in range(got)
                             for g, blocks in enumerate(self.chunk_blocks(ids, j)) for p, b in enumerate(blocks)],
                            request_keys=keys)
+                if (self._ring is not None and got and self.counts["corrupt_checks"] == before
+                        and self._selftest_rng.random() < 0.02):
+                    # the explanation's ring check, on a retrieve that went right: it must say so
+                    busy = [set(x) for x in ids]
+                    self.counts["rescatter_selftests"] += 1
+                    self.counts["rescatter_selftest_wrong"] += self.rescatter(keys[0], keys, busy) != "right"
             if got < len(keys):
                 self.forget([x[got * fam.blocks_per_chunk(g):] for g, x in enumerate(ids)])
                 for j in range(got, len(keys)):
@@ -211,8 +227,12 @@ class _Engine:
                 self.own(ids, keys, got, len(keys), ("written", self.counts["requests"]))
                 rest = [x[got * fam.blocks_per_chunk(g):] for g, x in enumerate(ids)]
                 try:
-                    r = c.store(self.reg, keys[got:], rest, parent=keys[got - 1] if got else b"", cache_salt=salt,
-                                request=req, after=self.stream)
+                    ps = c.submit_store(self.reg, keys[got:], rest, parent=keys[got - 1] if got else b"",
+                                        cache_salt=salt, request=req, after=self.stream)
+                    region = getattr(ps, "_region", None)
+                    if region is not None:
+                        self.history.append((self.counts["requests"], "store", keys[got:], region.offset))
+                    r = ps.result()
                 except KVDepotError as exc:
                     if exc.code in _LOST:
                         self.quarantine_blocks(rest)
@@ -253,18 +273,22 @@ class _Engine:
         busy = [set() for _ in fam.num_blocks]
         for g, b, _, _ in items:
             busy[g].add(b)
+        bad = [(g, b, key, part) for g, b, key, part in items if corrupt_bytes(cache, fam, [(g, b, key, part)])[1]]
+        bad_keys = list(dict.fromkeys(key for _, _, key, _ in bad))
+        ring: dict[bytes, str | None] = {}
         refetched: dict[bytes, str] = {}
-        for g, b, key, part in items:
-            if corrupt_bytes(cache, fam, [(g, b, key, part)])[1] == 0:
-                continue
-            if phase == "retrieve" and key not in refetched:
-                refetched[key] = self.refetch(key, busy)
+        if phase == "retrieve":  # the ring first: a refetch goes through it
+            ring = {key: self.rescatter(key, request_keys, busy) for key in bad_keys}
+            refetched = {key: self.refetch(key, busy) for key in bad_keys}
+        for g, b, key, part in bad:
             layers = [layer for layer, lg in enumerate(cache.layer_gids) if lg == g]
             per_layer = [corrupt_bytes(_OneLayer(cache, layer), fam, [(g, b, key, part)])[1] for layer in layers]
             holds = "unknown"
             prev = self.previous[g][b]
             if prev is not None and corrupt_bytes(cache, fam, [(g, b, *prev)])[1] == 0:
                 holds = "its previous chunk (stale)"
+            elif (past := self._from_history(g, b)) is not None:
+                holds = past
             else:
                 for j, k in enumerate(request_keys):
                     for p in range(fam.blocks_per_chunk(g)):
@@ -277,6 +301,7 @@ class _Engine:
                               "layout": self.spec.layout, "device": self.spec.device, "gid": g, "block": b,
                               "part": part, "key": key.hex()[:16], "differ_per_layer": per_layer,
                               "origin": self.origin[g][b], "holds": holds, "refetched": refetched.get(key),
+                              "ring_now": ring.get(key),
                               "request": self.counts["requests"],
                               "generation": self.client.generation,
                               "unstaged_requests": self.client.unstaged_requests}), file=sys.stderr, flush=True)
@@ -284,18 +309,61 @@ class _Engine:
             if self.explained >= 20:
                 return
 
+    def _from_history(self, g: int, b: int) -> str | None:
+        """Whether block ``b`` holds a chunk of one of the engine's recent staged copies."""
+        fam, now = self.fam, self.counts["requests"]
+        for req_no, kind, keys, offset in reversed(self.history):
+            for j, k in enumerate(keys):
+                for p in range(fam.blocks_per_chunk(g)):
+                    if corrupt_bytes(self.cache, fam, [(g, b, k, p)])[1] == 0:
+                        return (f"chunk {j} block {p} of the {kind} {now - req_no} requests ago "
+                                f"(its ring offset {offset}, this retrieve's {self._ring[0] if self._ring else None})")
+        return None
+
+    def _spare(self, busy: list[set[int]]) -> list[list[int]] | None:
+        fam = self.fam
+        spare = []
+        for g, n in enumerate(fam.num_blocks):
+            free = [b for b in range(n) if b not in busy[g] and (g, b) not in self.quarantine]
+            if len(free) < fam.blocks_per_chunk(g):
+                return None
+            spare.append(free[:fam.blocks_per_chunk(g)])
+        self.forget(spare)
+        return spare
+
+    def rescatter(self, key: bytes, request_keys: list[bytes], busy: list[set[int]]) -> str | None:
+        """Staged retrieves: scatter chunk ``key`` again out of the staging ring (where the
+        daemon copied it) into spare blocks and check it: "right" says the ring holds the right
+        bytes now (the first scatter read it too early), "wrong" that the copy into the ring
+        brought wrong bytes."""
+        if self._ring is None or self.reg.staging is None or key not in request_keys:
+            return None
+        offset, target, hit = self._ring
+        j = request_keys.index(key)
+        if j >= hit:
+            return None
+        spare = self._spare(busy)
+        if spare is None:
+            return "no spare blocks"
+        fam = self.fam
+        ids = [[-1] * (hit * fam.blocks_per_chunk(g)) for g in range(len(fam.num_blocks))]
+        for g, blocks in enumerate(spare):
+            n = fam.blocks_per_chunk(g)
+            ids[g][j * n:(j + 1) * n] = blocks
+        self.reg.staging.scatter(ids, hit, hit, offset, 0, self.stream)
+        self.stream.synchronize()
+        differ = corrupt_bytes(self.cache, fam, [(g, b, key, p) for g, blocks in enumerate(spare)
+                                                 for p, b in enumerate(blocks)])[1]
+        return "wrong" if differ else "right"
+
     def refetch(self, key: bytes, busy: list[set[int]]) -> str:
         """Retrieve the chunk ``key`` again into blocks outside ``busy`` and check it: "right"
         (the daemon holds the right bytes: the first retrieve went wrong on its way), "wrong
         again" (the stored object itself is wrong), "gone" (evicted meanwhile) or an error."""
         fam, c = self.fam, self.client
-        spare = []
-        for g, n in enumerate(fam.num_blocks):
-            free = [b for b in range(n) if b not in busy[g] and (g, b) not in self.quarantine]
-            if len(free) < fam.blocks_per_chunk(g):
-                return "no spare blocks"
-            spare.append(free[:fam.blocks_per_chunk(g)])
-        self.forget(spare)
+        spare = self._spare(busy)
+        if spare is None:
+            return "no spare blocks"
         try:
             got = c.retrieve(self.reg, [key], spare, request=f"refetch-{self.spec.index}-{self.counts['requests']}",
                              before=self.stream, cpu_wait=True)
@@ -341,6 +409,9 @@ def engine_main(spec: EngineSpec, reports, stop) -> None:
                     eng.recover(stop)
             eng.report()
         eng.report(force=True)
+        if eng.counts["rescatter_selftests"]:
+            print(json.dumps({"soak_rescatter_selftest": eng.counts["rescatter_selftests"],
+                              "wrong": eng.counts["rescatter_selftest_wrong"]}), file=sys.stderr, flush=True)
     finally:
         eng.client.close()
         eng.cache.close()
