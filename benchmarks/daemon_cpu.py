@@ -57,7 +57,7 @@ class _StubPath:
     def __init__(self) -> None:
         self.done: list = []
 
-    def copy_staged(self, to_host, srcs, dsts, object_bytes, engine_event, out_event, done) -> None:
+    def copy_staged(self, to_host, srcs, dsts, object_bytes, fence, done) -> None:
         self.done.append(done)
 
 
@@ -70,8 +70,7 @@ class _StubRuntime:
 
 
 class _Engine:
-    gathered_event_handle = b""
-    stored_event_handle = b""
+    pass
 
 
 def _daemon_with_registration(group: KVGroupShape, chunk_size: int, l1_bytes: int, sock_dir: str):
@@ -83,7 +82,7 @@ def _daemon_with_registration(group: KVGroupShape, chunk_size: int, l1_bytes: in
     with ShmKVCache([group], blocks, "LBNHC") as cache:  # only its description is used
         lay = group_layers(cache.layer_specs(), cache.group_specs(), chunk_size, [cache.size_bytes])
     reg = Registration("r1", "bench", "tp0of1", os.getpid(), "cuda", lay, None, _Engine(), cuda_device=0,
-                       retrieve_events=[(i, bytes([i]) * 64) for i in range(32)], staging_ptr=1 << 40,
+                       staging_ptr=1 << 40,
                        staging_bytes=8 * lay.object_bytes)
     d.registrations[reg.id] = reg
     return d, reg, lay

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import logging
 import os
 import sys
 import threading
@@ -38,9 +39,7 @@ from kvdepot.protocol.errors import ErrorCode, KVDepotError
 from kvdepot.protocol.fdpass import fds_path, pass_fds
 from kvdepot.protocol.transport import StreamSocket, connect_socket, default_endpoint, ipc_path
 
-
-# the daemon's events a client keeps open (each registration's retrieves use 32 in turn)
-_MAX_PEER_EVENTS = 1024
+log = logging.getLogger("kvdepot.client")
 
 _IDLE_POLL_S = 0.01  # `KVDepotClient.poll` with no reply awaited looks at the socket this often
 
@@ -99,7 +98,6 @@ class KVDepotClient:
         self._replies: dict[int, m.Msg] = {}  # replies that arrived before their wait()
         self._identity = f"kvd-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
         self._fences: dict = {}  # cudaStream_t -> a local event (`_fence`)
-        self._peer_events: dict = {}  # handle -> the daemon's opened interprocess event
         self.last_retrieve_event = None
         # fastest staged store seen (submit to reply, seconds per byte, stores >= 4 MiB): a
         # staged store's wait sleeps until shortly before such a reply could come, then spins
@@ -401,8 +399,19 @@ class KVDepotClient:
                 raise KVDepotError(ErrorCode.FORBIDDEN, "memfd storages need the daemon's ipc:// endpoint")
             req.storages = [msgspec.structs.replace(st, name=pass_fds(fds_path(path), [fd], self.timeout_s))
                             if fd is not None else st for st, fd in zip(req.storages, storage_fds)]
+        req.fence, req.fence_words = "", 0
+        if staging is not None and staging.fence is not None:
+            path = ipc_path(self.endpoint)
+            if path is not None:  # else (tcp://) stores wait for their gathers here
+                try:
+                    req.fence = pass_fds(fds_path(path), [staging.fence.fd], self.timeout_s)
+                    req.fence_words = staging.fence.words
+                except (OSError, KVDepotError) as exc:
+                    log.warning("cannot pass the fence words (%s): staged stores wait for their gathers", exc)
         r = self.call(req)
         self.boot_id = r.boot_id
+        if staging is not None:
+            staging.fence_active = bool(r.fence and req.fence)
         if staging is not None and (not r.staging or r.layout_fingerprint != staging.layout.fingerprint
                                     or r.object_bytes != staging.object_bytes):
             staging.close()  # the daemon does not serve it (no kernel library there), or another layout
@@ -435,37 +444,33 @@ class KVDepotClient:
     def store(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
               parent: bytes = b"", cache_salt: str = "", request: str = "", after=None,
               early: bool = False, cpu_wait: bool = False, in_l1: bool = False) -> m.StoreReply:
-        """Store whole chunks from engine blocks (see `kvdepot.protocol.messages.Store`).
+        """Store whole chunks from engine blocks (see `kvdepot.protocol.messages.Store`);
+        returns once the chunks are in the daemon's L1 (or were skipped).
 
-        after: CUDA engines: the ``torch.cuda.Stream`` whose work so far wrote the blocks; the
-            client records its interprocess event there and the daemon's copy waits on it.
-            Returns once the chunks are in the daemon's memory (the blocks may be reused).
-        early: CUDA engines: return once the copies are enqueued; ``after`` is made to wait (on
-            the GPU) until the daemon has read the blocks, so later work on it may overwrite
-            them. The chunks become visible to lookups when they are in L1.
-        cpu_wait: with ``early``, return once the daemon has read the blocks (the calling thread
-            waits on its event; ``after`` needs no GPU wait; see `retrieve` for why).
-        in_l1: with ``early`` and ``cpu_wait``, return once the bytes are in the daemon's L1
-            (its event after the copies), which is what a store without ``early`` waits for,
-            without the daemon's reply after the copies. Lookups see the chunks a little later,
-            when the daemon has seen the copies end too.
+        after: CUDA engines: the ``torch.cuda.Stream`` whose work so far wrote the blocks
+            (default: the current stream). Staged, the gather is enqueued on it; the blocks may
+            be overwritten by work enqueued there after this call.
+        early, cpu_wait, in_l1: ignored (the daemon no longer replies early: see
+            `kvdepot.protocol.messages.Store`).
         """
-        pending = self.submit_store(reg, keys, block_ids, parent, cache_salt, request, after, early)
-        return pending.result(before=after if early else None, cpu_wait=cpu_wait, in_l1=in_l1)
+        return self.submit_store(reg, keys, block_ids, parent, cache_salt, request, after).result()
 
     def submit_store(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
                      parent: bytes = b"", cache_salt: str = "", request: str = "", after=None,
                      early: bool = False, wait_for_room: bool = True) -> PendingStore | None:
-        """`store` without waiting: ``.result(before)`` of the returned handle gives the
-        `StoreReply`. The blocks must not be overwritten before then (``early``: before work on
-        ``before``, which is made to wait until the daemon has read them).
+        """`store` without waiting: ``.result()`` of the returned handle gives the `StoreReply`.
+        Unstaged, the blocks must not be overwritten before then. ``early``: ignored.
 
         With engine-side staging (`register`'s ``local_storages``) the blocks are gathered into
         the staging ring here, on ``after`` (default: the current stream), so work enqueued on
-        that stream later may overwrite them at once. ``wait_for_room=False``: if the ring has
-        no room for the chunks now, nothing is sent and None is returned (never blocks)."""
-        event = b""
+        that stream later may overwrite them at once; the store is sent without waiting for
+        the gather (the daemon copies once the GPU wrote its fence word, `kvdepot.client.staging`).
+        Without fence words (a daemon on tcp://, or one that does not poll them), and unstaged,
+        this call waits until the GPU has run the work enqueued on ``after`` so far.
+        ``wait_for_room=False``: if the ring has no room for the chunks now, nothing is sent
+        and None is returned (never blocks)."""
         offset = -1
+        fence = 0
         region = None
         staging = reg.staging
         if staging is not None and keys:
@@ -484,33 +489,41 @@ class KVDepotClient:
                 region.release()
                 raise
             offset = region.offset
-            self._fence(stream)
+            if staging.fence_active:
+                try:
+                    staging.fence.signal(region.seq, stream)
+                except BaseException:
+                    self._fence(stream)  # the gather is enqueued: the region is free once it ran
+                    region.release()
+                    raise
+                fence = region.seq
+            else:
+                self._fence(stream)
         elif after is not None:
             self._fence(after)
         try:
             rid = self.submit(m.Store(rid=0, registration=reg.id, keys=list(keys),
                                       block_ids=[list(b) for b in block_ids], parent=parent, cache_salt=cache_salt,
-                                      request=request, event=event, reply_early=early, staging_offset=offset))
+                                      request=request, staging_offset=offset, fence=fence))
         except BaseException:
             if region is not None:
+                if fence:
+                    self._fence(stream)  # free once the gather (and its fence write) ran
                 region.release()  # nothing was sent: no copy reads it
             raise
-        return PendingStore(self, rid, region, len(keys))
+        return PendingStore(self, rid, region, len(keys), staging.fence if fence else None)
 
     def retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
                  skip_tokens: int = 0, request: str = "", before=None, cpu_wait: bool = False) -> int:
         """Write cached chunks into engine blocks; returns how many leading chunks were written.
 
-        before: CUDA engines: the ``torch.cuda.Stream`` that will read the blocks; it is made to
-            wait (on the GPU, not the CPU) for the daemon's copies. Without it, the call returns
-            once the copies are enqueued and the caller must wait on ``last_retrieve_event``.
-        cpu_wait: CUDA engines: return only once the blocks are written (the calling thread
-            waits on the daemon's event); ``before`` then needs no GPU wait. With engine-side
-            staging the call always waits on the CPU for the daemon's copies into the staging
-            ring and enqueues the scatter out of it on ``before`` (see `PendingRetrieve.result`),
-            so ``cpu_wait`` changes nothing there. A GPU stream's wait
-            on another process's event was measured to add ~170 us to a lone 32 MiB retrieve
-            (H100, no MPS); waiting on the CPU added ~23 us over a plain copy.
+        before: CUDA engines with engine-side staging: the ``torch.cuda.Stream`` the scatter out
+            of the staging ring is enqueued on (default: the current stream); work enqueued
+            there later reads the blocks, another stream waits on ``last_retrieve_event``.
+            Unstaged, the call returns once the daemon wrote the blocks.
+        cpu_wait: ignored (the daemon answers once its copies completed; a GPU stream's wait
+            on another process's event was measured to add ~170 us to a lone 32 MiB retrieve,
+            H100, no MPS, and such an event was seen to report its record complete too early).
         """
         return self.submit_retrieve(reg, keys, block_ids, skip_tokens, request).result(before, cpu_wait=cpu_wait)
 
@@ -546,16 +559,6 @@ class KVDepotClient:
             pending._staged(reg, region, block_ids, len(keys), skip_tokens)
         return pending
 
-    def _retrieved(self, r: m.RetrieveReply, before, cpu_wait: bool = False) -> int:
-        self.last_retrieve_event = None
-        if r.event:
-            ev = self._open_event(r.event, before.device if before is not None else None)
-            self.last_retrieve_event = ev
-            if cpu_wait:
-                ev.synchronize()
-            elif before is not None:
-                before.wait_event(ev)
-        return r.retrieved
 
     # ------------------------------------------------------------------ CUDA events
 
@@ -580,17 +583,6 @@ class KVDepotClient:
         ev.record(stream)
         if not ev.query():
             ev.synchronize()
-
-    def _open_event(self, handle: bytes, device):
-        import torch
-
-        ev = self._peer_events.get(handle)
-        if ev is None:
-            if len(self._peer_events) >= _MAX_PEER_EVENTS:  # registrations of daemons long gone
-                self._peer_events.clear()
-            dev = device if device is not None else torch.device("cuda", torch.cuda.current_device())
-            ev = self._peer_events[handle] = torch.cuda.Event.from_ipc_handle(dev, handle)
-        return ev
 
     def end_request(self, request: str) -> None:
         self.call(m.EndRequest(rid=0, request=request))

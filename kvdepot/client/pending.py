@@ -26,8 +26,11 @@ class PendingStore:
     _LEARN_BYTES = 4 << 20  # staged stores at least this large teach the client the link's pace
     _SPIN_LEAD_S = 30e-6  # spin from this long before the fastest reply seen could come
 
-    def __init__(self, client: KVDepotClient, rid: int, region=None, num_chunks: int = 0) -> None:
+    def __init__(self, client: KVDepotClient, rid: int, region=None, num_chunks: int = 0, fence=None) -> None:
         self.client, self.rid = client, rid
+        # fenced (`kvdepot.client.staging.FenceWords`): the region is free only once its gather
+        # ran too (after a failed store the daemon copied nothing, but the gather may be queued)
+        self._fence = fence
         self._reply: m.StoreReply | None = None
         self._error: BaseException | None = None
         # staged: the ring region the daemon copies out of; its reply comes after the copies
@@ -70,30 +73,28 @@ class PendingStore:
             except KVDepotError:
                 pass
         if self._error is not None:
-            return region_reusable_after(self._error)
-        return self._reply is not None
+            free = region_reusable_after(self._error)
+        else:
+            free = self._reply is not None
+        return free and (self._fence is None or self._fence.holds(self._region.seq))
 
     def _reclaim(self) -> bool:
         try:
             self._await()
         except KVDepotError:
             pass
+        if self._fence is not None and not self._fence.holds(self._region.seq):
+            deadline = time.monotonic() + self.client.timeout_s
+            while not self._fence.holds(self._region.seq) and time.monotonic() < deadline:
+                time.sleep(20e-6)  # only after an error reply: the gather has not run yet
         return self._region_free()
 
     def result(self, before=None, timeout_s: float | None = None, cpu_wait: bool = False,
                in_l1: bool = False) -> m.StoreReply:
-        """Wait for the reply; with an early reply, ``before`` (a ``torch.cuda.Stream``) is made
-        to wait until the daemon has read the blocks, or with ``cpu_wait`` this call waits for
-        that (``in_l1``: until the bytes are in L1). With engine-side staging the blocks were
-        read on the stream given to `submit_store` and the reply comes once the bytes are in
-        L1, so nothing more is waited for. Raises KVDepotError as `KVDepotClient.store`."""
-        r = self._await(timeout_s)
-        if r.event and cpu_wait:  # (a staged store's reply carries no event)
-            ev = r.stored_event if in_l1 and r.stored_event else r.event
-            self.client._open_event(ev, before.device if before is not None else None).synchronize()
-        elif r.event and before is not None:
-            before.wait_event(self.client._open_event(r.event, before.device))
-        return r
+        """Wait for the reply: it comes once the chunks are in the daemon's L1 (or were
+        skipped). ``before``, ``cpu_wait``, ``in_l1``: ignored (kept for callers of the early
+        replies the daemon no longer gives). Raises KVDepotError as `KVDepotClient.store`."""
+        return self._await(timeout_s)
 
 
 class PendingRetrieve:
@@ -109,8 +110,8 @@ class PendingRetrieve:
 
     def done(self) -> bool:
         """Whether `result` returns without waiting on the daemon: its reply (or error, or loss)
-        is in and, staged, the daemon's copies into the ring have completed (the event is
-        queried, never waited for). Call the client's `poll` first to collect replies."""
+        is in (the daemon replies once its copies completed). Call the client's `poll` first
+        to collect replies."""
         if self._retrieved is not None or self._error is not None:
             return True
         if not self.client.done(self.rid):
@@ -122,11 +123,7 @@ class PendingRetrieve:
                 self._reply = self.client.wait(self.rid, 0)
             except KVDepotError as exc:
                 self._error = exc
-                return True
-        ev = self._reply.event
-        if not (self._reply.retrieved and ev):
-            return True
-        return self.client._open_event(ev, self._reg.staging.device).query()
+        return True
 
     def _staged(self, reg: Registration, region, block_ids, num_chunks: int, skip_tokens: int) -> None:
         self._reg, self._region, self._block_ids = reg, region, block_ids
@@ -152,10 +149,9 @@ class PendingRetrieve:
         return self._region_free()
 
     def result(self, before=None, timeout_s: float | None = None, cpu_wait: bool = False) -> int:
-        """Chunks written; ``before`` (a ``torch.cuda.Stream``) is made to wait for them, or with
-        ``cpu_wait`` this call waits until they are written. With engine-side staging this call
-        waits on the CPU for the daemon's copies into the ring (whatever ``cpu_wait`` says),
-        then enqueues the scatter on ``before`` (default: the current stream): the blocks are
+        """Chunks written. Unstaged, the reply comes once the daemon wrote the blocks. With
+        engine-side staging this call waits for the reply (the daemon's copies into the ring
+        completed), then enqueues the scatter on ``before`` (default: the current stream): the blocks are
         written in that stream's order (work queued on it later reads them; another stream or
         the host waits on ``last_retrieve_event``, a local event after the scatter). Raises
         KVDepotError as `KVDepotClient.retrieve`."""
@@ -167,7 +163,8 @@ class PendingRetrieve:
             except KVDepotError as exc:
                 self._error = exc
                 raise
-            return self.client._retrieved(r, before, cpu_wait)
+            self.client.last_retrieve_event = None  # the reply comes once the blocks are written
+            return r.retrieved
         if self._retrieved is not None:  # already scattered (by a ring reclaim): order `before` after it
             if before is not None and self._done_event is not None:
                 before.wait_event(self._done_event)
@@ -186,12 +183,7 @@ class PendingRetrieve:
                 raise
         staging = self._reg.staging
         stream = before if before is not None else torch.cuda.current_stream(staging.device)
-        if r.retrieved and r.event:
-            # on the CPU whatever cpu_wait says: with stores and retrieves in flight together, an
-            # engine stream's GPU wait on the daemon's event held both directions to 65-79 GB/s
-            # (H100 and H200, 256-token chunks), against 88-99 GB/s waiting here; the wait only
-            # covers this retrieve's copies (the daemon's events rotate, RETRIEVE_EVENTS)
-            self.client._open_event(r.event, stream.device).synchronize()
+        # the reply comes once the daemon's copies into the ring completed: scatter at once
         if r.retrieved:
             staging.scatter(self._block_ids, self._num_chunks, r.retrieved, self._region.offset,
                             self._skip_tokens, stream)

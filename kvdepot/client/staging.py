@@ -12,30 +12,42 @@ cross-process wait), and the daemon's part is DMA only.
 
 Ring: one device buffer per registration (`Register.staging`), allocated first-in first-out in
 256-byte aligned regions. A store's region is free once the daemon's copies out of it ended
-(its reply, or with an early reply the daemon's stored event); a retrieve's once the engine's
+(its reply) and its gather has run (its fence word, below); a retrieve's once the engine's
 scatter out of it ended (a local event after the scatter). A request that finds no room waits
 for the oldest region; one larger than the ring goes the daemon-gathers way instead.
+
+Fence words (`FenceWords`): the store is sent as soon as its gather is enqueued, and the
+engine's GPU writes the region's sequence number into a word of host memory shared with the
+daemon once the gather has run (`Kernels.engine_signal`); the daemon polls the word from the
+CPU and copies the region after it. So a store never waits for the engine's stream (a vLLM
+step's forward may still be running on it). An interprocess CUDA event, the earlier design,
+was seen to report its record complete before the gather ran (14 engine processes time-
+slicing one GPU): the daemon copied the region too early, ~1 wrong chunk in 1,000.
 """
 
 from __future__ import annotations
 
 import array
 import collections
+import ctypes
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 
 from kvdepot.client.kvcache import export_cuda_storage
-from kvdepot.gpu.kernels import Kernels, KvdGroupDesc
+from kvdepot.gpu.kernels import KernelError, Kernels, KvdGroupDesc
 from kvdepot.gpu.layout import EngineLayout
 from kvdepot.protocol.messages import StorageSpec
 
 log = logging.getLogger("kvdepot.client")
 
 DEFAULT_STAGING_BYTES = 256 << 20
+FENCE_WORDS = 4096  # at most FENCE_WORDS - 1 ring regions live at once (one word per region)
 _ALIGN = 256
 
 
@@ -44,12 +56,13 @@ class StagingRegion:
     nothing reads or writes it any more; ``reclaim()`` blocks until then (False: cannot tell,
     e.g. the request was lost in a timeout, and the region stays taken)."""
 
-    __slots__ = ("offset", "size_bytes", "owner", "is_free", "reclaim")
+    __slots__ = ("offset", "size_bytes", "owner", "seq", "is_free", "reclaim")
 
-    def __init__(self, offset: int, size_bytes: int, owner: object = None) -> None:
+    def __init__(self, offset: int, size_bytes: int, owner: object = None, seq: int = 0) -> None:
         self.offset = offset
         self.size_bytes = size_bytes
-        self.owner = owner  # the client whose request uses it (only it may call reclaim)
+        self.owner = owner
+        self.seq = seq  # the ring's allocation number (>= 1): a store's fence value  # the client whose request uses it (only it may call reclaim)
         self.is_free: Callable[[], bool] = lambda: False
         self.reclaim: Callable[[], bool] = lambda: False
 
@@ -63,13 +76,16 @@ class StagingRing:
     offsets only; the memory is `EngineStaging.buffer`). Thread-safe: several clients (one per
     thread) may share a registration; a region is reclaimed (its reply waited for) only by its
     own client, and one of another client's is polled until free, for at most
-    ``foreign_wait_s``."""
+    ``foreign_wait_s``. Regions are numbered 1, 2, ... (``seq``); at most ``max_live`` are
+    live at once, so live regions' ``seq % (max_live + 1)`` differ (one fence word each)."""
 
-    def __init__(self, size_bytes: int, foreign_wait_s: float = 1.0) -> None:
+    def __init__(self, size_bytes: int, foreign_wait_s: float = 1.0, max_live: int = FENCE_WORDS - 1) -> None:
         self.size_bytes = size_bytes
         self.foreign_wait_s = foreign_wait_s
+        self.max_live = max_live
         self.live: collections.deque[StagingRegion] = collections.deque()
         self.head = 0  # where the next region starts, if it fits
+        self._seq = 0  # never reset: a fence value is never reused
         self._lock = threading.Lock()
 
     def _fit(self, nbytes: int) -> int | None:
@@ -105,9 +121,10 @@ class StagingRing:
             with self._lock:
                 while self.live and self.live[0].is_free():
                     self.live.popleft()
-                off = self._fit(nbytes)
+                off = self._fit(nbytes) if len(self.live) < self.max_live else None
                 if off is not None:
-                    region = StagingRegion(off, nbytes, owner)
+                    self._seq += 1
+                    region = StagingRegion(off, nbytes, owner, self._seq)
                     self.live.append(region)
                     self.head = off + nbytes
                     return region
@@ -125,6 +142,54 @@ class StagingRing:
             elif now > deadline:
                 return None
             time.sleep(20e-6)
+
+class FenceWords:
+    """``words`` uint64 words of host memory in a sealed memfd, mapped for this process's GPU
+    to write (`Kernels.host_register_mapped`) and passed to the daemon (`Register.fence`),
+    which polls them. Word ``seq % words`` receives a store region's ``seq`` once its gather
+    has run (`signal`).
+
+    Raises:
+        OSError: no memfd; KernelError: the memory cannot be registered with CUDA.
+    """
+
+    def __init__(self, kernels: Kernels, words: int = FENCE_WORDS) -> None:
+        from kvdepot.gpu.shm import create_memfd
+
+        self.kernels = kernels
+        self.words = words
+        self.fd, mem = create_memfd("kvdepot-fence", words * 8)
+        self.host_ptr = mem.data_ptr()
+        try:
+            self.dev_ptr = kernels.host_register_mapped(self.host_ptr, words * 8)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._view = (ctypes.c_uint64 * words).from_address(self.host_ptr)
+        # unregistered before the mapping goes, also when the object is only collected: a
+        # registration left behind makes the next mapping at that address unregistrable
+        self._finalizer = weakref.finalize(self, _release_fence, kernels, self.host_ptr, self.fd, mem)
+
+    def signal(self, seq: int, stream) -> None:
+        """Enqueue on ``stream`` the GPU's write of ``seq`` into its word, after the work so far."""
+        self.kernels.engine_signal(self.dev_ptr + (seq % self.words) * 8, seq, stream.cuda_stream)
+
+    def holds(self, seq: int) -> bool:
+        """Whether the GPU has written ``seq`` (its gather ran)."""
+        return self._view[seq % self.words] == seq
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _release_fence(kernels: Kernels, host_ptr: int, fd: int, mem: torch.Tensor) -> None:
+    try:
+        kernels.host_unregister(host_ptr)
+    except KernelError as exc:
+        log.warning("unregistering the fence words failed: %s", exc)
+    os.close(fd)
+    del mem  # the mapping goes with the last reference
+
 
 class EngineStaging:
     """A registration's engine side: its layer groups in the kernel library (the engine's own
@@ -158,6 +223,12 @@ class EngineStaging:
         self.base_ptr = self.buffer.data_ptr()
         self.ring = StagingRing(ring_bytes)
         self.spec: StorageSpec = export_cuda_storage(self.buffer)
+        try:
+            self.fence: FenceWords | None = FenceWords(kernels, self.ring.max_live + 1)
+        except (OSError, KernelError) as exc:
+            log.warning("fence words unavailable (%s): staged stores wait for their gathers", exc)
+            self.fence = None
+        self.fence_active = False  # the daemon polls the words (RegisterReply.fence)
 
     def flat_ids(self, block_ids: Sequence[Sequence[int]]) -> array.array:
         """int32 block ids, ``block_ids[gid]`` for each layer group in order."""
@@ -190,3 +261,6 @@ class EngineStaging:
         if self.handle:
             self.kernels.engine_destroy(self.handle)
             self.handle = 0
+        if self.fence is not None:
+            self.fence.close()
+            self.fence = None

@@ -46,12 +46,8 @@ DEFAULT_BATCH_BYTES = 64 << 20  # staging bytes per slot (2 slots per direction 
 # a chunk object larger than this moves in pieces inside the library (see kvd_engine_set_piece_bytes);
 # the environment variable exists for tests, which use small pieces to exercise the piece path
 PIECE_BYTES = int(os.environ.get("KVDEPOT_PIECE_BYTES", str(8 << 20)))
-_MAX_OPEN_EVENTS = 1024  # engines' interprocess events kept open per GPU
 _GPU_ERROR_BIT = 1 << 63  # set in a completion token when the GPU reported an error
-# interprocess events a registration's retrieves record in turn: a reply's event is re-recorded
-# only this many retrieves later, so an engine that waits on it soon waits for its own copies,
-# not for the copies of the retrieves queued behind it
-RETRIEVE_EVENTS = 32
+_NOT_COPIED_BIT = 1 << 62  # set when a deferred copy was cancelled or timed out before it began
 
 
 def device_index_by_uuid(uuid: str) -> int:
@@ -108,6 +104,10 @@ class CompletionPipe:
             if token & _GPU_ERROR_BIT:
                 token &= ~_GPU_ERROR_BIT
                 err = KernelError("a CUDA error occurred while the transfer ran on the GPU")
+            elif token & _NOT_COPIED_BIT:
+                token &= ~_NOT_COPIED_BIT
+                err = RequestError(ErrorCode.ENGINE_MEMORY, "the engine's fence word was not written (its gather did "
+                                                            "not run within 30 s, or it unregistered): nothing copied")
             cb = self._callbacks.pop(token, None)
             if cb is not None:
                 try:
@@ -130,6 +130,33 @@ class CudaOpenedStorage:
         self.ptr = ptr
         self.device = device
         self.size_bytes = size_bytes
+
+
+class FenceWords:
+    """An engine's fence words mapped in the daemon: ``words`` uint64 words of a sealed memfd
+    the engine passed (`Register.fence`), which its GPU writes after each staged store's
+    gather (`kvd_engine_signal`); word ``value % words`` must hold ``value`` before the
+    daemon copies the store's ring region (`Store.fence`).
+
+    Raises:
+        RequestError(ENGINE_MEMORY): the descriptor is not a memfd sealed against shrinking,
+            or is smaller than ``words`` words.
+    """
+
+    def __init__(self, fd: int, words: int) -> None:
+        from kvdepot.gpu.shm import open_memfd
+
+        self.words = words
+        self.buffer = open_memfd(fd, words * 8)  # uint8 tensor; the mapping lives as long as it
+        self.ptr = self.buffer.data_ptr()
+        os.close(fd)
+
+    def word_ptr(self, value: int) -> int:
+        """Host address of the word that must hold ``value``."""
+        return self.ptr + (value % self.words) * 8
+
+    def close(self) -> None:
+        self.buffer = None
 
 
 class NativeEngine:
@@ -156,12 +183,6 @@ class NativeEngine:
         # block ids go to the library flat, one list per layer group in layout order (several
         # layer groups may share a KV-cache group's ids)
         self._gids = [g.gid for g in layout.groups]
-        # interprocess event recorded after each store's gathers (early store replies carry it)
-        self.gathered_event: int = 0
-        self.gathered_event_handle: bytes = b""
-        # and after each store's copies into L1 (the bytes are in place)
-        self.stored_event: int = 0
-        self.stored_event_handle: bytes = b""
 
     def flat_ids(self, block_ids: Sequence[Sequence[int]]) -> array.array:
         """int32 block ids, ``block_ids[gid]`` for each layer group in order (see `kvd_store`)."""
@@ -180,7 +201,7 @@ class NativeEngine:
 
 
 class CudaDevicePath:
-    """The two lanes (store, retrieve) of one GPU and the engines' events opened on it."""
+    """The two lanes (store, retrieve) of one GPU."""
 
     SLOTS = 2
 
@@ -195,7 +216,6 @@ class CudaDevicePath:
         except BaseException:
             kernels.lane_destroy(self.store_lane)
             raise
-        self._engine_events: dict[bytes, int] = {}
         self._notified = ctypes.c_int(0)
         self._notified_ptr = ctypes.addressof(self._notified)
         lib = kernels.lib
@@ -210,26 +230,11 @@ class CudaDevicePath:
     def close(self) -> None:
         for lane in (self.store_lane, self.retrieve_lane):
             self.kernels.lane_destroy(lane)  # waits for the lane's pending work first
-        for ev in self._engine_events.values():
-            self.kernels.event_destroy(ev)
-        self._engine_events.clear()
 
-    def _engine_event(self, handle: bytes) -> int:
-        ev = self._engine_events.get(handle)
-        if ev is None:
-            try:
-                ev = self.kernels.event_open_ipc(handle, self.device)
-            except KernelError as exc:
-                raise RequestError(ErrorCode.ENGINE_MEMORY, f"cannot open the engine's CUDA event: {exc}") from None
-            if len(self._engine_events) >= _MAX_OPEN_EVENTS:
-                # destroying an event leaves the GPU waits already enqueued on it intact; the
-                # store lane's deferred staged copies poll it from the CPU, so it goes only
-                # once none of those waits on it
-                for old in self._engine_events.values():
-                    self.kernels.lane_retire_event(self.store_lane, old)
-                self._engine_events.clear()
-            self._engine_events[handle] = ev
-        return ev
+    def cancel(self, fence: FenceWords) -> int:
+        """Fail the staged stores still waiting for a word of ``fence`` (the engine is gone):
+        their ``done`` gets RequestError(ENGINE_MEMORY), nothing copied. Returns how many."""
+        return self.kernels.lane_cancel(self.store_lane, fence.ptr, fence.ptr + fence.words * 8)
 
     def _after_call(self, rc: int, what: str, lane: int, token: int,
                     done: Callable[[BaseException | None], None]) -> None:
@@ -247,26 +252,19 @@ class CudaDevicePath:
         self.completions.loop.call_soon(done, err)
 
     def store(self, engine: NativeEngine, block_ids: Sequence[Sequence[int]], total_chunks: int,
-              chunks: Sequence[int], host_ptrs: Sequence[int], engine_event: bytes,
-              done: Callable[[BaseException | None], None], gathered_event: int | None = None,
-              stored_event: int | None = None) -> None:
+              chunks: Sequence[int], host_ptrs: Sequence[int],
+              done: Callable[[BaseException | None], None]) -> None:
         """Enqueue the gather of the request's chunks ``chunks`` (indices < ``total_chunks``)
         into the pinned host objects at ``host_ptrs`` (object_bytes each, not crossing a
-        registration); ``done(err)`` runs on the loop when the copies completed.
-        ``gathered_event`` (interprocess, or None) is recorded after the last read of the
-        engine's blocks, ``stored_event`` (or None) after the last copy into L1.
-
-        Raises (nothing enqueued):
-            RequestError(ENGINE_MEMORY): the engine's event cannot be opened.
-        """
-        ev = self._engine_event(engine_event) if engine_event else None
+        registration); ``done(err)`` runs on the loop when the copies completed. The engine's
+        writes of the blocks must have completed (the client waits for them before sending)."""
         ids = engine.flat_ids(block_ids)
         ch = array.array("i", chunks)
         hp = array.array("Q", host_ptrs)
         token = self.completions.expect(done)
         trace.point(-3, "pre_call")
-        rc = self._kvd_store(self.store_lane, engine.handle, ev, ids.buffer_info()[0], total_chunks,
-                             ch.buffer_info()[0], len(ch), hp.buffer_info()[0], gathered_event, stored_event,
+        rc = self._kvd_store(self.store_lane, engine.handle, None, ids.buffer_info()[0], total_chunks,
+                             ch.buffer_info()[0], len(ch), hp.buffer_info()[0], None, None,
                              self.completions.write_fd, token, self._notified_ptr)
         trace.point(-3, "post_call")
         if rc:
@@ -292,28 +290,22 @@ class CudaDevicePath:
 
 
     def copy_staged(self, to_host: bool, srcs: Sequence[int], dsts: Sequence[int], object_bytes: int,
-                    engine_event: bytes, out_event: int | None,
-                    done: Callable[[BaseException | None], None]) -> None:
+                    fence: tuple[int, int] | None, done: Callable[[BaseException | None], None]) -> None:
         """Enqueue ``len(srcs)`` PCIe copies of one object each between an engine's staging
         buffer (IPC-opened device memory) and pinned L1 objects: device -> host on the store
         lane (``to_host``), host -> device on the retrieve lane. No kernel runs in the daemon's
-        CUDA context: the engine gathers / scatters in its own. The copies follow
-        ``engine_event`` (interprocess handle, or b""): if it has not completed yet the lane's
-        issuer thread polls it from the CPU and enqueues the copies then (the DMA stream never
-        waits on another process's event). ``out_event`` (or None) is recorded after the
-        copies when they are enqueued, so with an ``engine_event`` its handle must not be handed
-        out before ``done``. ``done(err)`` runs on the loop when they completed.
-
-        Raises (nothing enqueued):
-            RequestError(ENGINE_MEMORY): the engine's event cannot be opened.
-        """
-        ev = self._engine_event(engine_event) if engine_event else None
+        CUDA context: the engine gathers / scatters in its own. ``fence`` (word address, value)
+        or None: the copies follow the engine's write of the value into that word (after its
+        gather); until then the lane's issuer thread polls the word from the CPU (the DMA
+        stream never waits on another process). ``done(err)`` runs on the loop when the copies
+        completed (RequestError(ENGINE_MEMORY) if the word never came: nothing copied)."""
         sp = array.array("Q", srcs)
         dp = array.array("Q", dsts)
         lane = self.store_lane if to_host else self.retrieve_lane
+        word, value = fence if fence is not None else (None, 0)
         token = self.completions.expect(done)
-        rc = self._kvd_dma(lane, ev, sp.buffer_info()[0], dp.buffer_info()[0], object_bytes, len(sp), int(to_host),
-                           out_event, self.completions.write_fd, token, self._notified_ptr)
+        rc = self._kvd_dma(lane, word, value, sp.buffer_info()[0], dp.buffer_info()[0], object_bytes, len(sp),
+                           int(to_host), None, self.completions.write_fd, token, self._notified_ptr)
         if rc:
             self._after_call(rc, "kvd_dma", lane, token, done)
 
@@ -404,12 +396,9 @@ class CudaRuntime:
             raise RequestError(ErrorCode.ENGINE_MEMORY, f"cannot open the staging buffer's IPC handle: {exc}") from None
         return CudaOpenedStorage(base, base + spec.handle_offset_bytes, device, spec.size_bytes)
 
-    def open_engine(self, device: int, layout: EngineLayout, opened: Sequence[CudaOpenedStorage]
-                    ) -> tuple[object, list[tuple[object, bytes]]]:
-        """The registration's engine (a `NativeEngine` in the library, with the lanes' staging
-        grown to hold one of its objects; a torch `CudaTransferEngine` without the library) and
-        the `RETRIEVE_EVENTS` interprocess events its retrieves record in turn:
-        (engine, [(event, event handle bytes)]).
+    def open_engine(self, device: int, layout: EngineLayout, opened: Sequence[CudaOpenedStorage]) -> object:
+        """The registration's engine: a `NativeEngine` in the library, with the lanes' staging
+        grown to hold one of its objects; a torch `CudaTransferEngine` without the library.
 
         Raises:
             RequestError(LAYOUT / ENGINE_MEMORY): the library refuses the layout, or CUDA fails.
@@ -418,46 +407,29 @@ class CudaRuntime:
         if self.kernels is None:
             from kvdepot.gpu.cuda_engine import CudaTransferEngine
 
-            dev = torch.device("cuda", device)
-            engine = CudaTransferEngine(layout, [o.ptr for o in opened], [o.size_bytes for o in opened], dev,
-                                        use_kernels=False)
-            with torch.cuda.device(dev):
-                events = [torch.cuda.Event(interprocess=True) for _ in range(RETRIEVE_EVENTS)]
-                engine.gathered_event = torch.cuda.Event(interprocess=True)
-                engine.stored_event = torch.cuda.Event(interprocess=True)
-            engine.gathered_event_handle = bytes(engine.gathered_event.ipc_handle())
-            engine.stored_event_handle = bytes(engine.stored_event.ipc_handle())
-            return engine, [(ev, bytes(ev.ipc_handle())) for ev in events]
+            return CudaTransferEngine(layout, [o.ptr for o in opened], [o.size_bytes for o in opened],
+                                      torch.device("cuda", device), use_kernels=False)
         engine = NativeEngine(self.kernels, device, layout, [o.ptr for o in opened])
-        events: list[tuple[int, bytes]] = []
         try:
             path.reserve(layout.object_bytes)
-            for _ in range(RETRIEVE_EVENTS):
-                events.append(self.kernels.event_create_ipc(device))
-            engine.gathered_event, engine.gathered_event_handle = self.kernels.event_create_ipc(device)
-            engine.stored_event, engine.stored_event_handle = self.kernels.event_create_ipc(device)
         except BaseException as exc:
-            self._destroy_events(engine, events)
             engine.close()
             if isinstance(exc, KernelError):
                 raise RequestError(ErrorCode.ENGINE_MEMORY, f"CUDA set-up of the registration failed: {exc}") from None
             raise
-        return engine, events
+        return engine
 
-    def _destroy_events(self, engine: NativeEngine, events: Sequence[tuple[int, bytes]]) -> None:
-        for ev in [engine.gathered_event, engine.stored_event] + [e for e, _ in events]:
-            if ev:
-                try:
-                    self.kernels.event_destroy(ev)
-                except KernelError as exc:
-                    log.warning("destroying an event failed: %s", exc)
-        engine.gathered_event = engine.stored_event = 0
+    def open_fence(self, fd: int, words: int) -> FenceWords | None:
+        """Map an engine's fence words (`Register.fence`; takes ``fd``); None when this daemon
+        serves no staged transfers (no kernel library). Raises as `FenceWords`."""
+        if self.kernels is None:
+            os.close(fd)
+            return None
+        return FenceWords(fd, words)
 
-    def release(self, engine: NativeEngine, events: Sequence[tuple[object, bytes]],
-                opened: Sequence[CudaOpenedStorage]) -> None:
+    def release(self, engine, opened: Sequence[CudaOpenedStorage]) -> None:
         """Free a registration's CUDA state (no transfer of it may still be running)."""
         if self.kernels is not None:
-            self._destroy_events(engine, events)
             engine.close()
         self.close_storages(opened)
 

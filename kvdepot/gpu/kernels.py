@@ -38,7 +38,7 @@ ENV_SO = "KVDEPOT_KERNELS_SO"
 ENV_NO_JIT = "KVDEPOT_NO_JIT"
 # built at install (setup.py) for `build.INSTALL_ARCHS` when nvcc was there
 PACKAGED_SO = Path(__file__).parent / "_lib" / "libkvdepot_kernels.so"
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 KVD_OK, KVD_EINVAL, KVD_EALIGN, KVD_ECUDA = 0, 1, 2, 3
 
@@ -105,11 +105,14 @@ class Kernels:
         lib.kvd_retrieve.argtypes = [vp, vp, vp, i64, i64, vp, i64, vp, i32, ctypes.c_uint64, vp]
         lib.kvd_engine_gather.argtypes = [vp, vp, i64, vp, vp]
         lib.kvd_engine_scatter.argtypes = [vp, vp, i64, i64, vp, i64, vp]
-        lib.kvd_dma.argtypes = [vp, vp, vp, vp, ctypes.c_uint64, i64, i32, vp, i32, ctypes.c_uint64, vp]
+        lib.kvd_dma.argtypes = [vp, vp, ctypes.c_uint64, vp, vp, ctypes.c_uint64, i64, i32, vp, i32, ctypes.c_uint64,
+                                vp]
+        lib.kvd_engine_signal.argtypes = [vp, ctypes.c_uint64, vp]
+        lib.kvd_host_register_mapped.argtypes = [vp, ctypes.c_size_t, ctypes.POINTER(vp)]
+        lib.kvd_lane_cancel.argtypes = [vp, vp, vp]
         lib.kvd_event_create_ipc.argtypes = [i32, ctypes.POINTER(vp), ctypes.c_char_p]
         lib.kvd_event_open_ipc.argtypes = [ctypes.c_char_p, i32, ctypes.POINTER(vp)]
         lib.kvd_event_destroy.argtypes = [vp]
-        lib.kvd_lane_retire_event.argtypes = [vp, vp]
         self.ipc_handle_bytes = lib.kvd_ipc_handle_bytes()
         self.ipc_event_handle_bytes = lib.kvd_ipc_event_handle_bytes()
         self.lib = lib
@@ -256,10 +259,30 @@ class Kernels:
     def event_destroy(self, event: int) -> None:
         self._check(self.lib.kvd_event_destroy(event), "cudaEventDestroy")
 
-    def lane_retire_event(self, lane: int, event: int) -> None:
-        """Destroy an event opened by `event_open_ipc` once no deferred `kvd_dma` request of
-        ``lane`` waits on it any more (at once if none does)."""
-        self._check(self.lib.kvd_lane_retire_event(lane, event), "cudaEventDestroy")
+    def engine_signal(self, word_dev_ptr: int, value: int, stream: int) -> None:
+        """Engine side: enqueue on ``stream`` the GPU's write of ``value`` (uint64) into the fence
+        word at ``word_dev_ptr`` (the device address of host memory mapped by
+        `host_register_mapped`, 8-byte aligned), after the work enqueued there so far.
+
+        Raises:
+            KernelError: misaligned pointer, or the launch failed.
+        """
+        self._check(self.lib.kvd_engine_signal(word_dev_ptr, value, stream), "kvd_engine_signal")
+
+    def host_register_mapped(self, ptr: int, size_bytes: int) -> int:
+        """Page-lock ``[ptr, ptr + size_bytes)`` of host memory and map it for the GPU to write
+        (cudaHostRegisterMapped); returns its device address. Undo with `host_unregister`."""
+        out = ctypes.c_void_p()
+        self._check(self.lib.kvd_host_register_mapped(ptr, size_bytes, ctypes.byref(out)), "cudaHostRegister(mapped)")
+        return int(out.value)
+
+    def lane_cancel(self, lane: int, lo: int, hi: int) -> int:
+        """Fail the deferred `kvd_dma` requests of ``lane`` whose fence word lies in ``[lo, hi)``
+        (their completion tokens come with bit 62 set: nothing copied); returns how many."""
+        n = self.lib.kvd_lane_cancel(lane, lo, hi)
+        if n < 0:
+            raise KernelError("kvd_lane_cancel: invalid arguments")
+        return n
 
     def error_text(self, rc: int) -> str:
         return {KVD_EINVAL: "invalid arguments", KVD_EALIGN: "misaligned",

@@ -97,7 +97,6 @@ class TorchDevicePath:
         with torch.cuda.device(self.device):
             self.store_stream = torch.cuda.Stream()
             self.retrieve_stream = torch.cuda.Stream()
-        self._engine_events: dict[bytes, torch.cuda.Event] = {}
 
     def reserve(self, object_bytes: int) -> None:
         pass  # staging comes from the caching allocator per request
@@ -105,18 +104,6 @@ class TorchDevicePath:
     def close(self) -> None:
         self.store_stream.synchronize()
         self.retrieve_stream.synchronize()
-
-    def _engine_event(self, handle: bytes) -> torch.cuda.Event:
-        ev = self._engine_events.get(handle)
-        if ev is None:
-            try:
-                ev = torch.cuda.Event.from_ipc_handle(self.device, handle)
-            except Exception as exc:  # noqa: BLE001
-                raise RequestError(ErrorCode.ENGINE_MEMORY, f"cannot open the engine's CUDA event: {exc}") from None
-            if len(self._engine_events) >= 1024:
-                self._engine_events.clear()
-            self._engine_events[handle] = ev
-        return ev
 
     def _complete(self, stream: torch.cuda.Stream, keep: object, done: Callable[[BaseException | None], None]) -> None:
         ev = torch.cuda.Event()
@@ -140,24 +127,16 @@ class TorchDevicePath:
         return out
 
     def store(self, engine: CudaTransferEngine, block_ids: Sequence[Sequence[int]], total_chunks: int,
-              chunks: Sequence[int], host_ptrs: Sequence[int], engine_event: bytes,
-              done: Callable[[BaseException | None], None], gathered_event: torch.cuda.Event | None = None,
-              stored_event: torch.cuda.Event | None = None) -> None:
+              chunks: Sequence[int], host_ptrs: Sequence[int],
+              done: Callable[[BaseException | None], None]) -> None:
         """As `CudaDevicePath.store`."""
         ob = engine.layout.object_bytes
         s = self.store_stream
-        wait = self._engine_event(engine_event) if engine_event else None
         with torch.cuda.device(self.device), torch.cuda.stream(s):
-            if wait is not None:
-                s.wait_event(wait)
             staging = torch.empty(len(chunks) * ob, dtype=torch.uint8, device=self.device)
             engine.copy(staging, self._ids(engine, block_ids, chunks), len(chunks), True, s)
-            if gathered_event is not None:
-                gathered_event.record(s)
             for k, ptr in enumerate(host_ptrs):
                 host_tensor(ptr, ob).copy_(staging[k * ob:(k + 1) * ob], non_blocking=True)
-            if stored_event is not None:
-                stored_event.record(s)
         self._complete(s, staging, done)
 
     def retrieve(self, engine: CudaTransferEngine, block_ids: Sequence[Sequence[int]], total_chunks: int,

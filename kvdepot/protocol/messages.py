@@ -204,6 +204,10 @@ class Register(Msg, tag="reg"):
         caches) that its own process gathers chunks into and scatters them out of (see
         ``staging_offset`` in `Store` / `Retrieve`); the daemon then only copies it over PCIe.
         Absent: the daemon gathers and scatters the engine's blocks itself.
+    fence: with ``staging``: the token under which the engine passed (descriptor socket,
+        `kvdepot.protocol.fdpass`) a sealed memfd of ``fence_words`` uint64 words that its GPU
+        writes after each staged store's gather (see ``fence`` in `Store`). Empty: the engine
+        sends a staged store only once its gather completed.
     """
 
     model: Name
@@ -215,6 +219,8 @@ class Register(Msg, tag="reg"):
     pid: NonNegInt = 0
     device: str = "cpu"
     staging: StorageSpec | None = None
+    fence: Name = ""
+    fence_words: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
 
 
 class Unregister(Msg, tag="unreg"):
@@ -247,17 +253,22 @@ class Store(Msg, tag="store"):
         (empty for chunk 0). A chunk is stored only if its parent is cached (or stored by this
         same request): a chunk without its prefix can never hit.
     block_ids: per gid, the block ids holding those chunks' tokens, in token order.
-    event: interprocess CUDA event handle to wait on before reading (CUDA engines only).
-        `KVDepotClient` sends none: it waits for its own gather first, since such an event
-        was seen to report a record complete before the work ahead of it ran.
-    reply_early: ignored (kept for the wire format): every store is answered once its
-        chunks are in L1; an early reply's event had the same flaw.
-    staging_offset: >= 0: the engine already gathered the chunks into its registered staging
-        buffer, chunk j at byte ``staging_offset + j * object_bytes`` in the canonical object
-        format, and ``event`` follows that gather; the daemon reads only the staging buffer
-        (``block_ids`` are still checked), and replies once the chunks are in L1 whatever
-        ``reply_early`` says (the engine's blocks were free once its gather ran; the staging
-        region is free on the reply). -1: the daemon gathers from the blocks.
+    event, reply_early: ignored (kept for the wire format). An interprocess CUDA event to
+        wait on was seen to report its record complete before the work ahead of it ran (14
+        engine processes on one GPU), and an early reply handed one out: every store is
+        answered once its chunks are in L1, and the engine's writes of the blocks must have
+        completed when it sends the store (unless ``fence`` says when they will).
+    staging_offset: >= 0: the engine gathers the chunks into its registered staging buffer,
+        chunk j at byte ``staging_offset + j * object_bytes`` in the canonical object format;
+        the daemon reads only the staging buffer (``block_ids`` are still checked) and
+        replies once the chunks are in L1 (the staging region is free on the reply). -1:
+        the daemon gathers from the blocks.
+    fence: > 0, staged only: the gather is still running or queued; the engine's GPU writes
+        ``fence`` into fence word ``fence % fence_words`` (`Register.fence`) once it is done,
+        and the daemon copies the region only after it sees that (polled from the CPU; a word
+        that never comes fails the store with ENGINE_MEMORY after 30 s, or when the registration
+        goes, nothing copied). 0: the
+        gather already completed.
     Reply: `StoreReply`.
     """
 
@@ -270,6 +281,7 @@ class Store(Msg, tag="store"):
     event: bytes = b""
     reply_early: bool = False
     staging_offset: Annotated[int, Meta(ge=-1)] = -1
+    fence: NonNegInt = 0
 
 
 class Retrieve(Msg, tag="get"):
@@ -335,13 +347,15 @@ class HelloReply(Msg, tag="helloR"):
 class RegisterReply(Msg, tag="regR"):
     """registration: id to use in Store/Retrieve; layout_fingerprint: hex digest of what the
     chunk bytes mean (the client seeds chunk keys with it); object_bytes: bytes per chunk;
-    staging: the daemon serves `Register.staging` (requests may give ``staging_offset``)."""
+    staging: the daemon serves `Register.staging` (requests may give ``staging_offset``);
+    fence: it polls `Register.fence` (staged stores may give ``fence``)."""
 
     registration: str
     layout_fingerprint: str
     object_bytes: int
     boot_id: str
     staging: bool = False
+    fence: bool = False
 
 
 class OkReply(Msg, tag="ok"):

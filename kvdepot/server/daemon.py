@@ -117,13 +117,11 @@ class Registration:
     # (fd, registered size) per storage: the mapped files, fstat-ed before every transfer because
     # touching a mapping beyond a file the engine shrank kills the daemon with SIGBUS
     files: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    # CUDA engines: device ordinal, IPC-opened storages, the interprocess event retrieves record
+    # CUDA engines: device ordinal, IPC-opened storages
     cuda_device: int | None = None
     cuda_storages: list = dataclasses.field(default_factory=list)
-    # the interprocess events retrieves record in turn, with their cudaIpcEventHandle_t (asked
-    # once: the call is not free), and the index of the next one
-    retrieve_events: list = dataclasses.field(default_factory=list)
-    next_retrieve_event: int = 0
+    # the engine's fence words (`kvdepot.gpu.cuda_path.FenceWords`, `Register.fence`), or None
+    fence: object = None
     # the engine's staging buffer (`Register.staging`), IPC-opened: device pointer and bytes (0: none)
     staging_ptr: int = 0
     staging_bytes: int = 0
@@ -142,6 +140,9 @@ class Registration:
             self.on_release(self.cuda_storages)
             self.on_release = None
             self.cuda_storages = []
+        if self.fence is not None:
+            self.fence.close()
+            self.fence = None
 
     def check_memory(self) -> None:
         """Raises RequestError(ENGINE_MEMORY) if a storage file shrank below its registered size."""
@@ -395,17 +396,28 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "a CUDA registration's storages must all be cuda_ipc")
         rt = self._cuda_runtime()
         dev, opened = rt.open_storages(req.storages)
-        staging = None
+        staging = fence = None
+        fence_fds = self.fd_inbox.take(req.fence) if req.fence else None
         try:
             if req.staging is not None:
                 staging = rt.open_staging(dev, req.staging)
-            engine, events = rt.open_engine(dev, layout, opened)
+            if staging is not None and fence_fds and req.fence_words:
+                fence = rt.open_fence(fence_fds.pop(0), req.fence_words)
+            engine = rt.open_engine(dev, layout, opened)
         except BaseException:
             rt.close_storages(opened + ([staging] if staging else []))
+            if fence is not None:
+                fence.close()
             raise
+        finally:
+            for fd in fence_fds or ():
+                os.close(fd)
+        if req.fence and fence is None and staging is not None:
+            log.warning("%s: the engine's fence words were not passed (or expired); its staged stores wait for "
+                        "their gathers on the engine's side", req.model)
         reg = Registration("", req.model, req.shard, req.pid, req.device, layout, None, engine, cuda_device=dev,
-                           cuda_storages=opened + ([staging] if staging else []), retrieve_events=events,
-                           on_release=lambda storages: rt.release(engine, events, storages))
+                           cuda_storages=opened + ([staging] if staging else []), fence=fence,
+                           on_release=lambda storages: rt.release(engine, storages))
         if staging is not None:
             reg.staging_ptr, reg.staging_bytes = staging.ptr, staging.size_bytes
         return reg
@@ -473,11 +485,13 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
                  req.model, req.shard, req.pid, len(layout.groups), layout.object_bytes)
         return m.RegisterReply(rid=req.rid, registration=reg_id, layout_fingerprint=layout.fingerprint,
                                object_bytes=layout.object_bytes, boot_id=self.boot_id,
-                               staging=bool(reg.staging_bytes))
+                               staging=bool(reg.staging_bytes), fence=reg.fence is not None)
 
     def _unregister(self, reg: Registration) -> None:
         self.registrations.pop(reg.id, None)
         reg.closed = True
+        if reg.fence is not None and reg.active:  # stores still waiting for its gathers never get them
+            self._cuda.path(reg.cuda_device).cancel(reg.fence)
         if reg.active == 0:
             reg.release_memory()
         self.metrics.registered_engines.set(len(self.registrations))

@@ -40,6 +40,12 @@ class TransferHandlers:
         reg.check_memory()
         staged = req.staging_offset >= 0  # a CPU registration has no staging: refused in _staging_ptrs
         staged_ptrs = self._staging_ptrs(reg, req.staging_offset, range(n)) if staged else []
+        fence = None
+        if req.fence:
+            if not staged or reg.fence is None:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, "fence given but the store is not staged, or the "
+                                                               "registration has no fence words (RegisterReply.fence)")
+            fence = (reg.fence.word_ptr(req.fence), req.fence)
         held: list[Entry] = []  # present entries kept from eviction while this store allocates
         new: list[tuple[int, Entry]] = []
         present = 0
@@ -89,18 +95,8 @@ class TransferHandlers:
         skipped = n - present - len(new)
         if reason:
             self.metrics.store_skipped_chunks.labels(reason).inc(skipped)
-        # A staged store replies after its copies: the engine's own stream already read the
-        # blocks (nothing to wait for before reusing them), and the copies may start later than
-        # this enqueue (after the engine's gather, polled from the CPU), so an event recorded
-        # behind them could not be handed out now.
-        # An early reply (``reply_early``) is no longer given: it handed the engine an
-        # interprocess event to wait on before overwriting its blocks, and such an event can
-        # report a record complete before the copies ran (see `_retrieve_cuda`). Every store
-        # is answered once its copies completed.
-        early = False
-        reply = m.StoreReply(rid=req.rid, stored=len(new), present=present, skipped=skipped,
-                             event=reg.engine.gathered_event_handle if early and new else b"",
-                             stored_event=reg.engine.stored_event_handle if early and new else b"")
+        # Every store is answered once its copies completed (`Store.reply_early` is ignored).
+        reply = m.StoreReply(rid=req.rid, stored=len(new), present=present, skipped=skipped)
 
         def release_held() -> None:
             for e in held:
@@ -113,8 +109,7 @@ class TransferHandlers:
         reg.active += 1
         t0 = time.perf_counter()
 
-        replied = False  # an early reply went out at enqueue
-        token = self.watch("store", reg.id, identity, req.rid, len(new) * lay.object_bytes, reply_pending=not early)
+        token = self.watch("store", reg.id, identity, req.rid, len(new) * lay.object_bytes, reply_pending=True)
 
         def finish(err: BaseException | None) -> None:  # on the loop, once the copies ended
             trace_point(req.rid, "gpu_done")
@@ -128,19 +123,14 @@ class TransferHandlers:
                         return
                     if not isinstance(err, RequestError):
                         err = RequestError(ErrorCode.ENGINE_MEMORY, f"store copy failed: {err}")
-                    if replied:  # the engine was told "being stored": the chunks just never appear
-                        log.error("store for %s failed after its early reply: %s", reg.id, err.message)
-                        self.metrics.errors.labels(err.code.name).inc()
-                    else:
-                        self._reply_error(identity, req.rid, err)
+                    self._reply_error(identity, req.rid, err)
                     return
                 for _, e in new:
                     self.index.commit(e)
                 self._spill_ahead()
                 self._write_through([e for _, e in new])
                 elapsed_s = time.perf_counter() - t0
-                if not replied:  # before the metrics: a lone store waits for this reply
-                    self._reply(identity, reply)
+                self._reply(identity, reply)  # before the metrics: a lone store waits for this reply
                 self._count_transfer(reg, "store", len(new), elapsed_s)
             finally:
                 release_held()
@@ -152,20 +142,16 @@ class TransferHandlers:
             elif staged:
                 base = self.pool.base_ptr
                 self._cuda.path(reg.cuda_device).copy_staged(
-                    True, [staged_ptrs[j] for j, _ in new], [base + e.offset for _, e in new], lay.object_bytes, req.event,
-                    None, finish)
+                    True, [staged_ptrs[j] for j, _ in new], [base + e.offset for _, e in new], lay.object_bytes, fence,
+                    finish)
             else:
                 base = self.pool.base_ptr
                 self._cuda.path(reg.cuda_device).store(
-                    reg.engine, req.block_ids, n, [j for j, _ in new], [base + e.offset for _, e in new], req.event,
-                    finish, reg.engine.gathered_event if early else None, reg.engine.stored_event if early else None)
+                    reg.engine, req.block_ids, n, [j for j, _ in new], [base + e.offset for _, e in new], finish)
         except BaseException as exc:  # nothing was enqueued: roll back now
             finish(exc)
             return None
         trace_point(req.rid, "enqueued")
-        if early:
-            replied = True
-            return reply
         return None
 
     def _in_executor(self, finish: Callable[[BaseException | None], None], fn, *args) -> None:
@@ -283,7 +269,7 @@ class TransferHandlers:
                 if first < len(entries):
                     self._cuda.path(reg.cuda_device).copy_staged(
                         False, [base + e.offset for e in entries[first:]], staged_ptrs[first:len(entries)],
-                        reg.layout.object_bytes, b"", None, done)
+                        reg.layout.object_bytes, None, done)
                 else:
                     done(None)
             else:

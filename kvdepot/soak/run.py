@@ -384,8 +384,14 @@ class Soak:
                 time.sleep(0.01)
             elapsed_s = time.monotonic() - start
             self.stop_event.set()
+            # drain the reports while the engines exit: an engine's process waits at exit until
+            # its queued reports are in the pipe, so joining first (the pipe full of 14 engines'
+            # final reports) held every engine until its join timed out
+            stop_deadline = time.monotonic() + 30
+            while any(p.is_alive() for p in self.engines.values()) and time.monotonic() < stop_deadline:
+                self._drain_reports()
+                time.sleep(0.02)
             for p in self.engines.values():
-                p.join(30)
                 if p.is_alive():
                     self.failures.append(f"engine pid {p.pid} did not stop within 30 s (hung)")
                     p.kill()

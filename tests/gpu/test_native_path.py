@@ -106,7 +106,7 @@ def test_store_and_retrieve_whole_requests(runtime, groups, layout, pieces, skip
         host = torch.full((3, ob), 0x5A, dtype=torch.uint8).pin_memory()
         chunks = [3, 0, 2]  # not contiguous, not in order
         err = _run(loop, lambda done: path.store(eng_src, ids_src, total, chunks,
-                                                 [host[k].data_ptr() for k in range(3)], b"", done))
+                                                 [host[k].data_ptr() for k in range(3)], done))
         assert err is None
         for k, j in enumerate(chunks):
             assert torch.equal(host[k], ref[j]), f"object {k} (chunk {j})"
@@ -150,10 +150,10 @@ def test_errors_are_reported_not_raised_and_leave_the_lane_usable(runtime):
         host = torch.zeros(2, lay.object_bytes, dtype=torch.uint8).pin_memory()
         ids = [list(range(4))]
         # chunk index 5 of a 1-chunk request: refused before anything is enqueued
-        err = _run(loop, lambda done: path.store(eng, ids, 1, [5], [host[0].data_ptr()], b"", done))
+        err = _run(loop, lambda done: path.store(eng, ids, 1, [5], [host[0].data_ptr()], done))
         assert isinstance(err, KernelError) and "invalid" in str(err)
         # the lane still works
-        err = _run(loop, lambda done: path.store(eng, ids, 1, [0], [host[1].data_ptr()], b"", done))
+        err = _run(loop, lambda done: path.store(eng, ids, 1, [0], [host[1].data_ptr()], done))
         assert err is None
         ref = torch.zeros(lay.object_bytes, dtype=torch.uint8)
         CpuTransferEngine(lay, [src.storage]).gather(ref, ids)

@@ -101,12 +101,14 @@ def test_ring_wraps_and_reclaims_under_outstanding_requests(daemon):
 
 
 def test_stores_behind_a_busy_engine_stream_wait_for_its_gather(daemon):
-    """The engine's stream is busy (a 10 ms sleep kernel) when each store arrives, so the
-    daemon's copies are deferred until the gather's event completes (the lane's issuer polls
-    it); bytes copied before the gather would be the ring's stale contents."""
+    """The engine's stream is busy (a 10 ms sleep kernel) when each store is sent, and the
+    client does not wait for it (the stream is still busy when submit_store returns): the
+    daemon's copies are deferred until the GPU wrote the store's fence word after the gather
+    (the lane's issuer polls it); bytes copied before the gather would be the ring's stale
+    contents."""
     c, cache, groups, reg = _engine(daemon, 32 << 20)
     try:
-        assert reg.staging is not None
+        assert reg.staging is not None and reg.staging.fence_active
         rng = random.Random(7)
         s = torch.cuda.Stream()
         prompts = []
@@ -114,11 +116,12 @@ def test_stores_behind_a_busy_engine_stream_wait_for_its_gather(daemon):
             for p in range(6):
                 keys = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
                 ids = _ids(rng, groups, 1)
-                torch.cuda._sleep(20_000_000)  # about 10 ms: the request reaches the daemon long before
                 cache.storage.copy_(torch.randint(0, 256, (cache.size_bytes,), dtype=torch.uint8, device="cuda"))
-                ref = [cache.read_tokens(li, ids[gid], as_bytes=True).clone()
+                ref = [cache.read_tokens(li, ids[gid], as_bytes=True).clone()  # (may synchronize)
                        for li, gid in enumerate(cache.layer_gids)]
-                prompts.append((keys, ref, c.submit_store(reg, keys, ids, after=s, early=p % 2 == 0)))
+                torch.cuda._sleep(20_000_000)  # about 10 ms: the request reaches the daemon long before
+                prompts.append((keys, ref, c.submit_store(reg, keys, ids, after=s)))
+                assert not s.query()  # sent while the sleep (and the gather behind it) is queued
             for _, _, pend in prompts:
                 r = pend.result()
                 # staged stores reply after their copies, early or not
@@ -139,6 +142,41 @@ def test_stores_behind_a_busy_engine_stream_wait_for_its_gather(daemon):
     finally:
         c.unregister(reg)
         c.close()
+
+
+def test_unregistering_fails_a_store_still_waiting_for_its_gather(daemon):
+    """A store whose fence word has not come when its registration goes (the engine's stream
+    is busy for ~1 s) is cancelled: the daemon copies nothing, the store fails with
+    ENGINE_MEMORY at once, the registration's memory is released, and the ring region stays taken until the
+    gather ran."""
+    from kvdepot.protocol.errors import ErrorCode, KVDepotError
+
+    c, cache, groups, reg = _engine(daemon, 8 << 20)
+    try:
+        rng = random.Random(9)
+        keys = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(2_000_000_000)
+            pend = c.submit_store(reg, keys, _ids(rng, groups, 1), after=s)
+        region = reg.staging.ring.live[-1]
+        c.unregister(reg)
+        with pytest.raises(KVDepotError) as e:
+            pend.result(timeout_s=5)
+        assert e.value.code == ErrorCode.ENGINE_MEMORY and not s.query()
+        assert not region.is_free()  # the gather has not run: the region stays taken
+        s.synchronize()
+        assert region.is_free() and c.lookup(keys, CHUNK) == 0
+        assert reg.id not in [e.registration for e in c.describe().engines]
+    finally:
+        c.close()
+    c2, cache2, groups2, reg2 = _engine(daemon, 8 << 20)  # the daemon still works
+    try:
+        ids = _ids(random.Random(1), groups2, 1)
+        assert c2.store(reg2, reg2.keys(list(range(CHUNK))), ids, after=torch.cuda.current_stream()).stored == 1
+    finally:
+        c2.unregister(reg2)
+        c2.close()
 
 
 def test_bad_staging_offsets_get_typed_errors(daemon):

@@ -86,3 +86,57 @@ def test_reset_frees_regions_lost_with_a_dead_daemon():
     again = ring.alloc(768)
     assert again is not None and again.offset == 0 and list(ring.live) == [again]
     assert lost not in ring.live
+
+
+def test_live_regions_have_distinct_fence_words_and_numbers_are_never_reused():
+    """A store's fence value is its region's number; the word is number % (max_live + 1): the
+    ring keeps at most max_live regions live, so two live regions never share a word."""
+    ring = StagingRing(1 << 20, max_live=3)
+    regs = [ring.alloc(256) for _ in range(3)]
+    assert [r.seq for r in regs] == [1, 2, 3]
+    assert ring.alloc(256, wait=False) is None  # a fourth live region would share a word
+    regs[0].is_free = lambda: True
+    r4 = ring.alloc(256, wait=False)
+    assert r4.seq == 4 and len({r.seq % 4 for r in ring.live}) == 3
+    ring.reset()  # numbers go on after a reset (a late fence write of a lost store never matches)
+    assert ring.alloc(256).seq == 5
+
+
+def test_a_fenced_store_region_is_free_only_once_its_gather_ran():
+    """After the reply (or an error reply) the region stays taken until the fence word holds
+    its number: the gather may still be queued on the engine's stream."""
+    from kvdepot.client.pending import PendingStore
+    from kvdepot.protocol import messages as m
+    from kvdepot.protocol.errors import ErrorCode, KVDepotError
+
+    class Fence:
+        written: set = set()
+
+        def holds(self, seq):
+            return seq in self.written
+
+    class Client:
+        timeout_s = 0.05
+        _staged_store_s_per_byte = None
+
+        def __init__(self, reply):
+            self.reply = reply
+
+        def done(self, rid):
+            return True
+
+        def wait(self, rid, timeout_s=None, spin_from=0.0):
+            if isinstance(self.reply, BaseException):
+                raise self.reply
+            return self.reply
+
+    ring = StagingRing(4096)
+    fence = Fence()
+    ok = ring.alloc(256)
+    PendingStore(Client(m.StoreReply(rid=1, stored=1, present=0, skipped=0)), 1, ok, 1, fence)
+    failed = ring.alloc(256)
+    PendingStore(Client(KVDepotError(ErrorCode.ENGINE_MEMORY, "x")), 2, failed, 1, fence)
+    assert not ok.is_free() and not failed.is_free()
+    assert not failed.reclaim()  # waits up to the client's timeout for the word, then gives up
+    fence.written.update({ok.seq, failed.seq})
+    assert ok.is_free() and failed.is_free()

@@ -292,9 +292,10 @@ int kvd_host_unregister(void* ptr) { return kvd_check(cudaHostUnregister(ptr)); 
 
 #define KVD_MAX_SLOTS 8
 
-// A kvd_dma request waiting for its engine event (see KvdLane::deferred).
+// A kvd_dma request waiting for its engine's fence word (see KvdLane::deferred).
 struct KvdDeferred {
-  cudaEvent_t wait;
+  const uint64_t* word;  // host memory the engine's GPU writes `value` into after its gather
+  uint64_t value;
   std::vector<uint64_t> srcs, dsts;
   uint64_t bytes;
   int to_host;
@@ -302,6 +303,7 @@ struct KvdDeferred {
   int fd;
   uint64_t token;
   int64_t since_ns;
+  bool cancelled;
 };
 
 // A completion to report: when `ev` has completed, write `token` (bit 63 set if the GPU
@@ -339,15 +341,14 @@ struct KvdLane {
   double ns_per_byte = 1.0 / 60.0;  // observed PCIe time per byte, starts at 60 GB/s (optimistic)
   int64_t busy_until_ns = 0;        // expected end of the last request queued
   cudaEvent_t piece = nullptr;      // hand-off between the streams per piece (re-recorded)
-  // deferred DMA (kvd_dma): a request whose engine event has not completed when it arrives is
-  // queued here; the issuer thread polls the event from the CPU and enqueues the copies once it
-  // completed, so the DMA stream never waits on another process's event (a cross-context GPU
-  // wait was measured to cost 150-250 us). Under issue_mu: the queue, `retired`, and every
-  // enqueue on ds by kvd_dma (requests of a lane are issued in arrival order).
+  // deferred DMA (kvd_dma): a request whose engine fence word does not hold its value yet is
+  // queued here; the issuer thread polls the words from the CPU and enqueues each request's
+  // copies once its word holds the value, so the DMA stream never waits on another process
+  // (see kvd_engine_signal for why words and not interprocess events). Under issue_mu: the
+  // queue and every enqueue on ds by kvd_dma.
   std::mutex issue_mu;
   std::condition_variable issue_cv;
   std::deque<struct KvdDeferred> deferred;
-  std::vector<cudaEvent_t> retired;  // engine events to destroy once no queued request waits on them
   bool issue_stop = false;
   std::thread issuer;
 };
@@ -467,70 +468,86 @@ static int dma_issue(KvdLane* lane, const uint64_t* srcs, const uint64_t* dsts, 
   return rc ? rc : nrc;
 }
 
-#define KVD_DEFER_GPU_WAIT_NS 2000000000LL  // after 2 s of polling, hand the wait to the GPU
-#define KVD_DEFER_SPIN_NS 300000LL          // spin this long on a deferred request's event first
+#define KVD_DEFER_TIMEOUT_NS 30000000000LL  // a word not written after 30 s fails its request (nothing copied)
+#define KVD_DEFER_SPIN_NS 300000LL           // spin this long on a fresh deferred request first
+#define KVD_NOT_COPIED_BIT (1ULL << 62)      // token bit: failed before any copy (cancelled / timed out)
 
-// The issuer thread: polls the oldest deferred request's engine event from the CPU (spinning
-// for KVD_DEFER_SPIN_NS, then naps growing from 2 us to 200 us as the wait lengthens), then
-// issues it. The spin covers an engine's gather of a large chunk (32 MiB: ~25 us with its
-// launch): a nap costs tens of microseconds of wake-up on a VM, on the lone request's path.
-// A failure is reported as the request's token with bit 63 set.
+static bool word_holds(const KvdDeferred& d) { return __atomic_load_n(d.word, __ATOMIC_ACQUIRE) == d.value; }
+
+// The issuer thread: polls the fence words of the deferred requests from the CPU and issues
+// every request whose word holds its value (in arrival order among those ready: one engine's
+// late gather never holds up another engine's copies). It spins while the youngest request
+// has waited less than KVD_DEFER_SPIN_NS (an engine's gather of a large chunk, 32 MiB, takes
+// ~25 us with its launch, and a nap costs tens of microseconds of wake-up on a VM), then naps
+// 2 us, 20 us after 1 ms, 200 us after 100 ms. A request cancelled (kvd_lane_cancel), older
+// than KVD_DEFER_TIMEOUT_NS or still queued at shutdown copies nothing and is reported with
+// bit 62 set; a failed enqueue with bit 63.
 static void issuer_main(KvdLane* lane) {
   cudaSetDevice(lane->device);
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   std::unique_lock<std::mutex> lk(lane->issue_mu);
   for (;;) {
     lane->issue_cv.wait(lk, [lane] { return lane->issue_stop || !lane->deferred.empty(); });
-    if (lane->deferred.empty()) return;  // stopping, and everything issued
-    cudaEvent_t wait = lane->deferred.front().wait;
-    const int64_t since = lane->deferred.front().since_ns;
-    lk.unlock();  // kvd_dma only appends while the queue is non-empty: the front stays put
-    cudaError_t e;
-    bool gpu_wait = false;
-    while ((e = cudaEventQuery(wait)) == cudaErrorNotReady) {
-      const int64_t waited = now_ns() - since;
-      if (waited > KVD_DEFER_GPU_WAIT_NS) {
-        gpu_wait = true;
-        break;
-      }
-      if (waited > KVD_DEFER_SPIN_NS) {
-        struct timespec d = {0, waited < 1000000 ? 2000L : waited < 100000000 ? 20000L : 200000L};
-        nanosleep(&d, nullptr);
-      }
-    }
-    if (e != cudaSuccess && !gpu_wait) cudaGetLastError();
-    lk.lock();
-    KvdDeferred job = std::move(lane->deferred.front());
-    lane->deferred.pop_front();
-    int rc = KVD_OK, notified = 0;
-    if (gpu_wait) {
-      rc = kvd_check(cudaStreamWaitEvent(lane->ds, job.wait, 0));
-    } else if (e != cudaSuccess) {
-      rc = KVD_ECUDA;  // the engine's event failed (its process died?): copy nothing
-    }
-    if (!rc) rc = dma_issue(lane, job.srcs.data(), job.dsts.data(), job.bytes, (int64_t)job.srcs.size(), job.to_host,
-                            job.out_event, job.fd, job.token, &notified);
-    if (rc) {
-      cudaGetLastError();
-      if (!notified) {  // nothing will report it: wait out what was enqueued, then fail it
-        cudaStreamSynchronize(lane->ds);
-        cudaGetLastError();
-        write_token(job.fd, job.token | (1ULL << 63));
-      }  // else the watch carries the error bit
-    }
-    // destroy a retired engine event no queued request waits on any more
-    for (size_t i = 0; i < lane->retired.size();) {
-      bool used = false;
-      for (const KvdDeferred& d : lane->deferred) used = used || d.wait == lane->retired[i];
-      if (used) {
+    if (lane->deferred.empty()) return;  // stopping, and nothing queued
+    const int64_t now = now_ns();
+    int64_t youngest = INT64_MAX;
+    bool progressed = false;
+    for (size_t i = 0; i < lane->deferred.size();) {
+      KvdDeferred& d = lane->deferred[i];
+      const bool ready = !d.cancelled && word_holds(d);
+      const bool dropped = !ready && (d.cancelled || lane->issue_stop || now - d.since_ns > KVD_DEFER_TIMEOUT_NS);
+      if (!ready && !dropped) {
+        if (now - d.since_ns < youngest) youngest = now - d.since_ns;
         ++i;
-      } else {
-        cudaEventDestroy(lane->retired[i]);
-        lane->retired[i] = lane->retired.back();
-        lane->retired.pop_back();
+        continue;
+      }
+      KvdDeferred job = std::move(d);
+      lane->deferred.erase(lane->deferred.begin() + (std::ptrdiff_t)i);
+      progressed = true;
+      if (dropped) {
+        write_token(job.fd, job.token | KVD_NOT_COPIED_BIT);
+        continue;
+      }
+      int notified = 0;
+      int rc = dma_issue(lane, job.srcs.data(), job.dsts.data(), job.bytes, (int64_t)job.srcs.size(), job.to_host,
+                         job.out_event, job.fd, job.token, &notified);
+      if (rc) {
+        cudaGetLastError();
+        if (!notified) {  // nothing will report it: wait out what was enqueued, then fail it
+          cudaStreamSynchronize(lane->ds);
+          cudaGetLastError();
+          write_token(job.fd, job.token | (1ULL << 63));
+        }  // else the watch carries the error bit
+      }
+    }
+    if (progressed || lane->deferred.empty()) continue;
+    lk.unlock();  // let kvd_dma append while this thread waits
+    if (youngest > KVD_DEFER_SPIN_NS) {
+      struct timespec t = {0, youngest < 1000000 ? 2000L : youngest < 100000000 ? 20000L : 200000L};
+      nanosleep(&t, nullptr);
+    }
+    lk.lock();
+  }
+}
+
+// Fail every deferred request of `lane` whose fence word lies in [lo, hi) (an engine's words,
+// when its registration closes): they copy nothing and are reported with bit 62 set. Returns
+// how many were cancelled (their tokens follow), or -1 for bad arguments.
+int kvd_lane_cancel(KvdLane* lane, const void* lo, const void* hi) {
+  if (lane == nullptr) return -1;
+  int n = 0;
+  {
+    std::lock_guard<std::mutex> g(lane->issue_mu);
+    for (KvdDeferred& d : lane->deferred) {
+      const void* w = static_cast<const void*>(d.word);
+      if (!d.cancelled && w >= lo && w < hi) {
+        d.cancelled = true;
+        ++n;
       }
     }
   }
+  if (n) lane->issue_cv.notify_one();
+  return n;
 }
 
 void kvd_lane_destroy(KvdLane* lane) {
@@ -542,9 +559,8 @@ void kvd_lane_destroy(KvdLane* lane) {
       lane->issue_stop = true;
     }
     lane->issue_cv.notify_one();
-    lane->issuer.join();  // issues what is still deferred first
+    lane->issuer.join();  // fails what is still deferred first (bit 62)
   }
-  for (cudaEvent_t ev : lane->retired) cudaEventDestroy(ev);
   if (lane->ks) cudaStreamSynchronize(lane->ks);
   if (lane->ds) cudaStreamSynchronize(lane->ds);
   if (lane->watcher.joinable()) {
@@ -973,25 +989,54 @@ int kvd_engine_scatter(const KvdEngine* eng, const int32_t* ids, int64_t total_c
   return rc;
 }
 
+// Engine side: write `value` into the fence word `word` (host memory registered with
+// kvd_host_register_mapped; its device address) on `stream`, after the work enqueued there so
+// far (the gather of a staged store). The daemon polls the word from the CPU (kvd_dma) and
+// copies the request's ring region once it holds the value. Why a word and not an
+// interprocess event: with 14 engine processes on one H200 the daemon's cudaEventQuery on an
+// engine's interprocess event reported its record complete before the gather ahead of it had
+// run (the engine's context waiting for its time slice), and the early copy returned a wrong
+// chunk about once in 1,000; a word in host memory is written by the GPU itself once the
+// gather is done, so it cannot run ahead of it.
+__global__ void kvd_signal_kernel(unsigned long long* word, unsigned long long value) {
+  __threadfence_system();
+  *reinterpret_cast<volatile unsigned long long*>(word) = value;
+  __threadfence_system();
+}
+
+int kvd_engine_signal(void* word, uint64_t value, cudaStream_t stream) {
+  if (word == nullptr || (uintptr_t)word % 8) return KVD_EINVAL;
+  kvd_signal_kernel<<<1, 1, 0, stream>>>(static_cast<unsigned long long*>(word), (unsigned long long)value);
+  return kvd_check(cudaGetLastError());
+}
+
+// Page-lock a host range for the GPU to write (fence words): *out_dev = its device address.
+int kvd_host_register_mapped(void* ptr, size_t size_bytes, void** out_dev) {
+  if (ptr == nullptr || out_dev == nullptr) return KVD_EINVAL;
+  int rc = kvd_check(cudaHostRegister(ptr, size_bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
+  if (!rc) rc = kvd_check(cudaHostGetDevicePointer(out_dev, ptr, 0));
+  if (rc) cudaHostUnregister(ptr);
+  return rc;
+}
+
 // Daemon side: n copies of `bytes` each, srcs[k] -> dsts[k], on the lane's DMA stream
-// (to_host = 1: device -> pinned host, 0: host -> device). wait_event (or null): the engine's
-// interprocess event the copies follow. The DMA stream never waits on it (a GPU wait on another
-// process's event costs 150-250 us of context switching): if it has not completed, or an earlier
-// request of the lane is still deferred, the request is queued and the lane's issuer thread
-// enqueues it once the event completed (polled from the CPU). out_event (or null) is recorded
-// after the copies, when they are enqueued: with a wait_event its record may come later than
-// this call, so the caller must not hand it out before the request completed. Completion note
-// and *notified as in kvd_store (a deferred request is always notified).
-int kvd_dma(KvdLane* lane, cudaEvent_t wait_event, const uint64_t* srcs, const uint64_t* dsts, uint64_t bytes,
-            int64_t n, int to_host, cudaEvent_t out_event, int fd, uint64_t token, int* notified) {
+// (to_host = 1: device -> pinned host, 0: host -> device). wait_word (or null): the engine's
+// fence word (host memory, see kvd_engine_signal); the copies follow the engine's write of
+// `wait_value` into it. If it does not hold the value yet, the request is queued and the
+// lane's issuer thread enqueues it once it does (the DMA stream never waits on another
+// process). out_event (or null) is recorded after the copies, when they are enqueued.
+// Completion note and *notified as in kvd_store (a deferred request is always notified; bit
+// 62 of its token says it was cancelled or timed out before any copy).
+int kvd_dma(KvdLane* lane, const uint64_t* wait_word, uint64_t wait_value, const uint64_t* srcs, const uint64_t* dsts,
+            uint64_t bytes, int64_t n, int to_host, cudaEvent_t out_event, int fd, uint64_t token, int* notified) {
   if (notified == nullptr) return KVD_EINVAL;
   *notified = 0;
   if (lane == nullptr || srcs == nullptr || dsts == nullptr || n <= 0 || bytes == 0) return KVD_EINVAL;
+  if (wait_word != nullptr && (uintptr_t)wait_word % 8) return KVD_EINVAL;
   int rc = use_device(lane->device);
   if (rc) return rc;
   std::lock_guard<std::mutex> g(lane->issue_mu);
-  if (wait_event != nullptr && (!lane->deferred.empty() || cudaEventQuery(wait_event) != cudaSuccess)) {
-    cudaGetLastError();  // cudaErrorNotReady (or a failed event: the issuer reports it)
+  if (wait_word != nullptr && __atomic_load_n(wait_word, __ATOMIC_ACQUIRE) != wait_value) {
     KvdDeferred job;
     try {
       job.srcs.assign(srcs, srcs + n);
@@ -999,35 +1044,25 @@ int kvd_dma(KvdLane* lane, cudaEvent_t wait_event, const uint64_t* srcs, const u
     } catch (...) {
       return KVD_EINVAL;
     }
-    job.wait = wait_event;
+    job.word = wait_word;
+    job.value = wait_value;
     job.bytes = bytes;
     job.to_host = to_host;
     job.out_event = out_event;
     job.fd = fd;
     job.token = token;
     job.since_ns = now_ns();
-    lane->deferred.push_back(std::move(job));
+    job.cancelled = false;
+    try {
+      lane->deferred.push_back(std::move(job));
+    } catch (...) {
+      return KVD_EINVAL;
+    }
     lane->issue_cv.notify_one();
     *notified = 1;  // the issuer reports it
     return KVD_OK;
   }
   return dma_issue(lane, srcs, dsts, bytes, n, to_host, out_event, fd, token, notified);
-}
-
-// Destroy an engine's event opened by kvd_event_open_ipc, or, while a deferred kvd_dma request
-// on `lane` still waits on it, once that request was issued.
-int kvd_lane_retire_event(KvdLane* lane, void* ev) {
-  if (lane == nullptr || ev == nullptr) return KVD_EINVAL;
-  {
-    std::lock_guard<std::mutex> g(lane->issue_mu);
-    for (const KvdDeferred& d : lane->deferred) {
-      if (d.wait == static_cast<cudaEvent_t>(ev)) {
-        lane->retired.push_back(static_cast<cudaEvent_t>(ev));
-        return KVD_OK;
-      }
-    }
-  }
-  return kvd_check(cudaEventDestroy(static_cast<cudaEvent_t>(ev)));
 }
 
 // Interprocess events (cudaEventInterprocess | cudaEventDisableTiming).
@@ -1076,7 +1111,7 @@ int kvd_lane_synchronize(KvdLane* lane) {
 
 int kvd_ipc_handle_bytes(void) { return (int)sizeof(cudaIpcMemHandle_t); }
 
-int kvd_abi_version(void) { return 6; }
+int kvd_abi_version(void) { return 7; }
 
 // First 16 hex digits of the SHA-256 of this file, passed by the build (-DKVD_SOURCE_HASH=...);
 // the loader refuses a library built from other source (a stale build would misread arguments).
