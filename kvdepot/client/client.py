@@ -99,6 +99,9 @@ class KVDepotClient:
         self._identity = f"kvd-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
         self._fences: dict = {}  # cudaStream_t -> a local event (`_fence`)
         self.last_retrieve_event = None
+        self._drains: dict = {}  # id(staging ring) -> (rid, through_seq) of its Drain in flight
+        self._submit_thread = threading.get_ident()
+        self.drains_answered = 0  # Drains that settled lost staging regions (`_drain_settles`)
         # fastest staged store seen (submit to reply, seconds per byte, stores >= 4 MiB): a
         # staged store's wait sleeps until shortly before such a reply could come, then spins
         self._staged_store_s_per_byte: float | None = None
@@ -265,6 +268,7 @@ class KVDepotClient:
         """Send ``req`` without waiting (its ``rid`` is assigned here); returns the rid to give
         `wait`. Several requests may be outstanding; the daemon answers each in turn."""
         req.rid = next(self._rid)
+        self._submit_thread = threading.get_ident()
         frame = codec.encode(req)
         if len(frame) > codec.MAX_FRAME_BYTES:
             raise KVDepotError(ErrorCode.MALFORMED, f"{type(req).__name__} of {len(frame)} bytes exceeds the "
@@ -504,14 +508,15 @@ class KVDepotClient:
         try:
             rid = self.submit(m.Store(rid=0, registration=reg.id, keys=list(keys),
                                       block_ids=[list(b) for b in block_ids], parent=parent, cache_salt=cache_salt,
-                                      request=request, staging_offset=offset, fence=fence))
+                                      request=request, staging_offset=offset, fence=fence,
+                                      staging_seq=region.seq if region is not None else 0))
         except BaseException:
             if region is not None:
                 if fence:
                     self._fence(stream)  # free once the gather (and its fence write) ran
                 region.release()  # nothing was sent: no copy reads it
             raise
-        return PendingStore(self, rid, region, len(keys), staging.fence if fence else None)
+        return PendingStore(self, rid, region, len(keys), staging.fence if fence else None, reg)
 
     def retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
                  skip_tokens: int = 0, request: str = "", before=None, cpu_wait: bool = False) -> int:
@@ -549,7 +554,8 @@ class KVDepotClient:
         try:
             rid = self.submit(m.Retrieve(rid=0, registration=reg.id, keys=list(keys),
                                          block_ids=[list(b) for b in block_ids], skip_tokens=skip_tokens,
-                                         request=request, staging_offset=region.offset if region else -1))
+                                         request=request, staging_offset=region.offset if region else -1,
+                                         staging_seq=region.seq if region else 0))
         except BaseException:
             if region is not None:
                 region.release()
@@ -583,6 +589,38 @@ class KVDepotClient:
         ev.record(stream)
         if not ev.query():
             ev.synchronize()
+
+    def _drain_settles(self, reg: Registration, seq: int) -> bool:
+        """Whether staging region ``seq`` of ``reg``, whose request was lost in a timeout, may
+        be reused: a `Drain` through it was answered (the daemon finished every copy of it and
+        refuses the request should it still arrive). Never blocks: sends one Drain per ring at
+        a time (only from the thread that uses this client) and takes its reply in a later call."""
+        ring = reg.staging.ring
+        if ring.drained_through >= seq:
+            return True
+        if threading.get_ident() != self._submit_thread:
+            return False  # another client's thread asks: this client's socket is not its to use
+        got = self._drains.get(id(ring))
+        if got is not None:
+            rid, through = got
+            self.poll()
+            if not self.done(rid):
+                return False
+            del self._drains[id(ring)]
+            try:
+                self.wait(rid, 0)
+            except KVDepotError:
+                return False  # lost or refused: the next call asks again
+            ring.drained_through = max(ring.drained_through, through)
+            self.drains_answered += 1
+            return ring.drained_through >= seq
+        through = ring.last_seq
+        try:
+            rid = self.submit(m.Drain(rid=0, registration=reg.id, through_seq=through))
+        except (KVDepotError, zmq.ZMQError, OSError):
+            return False
+        self._drains[id(ring)] = (rid, through)
+        return False
 
     def end_request(self, request: str) -> None:
         self.call(m.EndRequest(rid=0, request=request))

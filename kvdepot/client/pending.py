@@ -20,14 +20,30 @@ def region_reusable_after(error: KVDepotError) -> bool:
     return error.code not in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED)
 
 
+def _settle_lost(pending) -> bool:
+    """``pending._region_free()``, waiting up to the client's timeout for the `Drain` that
+    settles a region lost in a timeout (a blocking reclaim may wait; `_region_free` never does)."""
+    free = pending._region_free()
+    err = pending._error
+    if free or err is None or err.code != ErrorCode.TIMEOUT:
+        return free
+    deadline = time.monotonic() + pending.client.timeout_s
+    while not free and time.monotonic() < deadline:
+        pending.client.poll(0.002)
+        free = pending._region_free()
+    return free
+
+
 class PendingStore:
     """A submitted STORE (`KVDepotClient.submit_store`)."""
 
     _LEARN_BYTES = 4 << 20  # staged stores at least this large teach the client the link's pace
     _SPIN_LEAD_S = 30e-6  # spin from this long before the fastest reply seen could come
 
-    def __init__(self, client: KVDepotClient, rid: int, region=None, num_chunks: int = 0, fence=None) -> None:
+    def __init__(self, client: KVDepotClient, rid: int, region=None, num_chunks: int = 0, fence=None,
+                 reg: Registration | None = None) -> None:
         self.client, self.rid = client, rid
+        self._reg = reg
         # fenced (`kvdepot.client.staging.FenceWords`): the region is free only once its gather
         # ran too (after a failed store the daemon copied nothing, but the gather may be queued)
         self._fence = fence
@@ -73,10 +89,14 @@ class PendingStore:
             except KVDepotError:
                 pass
         if self._error is not None:
-            free = region_reusable_after(self._error)
+            free = region_reusable_after(self._error) or self._settled(self._error)
         else:
             free = self._reply is not None
         return free and (self._fence is None or self._fence.holds(self._region.seq))
+
+    def _settled(self, error: KVDepotError) -> bool:
+        return (error.code == ErrorCode.TIMEOUT and self._reg is not None
+                and self.client._drain_settles(self._reg, self._region.seq))
 
     def _reclaim(self) -> bool:
         try:
@@ -87,7 +107,7 @@ class PendingStore:
             deadline = time.monotonic() + self.client.timeout_s
             while not self._fence.holds(self._region.seq) and time.monotonic() < deadline:
                 time.sleep(20e-6)  # only after an error reply: the gather has not run yet
-        return self._region_free()
+        return _settle_lost(self)
 
     def result(self, before=None, timeout_s: float | None = None, cpu_wait: bool = False,
                in_l1: bool = False) -> m.StoreReply:
@@ -132,8 +152,11 @@ class PendingRetrieve:
         region.reclaim = self._reclaim
 
     def _region_free(self) -> bool:
+        if self._error is None and self._retrieved is None and self._reply is None:
+            self.done()  # takes the reply, or the error of a request lost in a timeout
         if self._error is not None:
-            return region_reusable_after(self._error)
+            return region_reusable_after(self._error) or (
+                self._error.code == ErrorCode.TIMEOUT and self.client._drain_settles(self._reg, self._region.seq))
         if self._retrieved is None:
             return False
         return self._done_event is None or self._done_event.query()
@@ -146,7 +169,7 @@ class PendingRetrieve:
                 pass
         if self._done_event is not None:
             self._done_event.synchronize()
-        return self._region_free()
+        return _settle_lost(self)
 
     def result(self, before=None, timeout_s: float | None = None, cpu_wait: bool = False) -> int:
         """Chunks written. Unstaged, the reply comes once the daemon wrote the blocks. With

@@ -86,7 +86,14 @@ class StagingRing:
         self.live: collections.deque[StagingRegion] = collections.deque()
         self.head = 0  # where the next region starts, if it fits
         self._seq = 0  # never reset: a fence value is never reused
+        # regions up to this number whose requests were lost are settled (a `Drain` answered)
+        self.drained_through = 0
         self._lock = threading.Lock()
+
+    @property
+    def last_seq(self) -> int:
+        """The number of the newest region handed out (0: none yet)."""
+        return self._seq
 
     def _fit(self, nbytes: int) -> int | None:
         if not self.live:

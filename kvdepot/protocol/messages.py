@@ -269,6 +269,7 @@ class Store(Msg, tag="store"):
         that never comes fails the store with ENGINE_MEMORY after 30 s, or when the registration
         goes, nothing copied). 0: the
         gather already completed.
+    staging_seq: staged: the staging region's number (`Drain`); 0: none given.
     Reply: `StoreReply`.
     """
 
@@ -282,6 +283,7 @@ class Store(Msg, tag="store"):
     reply_early: bool = False
     staging_offset: Annotated[int, Meta(ge=-1)] = -1
     fence: NonNegInt = 0
+    staging_seq: NonNegInt = 0
 
 
 class Retrieve(Msg, tag="get"):
@@ -293,8 +295,9 @@ class Retrieve(Msg, tag="get"):
         tokens_per_block.
     staging_offset: >= 0: the daemon writes chunk j into the engine's registered staging buffer
         at byte ``staging_offset + j * object_bytes`` (not into the blocks), and the engine
-        scatters it after the reply's event, applying ``skip_tokens`` itself. -1: the daemon
-        writes the blocks.
+        scatters it after the reply, applying ``skip_tokens`` itself. -1: the daemon writes the
+        blocks.
+    staging_seq: staged: the staging region's number (`Drain`); 0: none given.
     Reply: `RetrieveReply`; only its ``retrieved`` leading chunks were written.
     """
 
@@ -304,6 +307,18 @@ class Retrieve(Msg, tag="get"):
     skip_tokens: NonNegInt = 0
     request: Name = ""
     staging_offset: Annotated[int, Meta(ge=-1)] = -1
+    staging_seq: NonNegInt = 0
+
+
+class Drain(Msg, tag="drain"):
+    """Settle the staged requests of a registration whose replies were lost (a client timeout
+    rebuilt the connection): from now on the daemon refuses any staged request whose
+    ``staging_seq`` is <= ``through_seq`` (one still on its way on the old connection copies
+    nothing), and it replies once every such request it accepted has finished its copies. The
+    engine may then reuse their staging regions. Reply: `OkReply`."""
+
+    registration: Name
+    through_seq: PosInt
 
 
 class EndRequest(Msg, tag="end"):
@@ -333,7 +348,7 @@ class Ping(Msg, tag="ping"):
     """Reply: `Pong`."""
 
 
-Request = Union[Hello, Register, Unregister, Lookup, Store, Retrieve, EndRequest, Describe, Flush, Ping]
+Request = Union[Hello, Register, Unregister, Lookup, Store, Retrieve, EndRequest, Describe, Flush, Ping, Drain]
 
 # --------------------------------------------------------------------------- replies
 

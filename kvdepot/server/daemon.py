@@ -13,6 +13,7 @@ Every request gets exactly one reply: its result or an `ErrorReply` with a typed
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
 import dataclasses
 import logging
@@ -122,6 +123,11 @@ class Registration:
     cuda_storages: list = dataclasses.field(default_factory=list)
     # the engine's fence words (`kvdepot.gpu.cuda_path.FenceWords`, `Register.fence`), or None
     fence: object = None
+    # staged requests accepted and not finished, by staging_seq; staged requests with a seq up
+    # to refuse_through are refused; Drains waiting: (through_seq, identity, rid) (`m.Drain`)
+    staged_busy: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    refuse_through: int = 0
+    drains: list = dataclasses.field(default_factory=list)
     # the engine's staging buffer (`Register.staging`), IPC-opened: device pointer and bytes (0: none)
     staging_ptr: int = 0
     staging_bytes: int = 0
@@ -362,8 +368,10 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
             reg.retrieved_chunks += num_chunks
         self.stats["stored_chunks" if op == "store" else "retrieved_chunks"] += num_chunks
 
-    def _finish_transfer(self, reg: Registration) -> None:
+    def _finish_transfer(self, reg: Registration, staging_seq: int = 0) -> None:
         reg.active -= 1
+        if staging_seq:
+            self._staged_end(reg, staging_seq)
         if reg.closed and reg.active == 0:
             reg.release_memory()
 
@@ -538,7 +546,7 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
     _handlers: dict[type, Callable] = {
         m.Hello: _on_hello, m.Ping: _on_ping, m.Register: _on_register, m.Unregister: _on_unregister,
         m.Lookup: Tiering._on_lookup, m.EndRequest: _on_end, m.Store: TransferHandlers._on_store,
-        m.Retrieve: TransferHandlers._on_retrieve,
+        m.Retrieve: TransferHandlers._on_retrieve, m.Drain: TransferHandlers._on_drain,
         m.Flush: Tiering._on_flush, m.Describe: _on_describe,
     }
 

@@ -365,6 +365,10 @@ class Tiering:
             except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
                 self._reply_error(identity, req.rid, exc)
                 return
+            finally:  # accepted at arrival (`_on_retrieve`); its copies, if any, hold it again
+                reg = self.registrations.get(req.registration)
+                if reg is not None and req.staging_offset >= 0:
+                    self._staged_end(reg, req.staging_seq)
             if reply is not None:
                 self._reply(identity, reply)
 

@@ -40,6 +40,7 @@ class TransferHandlers:
         reg.check_memory()
         staged = req.staging_offset >= 0  # a CPU registration has no staging: refused in _staging_ptrs
         staged_ptrs = self._staging_ptrs(reg, req.staging_offset, range(n)) if staged else []
+        seq = self._staged_accept(reg, req.staging_seq) if staged else 0
         fence = None
         if req.fence:
             if not staged or reg.fence is None:
@@ -107,13 +108,14 @@ class TransferHandlers:
             release_held()
             return reply
         reg.active += 1
+        self._staged_begin(reg, seq)
         t0 = time.perf_counter()
 
         token = self.watch("store", reg.id, identity, req.rid, len(new) * lay.object_bytes, reply_pending=True)
 
         def finish(err: BaseException | None) -> None:  # on the loop, once the copies ended
             trace_point(req.rid, "gpu_done")
-            self._finish_transfer(reg)
+            self._finish_transfer(reg, seq)
             stuck = self.unwatch(token)  # answered TIMEOUT by the watchdog: publish nothing, reply nothing
             try:
                 if err is not None or stuck:
@@ -187,8 +189,10 @@ class TransferHandlers:
         # staged: chunk j's address in the engine's ring (refused here, before acquiring anything)
         staged_ptrs = self._staging_ptrs(reg, req.staging_offset, range(n)) if req.staging_offset >= 0 else None
         if promote:
+            seq = self._staged_accept(reg, req.staging_seq) if staged_ptrs is not None else 0
             waits = self._promotions(req.keys, lay.object_bytes)
             if waits:
+                self._staged_begin(reg, seq)  # accepted: a Drain waits for it (`_after_promotions` ends it)
                 self._after_promotions(identity, req, waits)
                 return None
         entries: list[Entry] = []
@@ -239,6 +243,8 @@ class TransferHandlers:
             self.index.touch_chain([])
             return m.RetrieveReply(rid=req.rid, retrieved=0)
         reg.active += 1
+        seq = req.staging_seq if staged_ptrs is not None else 0
+        self._staged_begin(reg, seq)
         t0 = time.perf_counter()
         token = self.watch("retrieve", reg.id, identity, req.rid, len(entries) * reg.layout.object_bytes,
                            reply_pending=True)
@@ -246,7 +252,7 @@ class TransferHandlers:
 
         def done(err: BaseException | None) -> None:
             trace_point(req.rid, "gpu_done")
-            self._finish_transfer(reg)
+            self._finish_transfer(reg, seq)
             stuck = self.unwatch(token)
             for e in entries:
                 self.index.release(e)
@@ -284,6 +290,52 @@ class TransferHandlers:
         self._count_transfer(reg, "retrieve", len(entries))
         self.index.touch_chain([e.key for e in entries])
         return None
+
+    # ------------------------------------------------------------------ Drain (lost staged requests)
+
+    def _staged_accept(self, reg: Registration, seq: int) -> int:
+        """A staged request arrived: refused if a `Drain` settled its staging region already
+        (it was lost on a connection its client gave up; the region may hold other bytes now).
+
+        Raises:
+            RequestError(INVALID_ARGUMENT): ``seq`` <= the registration's drained sequence.
+        """
+        if seq and seq <= reg.refuse_through:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                               f"staging region {seq} was drained (its request was given up): nothing copied")
+        return seq
+
+    def _staged_begin(self, reg: Registration, seq: int) -> None:
+        if seq:
+            reg.staged_busy[seq] += 1
+
+    def _staged_end(self, reg: Registration, seq: int) -> None:
+        """A staged request's copies ended (or it will copy nothing): answer the Drains it held."""
+        if not seq:
+            return
+        busy = reg.staged_busy
+        busy[seq] -= 1
+        if busy[seq] <= 0:
+            del busy[seq]
+        if reg.drains:
+            low = min(busy) if busy else None
+            still = []
+            for through, identity, rid in reg.drains:
+                if low is not None and low <= through:
+                    still.append((through, identity, rid))
+                else:
+                    self._reply(identity, m.OkReply(rid=rid))
+            reg.drains = still
+
+    def _on_drain(self, identity: bytes, req: m.Drain) -> m.Msg | None:
+        """`m.Drain`: refuse staged requests up to ``through_seq`` from now on; reply once the
+        accepted ones finished."""
+        reg = self._registration(req.registration)
+        reg.refuse_through = max(reg.refuse_through, req.through_seq)
+        if any(seq <= req.through_seq for seq in reg.staged_busy):
+            reg.drains.append((req.through_seq, identity, req.rid))
+            return None
+        return m.OkReply(rid=req.rid)
 
     def _scatter(self, reg: Registration, block_ids, skip_tokens: int, entries: list[Entry]) -> None:
         eng, cs = reg.engine, reg.layout.chunk_size

@@ -11,6 +11,7 @@ import torch
 
 from kvdepot.client import KVDepotClient
 from kvdepot.client.kvcache import KVGroupShape, ShmKVCache
+from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
 CHUNK = 32
@@ -90,3 +91,35 @@ def test_next_chunks_chain_onto_a_store_still_in_flight(daemon):
         assert client.retrieve(reg_b, keys, [dst]) == 8
         for layer in range(big[0].num_layers):
             assert torch.equal(a.read_tokens(layer, ids, as_bytes=True), b.read_tokens(layer, dst, as_bytes=True))
+
+
+def test_a_staging_region_lost_in_a_timeout_is_settled_by_a_drain(daemon):
+    """A staged request whose reply was lost in a timeout keeps its ring region taken (the
+    daemon may still copy it); the client then sends a `Drain` of its own accord (never
+    blocking) and frees the region once it is answered. The ring here is a stand-in on a
+    CPU registration: the daemon's Drain bookkeeping is the same for every registration."""
+    import dataclasses
+    import time
+    import types
+
+    from kvdepot.client.pending import PendingStore
+    from kvdepot.client.staging import StagingRing
+
+    with ShmKVCache(GROUPS, 8, "LBNHC") as cache, KVDepotClient(daemon.endpoint) as client:
+        reg = _register(client, cache)
+        staged = dataclasses.replace(reg, staging=types.SimpleNamespace(ring=StagingRing(4096)))
+        ring = staged.staging.ring
+        region = ring.alloc(256, client)
+        rid = client.submit(m.Ping(rid=0))  # stands in for the staged store
+        pending = PendingStore(client, rid, region, 1, None, staged)
+        client._reset(ErrorCode.TIMEOUT)  # its reply is lost with the connection
+        assert not region.is_free()  # the first look sends the Drain and returns at once
+        deadline = time.monotonic() + 10
+        while not region.is_free():
+            assert time.monotonic() < deadline, "the Drain was not answered"
+            time.sleep(0.01)
+        assert ring.drained_through == region.seq and client.drains_answered == 1
+        with pytest.raises(KVDepotError) as e:
+            pending.result()
+        assert e.value.code == ErrorCode.TIMEOUT
+        assert ring.alloc(4096, client, wait=False) is not None  # the whole ring is usable again

@@ -17,7 +17,7 @@ from kvdepot.protocol.errors import ErrorCode, KVDepotError, RequestError
 from kvdepot.protocol.messages import (
     PROTOCOL_VERSION, REQUEST_TAGS, DaemonInfo, Describe, DescribeReply, EndRequest, EngineInfo, ErrorReply,
     Flush, FlushReply, Hello, HelloReply, KVGroupSpec, LayerGroupInfo, LayerSpec, Lookup, LookupReply, OkReply,
-    Ping, Pong, Register, RegisterReply, Reply, Request, Retrieve, RetrieveReply, StorageSpec, Store,
+    Drain, Ping, Pong, Register, RegisterReply, Reply, Request, Retrieve, RetrieveReply, StorageSpec, Store,
     StoreReply, TierInfo, Unregister,
 )
 
@@ -84,6 +84,9 @@ ROUND_TRIP = [
     Flush(rid=9, cache_salt=""),
     Flush(rid=9, model="m", cache_salt="tenant", tier="l1"),
     Ping(rid=10),
+    Drain(rid=11, registration="r1", through_seq=7),
+    Store(rid=12, registration="r1", keys=[b"k" * 32], block_ids=[[1]], staging_offset=256, fence=9,
+          staging_seq=9),
     # replies
     HelloReply(rid=1, protocol_version=1, boot_id="b", version="0.1.0"),
     RegisterReply(rid=2, registration="r", layout_fingerprint="", object_bytes=0, boot_id="b"),
