@@ -1,0 +1,155 @@
+"""The command line of benchmarks/transfer.py (its module docstring is the --help text)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shlex
+import sys
+import time
+
+import torch
+
+from kvdepot.client import KVDepotClient
+from kvdepot.client.kvcache import ShmKVCache
+from transfer_bench.baselines import Blocks, Pages
+from transfer_bench.point import Ctx, bench_point
+from transfer_bench.procs import DaemonProc, zmq_echo_rtt_us
+from transfer_bench.report import HEADER, baseline_line, evaluate_targets, format_row, write_json
+from transfer_bench.shapes import SHAPES, chunks_for, say
+
+DESCRIPTION = ""  # set by benchmarks/transfer.py
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--endpoint", default=None, help="use this running daemon instead of starting one")
+    p.add_argument("--l1-bytes", default="48g", help="L1 size of the daemon started here (default 48g)")
+    p.add_argument("--warmup-s", type=float, default=60.0,
+                   help="wait at most this long for the daemon to finish pinning L1 (it logs 'L1 pinned')")
+    p.add_argument("--daemon-args", default="", help="extra arguments for `kvdepot serve`, e.g. "
+                   "'--staging-batch-bytes 64m'")
+    p.add_argument("--daemon-log", default=None, help="daemon log file (default: in its temp dir)")
+    p.add_argument("--chunk-sizes", default="64,256,1024,2048")
+    p.add_argument("--shapes", default="", help="comma-separated substrings of shape names to run (default all)")
+    p.add_argument("--quick", action="store_true", help="only Llama-3.1-8B TP1 at chunks 64 and 256")
+    p.add_argument("--outstanding", type=int, default=4, help="requests in flight per direction")
+    p.add_argument("--staging", choices=("engine", "daemon"), default="engine",
+                   help="engine: this process gathers / scatters on its streams through a staging ring and the "
+                        "daemon only copies over PCIe (register's local_storages); daemon: the daemon gathers")
+    p.add_argument("--client-mode", choices=("pipelined", "threads"), default="pipelined",
+                   help="pipelined: one thread per direction keeps --outstanding requests in flight on one client "
+                        "(submit_store / submit_retrieve); threads: --outstanding threads per direction, one "
+                        "blocking request each")
+    p.add_argument("--spin-us", type=float, default=200.0, help="the clients' spin before a wait sleeps")
+    p.add_argument("--bytes-per-point", type=float, default=2e9, help="bytes per stream measurement (about)")
+    p.add_argument("--baseline-bytes", type=float, default=5e8, help="bytes per baseline measurement (about)")
+    p.add_argument("--iters", type=int, default=5, help="repetitions of each stream / roofline measurement")
+    p.add_argument("--lone-iters", type=int, default=50, help="lone requests per op")
+    p.add_argument("--out", default="transfer.json", help="JSON results")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        say("transfer.py needs CUDA (this measures the daemon's GPU data path)")
+        return 2
+    shapes = SHAPES
+    chunk_sizes = [int(x) for x in args.chunk_sizes.split(",") if x]
+    if args.quick:
+        shapes, chunk_sizes = [SHAPES[0]], [64, 256]
+    elif args.shapes:
+        want = [w.strip().lower() for w in args.shapes.split(",") if w.strip()]
+        shapes = [s for s in SHAPES if any(w in s.name.lower() for w in want)]
+    k = args.outstanding
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(dev)
+
+    daemon = None
+    endpoint = args.endpoint
+    clients: list[KVDepotClient] = []
+    doc: dict = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "cuda": torch.version.cuda,
+                 "python": sys.version.split()[0], "args": vars(args), "results": []}
+    t_run = time.perf_counter()
+    try:
+        zmq_rtt = zmq_echo_rtt_us()
+        doc["zmq_echo_rtt"] = zmq_rtt
+        say(f"bare ZMQ ipc round trip: median {zmq_rtt['median_us']:.1f} us (p10 {zmq_rtt['p10_us']:.1f}, "
+            f"p90 {zmq_rtt['p90_us']:.1f})")
+        if endpoint is None:
+            daemon = DaemonProc(args.l1_bytes, shlex.split(args.daemon_args), args.daemon_log)
+            say(f"starting daemon: {' '.join(daemon.cmd)}  (KVDEPOT_KERNELS_SO={daemon.kernels_so or 'unset'})")
+            t0 = time.monotonic()
+            daemon.wait_ready()
+            say(f"daemon ready in {time.monotonic() - t0:.1f} s; waiting up to {args.warmup_s:.0f} s for L1 pinning")
+            pinned, waited = daemon.wait_pinned(args.warmup_s)
+            if daemon.pin:
+                say(f"L1 {'pinned' if pinned else 'NOT fully pinned (see the daemon log)'} after {waited:.1f} s")
+            else:
+                say("L1 not pinned (--no-pin-l1): copies to and from L1 run at pageable speed")
+            doc["daemon"] = {"cmd": daemon.cmd, "l1_pinned": pinned, "pin_wait_s": waited,
+                             "kernels_so": daemon.kernels_so}
+            endpoint = daemon.endpoint
+        else:
+            doc["daemon"] = {"endpoint": endpoint, "external": True}
+        clients = [KVDepotClient(endpoint, timeout_s=120, name=f"bench-{i}", spin_us=args.spin_us) for i in range(2 * k)]
+        streams = [torch.cuda.Stream(dev) for _ in range(2 * k)]
+
+        points = [(s, cs) for s in shapes for cs in chunk_sizes]
+        max_bytes = max(chunks_for(s, cs, args.bytes_per_point, k) * s.token_bytes * cs for s, cs in points)
+        host = [torch.empty(max_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        devbuf = [torch.randint(0, 256, (max_bytes,), dtype=torch.uint8, device=dev) for _ in range(2)]
+        ctx = Ctx(args, dev, clients, streams, host, devbuf, zmq_rtt["median_us"])
+        say(f"device {doc['device']}, torch {torch.__version__}; {k} requests outstanding per direction; "
+            f"up to {max_bytes / 1e9:.2f} GB per measurement")
+        say(HEADER)
+        for shape in shapes:
+            cs_list = [cs for cs in chunk_sizes if all(cs % g.tokens_per_block == 0 for g in shape.groups)]
+            if not cs_list:
+                continue
+            max_tokens = max(chunks_for(shape, cs, args.bytes_per_point, k) * cs for cs in cs_list)
+            num_blocks = [2 * max_tokens // g.tokens_per_block + 16 for g in shape.groups]
+            cache = ShmKVCache(list(shape.groups), num_blocks, shape.layout, device=dev)
+            cache.storage.random_()
+            specs = (cache.storage_specs(), cache.layer_specs(), cache.group_specs())  # IPC handle exported once
+            blocks = Blocks(shape, max_tokens, num_blocks)
+            pages = Pages(cache)
+            for cs in cs_list:
+                try:
+                    r = bench_point(ctx, shape, cache, specs, blocks, pages, cs)
+                except Exception as exc:  # noqa: BLE001 - report the point and go on with the next
+                    say(f"{shape.name:<19} {cs:>5} FAILED: {type(exc).__name__}: {exc}")
+                    doc.setdefault("errors", []).append({"shape": shape.name, "chunk_tokens": cs,
+                                                         "error": f"{type(exc).__name__}: {exc}"})
+                    write_json(args.out, doc)
+                    continue
+                doc["results"].append(r)
+                if "transfer_engine" not in doc:
+                    with contextlib.suppress(Exception):
+                        doc["transfer_engine"] = clients[0].describe().transfer_engine
+                say(format_row(r))
+                say(baseline_line(r))
+                write_json(args.out, doc)
+            del pages, blocks, cache
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        doc["targets"] = evaluate_targets(doc["results"])
+        doc["total_s"] = time.perf_counter() - t_run
+        write_json(args.out, doc)
+        say(f"\ndaemon transfer engine: {doc.get('transfer_engine', '?')}")
+        say("targets:")
+        for t in doc["targets"]:
+            say(f"  {'PASS' if t['pass'] else 'FAIL'}  {t['target']}: {t['value']:.3g} (limit {t['limit']:.3g})")
+        say(f"results written to {args.out} ({doc['total_s']:.0f} s in all)")
+        return 0
+    finally:
+        for c in clients:
+            with contextlib.suppress(Exception):
+                c.close()
+        if daemon is not None:
+            rc = daemon.stop()
+            tail = daemon.log_tail(200)
+            bad = [ln for ln in tail.splitlines() if " ERROR " in ln or " WARNING " in ln or "Traceback" in ln]
+            if rc not in (0, None) or bad:
+                say(f"daemon exit code {rc}; log {daemon.log_path}:\n" + "\n".join(bad[-20:] or tail.splitlines()[-20:]))
