@@ -263,8 +263,8 @@ class CudaDevicePath:
         hp = array.array("Q", host_ptrs)
         token = self.completions.expect(done)
         trace.point(-3, "pre_call")
-        rc = self._kvd_store(self.store_lane, engine.handle, None, ids.buffer_info()[0], total_chunks,
-                             ch.buffer_info()[0], len(ch), hp.buffer_info()[0], None, None,
+        rc = self._kvd_store(self.store_lane, engine.handle, ids.buffer_info()[0], total_chunks,
+                             ch.buffer_info()[0], len(ch), hp.buffer_info()[0],
                              self.completions.write_fd, token, self._notified_ptr)
         trace.point(-3, "post_call")
         if rc:

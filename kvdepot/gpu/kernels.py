@@ -38,7 +38,7 @@ ENV_SO = "KVDEPOT_KERNELS_SO"
 ENV_NO_JIT = "KVDEPOT_NO_JIT"
 # built at install (setup.py) for `build.INSTALL_ARCHS` when nvcc was there
 PACKAGED_SO = Path(__file__).parent / "_lib" / "libkvdepot_kernels.so"
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 KVD_OK, KVD_EINVAL, KVD_EALIGN, KVD_ECUDA = 0, 1, 2, 3
 
@@ -101,7 +101,7 @@ class Kernels:
         lib.kvd_engine_set_piece_bytes.argtypes = [vp, ctypes.c_uint64]
         lib.kvd_engine_pieces.argtypes = [vp]
         # hot path: pointers go in as plain ints
-        lib.kvd_store.argtypes = [vp, vp, vp, vp, i64, vp, i64, vp, vp, vp, i32, ctypes.c_uint64, vp]
+        lib.kvd_store.argtypes = [vp, vp, vp, i64, vp, i64, vp, i32, ctypes.c_uint64, vp]
         lib.kvd_retrieve.argtypes = [vp, vp, vp, i64, i64, vp, i64, vp, i32, ctypes.c_uint64, vp]
         lib.kvd_engine_gather.argtypes = [vp, vp, i64, vp, vp]
         lib.kvd_engine_scatter.argtypes = [vp, vp, i64, i64, vp, i64, vp]

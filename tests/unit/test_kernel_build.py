@@ -28,9 +28,13 @@ def test_built_library_loads_with_its_abi_and_source_stamp(built):
     assert k.ipc_handle_bytes == 64 and k.ipc_event_handle_bytes == 64
     # argument checks answer before any CUDA call (no GPU here)
     notified = ctypes.c_int(7)
-    assert k.lib.kvd_store(0, 0, 0, 0, 1, 0, 1, 0, 0, 0, -1, 1, ctypes.addressof(notified)) == 1  # KVD_EINVAL
+    assert k.lib.kvd_store(0, 0, 0, 1, 0, 1, 0, -1, 1, ctypes.addressof(notified)) == 1  # KVD_EINVAL
     assert notified.value == 0
     assert k.lib.kvd_retrieve(0, 0, 0, 1, 1, 0, 0, 0, -1, 1, ctypes.addressof(notified)) == 1
+    # a deferred copy's fence word must be 8-byte aligned; a request no lane can take is refused
+    assert k.lib.kvd_dma(0, 0, 0, 8, 8, 64, 1, 1, 0, -1, 1, ctypes.addressof(notified)) == 1
+    assert k.lib.kvd_engine_signal(3, 1, 0) == 1  # misaligned word
+    assert k.lib.kvd_lane_cancel(0, 0, 0) == -1
     with pytest.raises(KernelError, match="event handle of 3 bytes"):
         k.event_open_ipc(b"abc", 0)
 

@@ -283,7 +283,7 @@ int kvd_host_unregister(void* ptr) { return kvd_check(cudaHostUnregister(ptr)); 
 // slots and a watcher thread that reports each request's completion to the daemon's pipe
 // (polling the request's last event; a cudaLaunchHostFunc note per request, the earlier design,
 // cost two more event records, two waits and the launch on the event loop's thread). STORE per batch of chunks:
-//   kernel: [wait engine event] -> wait slot free -> gather launches -> record handoff
+//   kernel: wait slot free -> gather launches -> record handoff
 //   dma:    wait handoff -> D2H staging -> each host object -> record slot free
 // RETRIEVE per batch: dma: wait slot free -> H2D -> record handoff; kernel: wait handoff ->
 // scatter launches -> record slot free; then the out event (the engine waits on it) on kernel.
@@ -763,17 +763,14 @@ static int check_call(const KvdLane* lane, const KvdEngine* eng, const int32_t* 
 
 // STORE: gather chunks chunks[0..nchunks) of a request of `total_chunks` chunks from the
 // engine's blocks into the pinned host objects host_ptrs[0..nchunks) (object_bytes each).
-// stored_event (or null) is recorded after the last copy into them.
 // ids: per group, concatenated in gid order, total_chunks * blocks_per_chunk[g] block ids in
-// token order (range-checked by the caller). wait_event: the engine's event (or null) the
-// gather waits on. gathered_event (or null) is recorded once the gathers (every read of the
-// engine's blocks) are enqueued: the engine may overwrite the blocks after it. When everything
-// completed (or failed on the GPU), `token` is written to `fd`.
+// token order (range-checked by the caller). The engine's writes of the blocks have completed
+// (its client waits for them before sending the store: no cross-process event is trusted).
+// When everything completed (or failed on the GPU), `token` is written to `fd`.
 // *notified = 1 once that note is enqueued: then the caller must wait for it even when an
 // error is returned (some copies may be in flight); 0 means nothing will be written.
-int kvd_store(KvdLane* lane, const KvdEngine* eng, cudaEvent_t wait_event, const int32_t* ids,
-              int64_t total_chunks, const int32_t* chunks, int64_t nchunks, const uint64_t* host_ptrs,
-              cudaEvent_t gathered_event, cudaEvent_t stored_event, int fd, uint64_t token, int* notified) {
+int kvd_store(KvdLane* lane, const KvdEngine* eng, const int32_t* ids, int64_t total_chunks, const int32_t* chunks,
+              int64_t nchunks, const uint64_t* host_ptrs, int fd, uint64_t token, int* notified) {
   if (notified == nullptr) return KVD_EINVAL;
   *notified = 0;
   int rc = check_call(lane, eng, ids, host_ptrs);
@@ -785,13 +782,6 @@ int kvd_store(KvdLane* lane, const KvdEngine* eng, cudaEvent_t wait_event, const
   const int64_t ob = eng->object_bytes;
   const int64_t per = (int64_t)(lane->slot_bytes / (uint64_t)ob);
   const bool pieces = eng->npieces > 1 && lane_idle(lane);
-  // an engine's interprocess event that already completed (the usual case: the engine records
-  // it when its writes are done or nearly) needs no GPU wait, and a GPU wait on an interprocess
-  // event was measured to add ~60 us to a lone store
-  if (wait_event != nullptr && cudaEventQuery(wait_event) != cudaSuccess) {
-    cudaGetLastError();  // NotReady is not an error; any other answer: wait to be safe
-    rc = kvd_check(cudaStreamWaitEvent(lane->ks, wait_event, 0));
-  }
   for (int64_t b0 = 0; !rc && b0 < nchunks; b0 += per) {
     const int64_t nb = nchunks - b0 < per ? nchunks - b0 : per;
     const int s = lane_take(lane, lane->ks);
@@ -841,10 +831,6 @@ int kvd_store(KvdLane* lane, const KvdEngine* eng, cudaEvent_t wait_event, const
     // mark the slot used even after an error: work may be pending on it
     if (kvd_check(cudaEventRecord(lane->slot_free[s], lane->ds)) == KVD_OK) lane->slot_used[s] = 1;
   }
-  // every read of the engine's blocks is in the gathers on ks: after this the engine may reuse them
-  if (!rc && gathered_event != nullptr) rc = kvd_check(cudaEventRecord(gathered_event, lane->ks));
-  // every byte is in the host objects after the D2H copies on ds
-  if (!rc && stored_event != nullptr) rc = kvd_check(cudaEventRecord(stored_event, lane->ds));
   if (rc) lane_join(lane);
   const int nrc = lane_watch(lane, lane->ds, fd, token, nchunks * ob);  // the gather precedes the D2H on ds
   if (nrc == KVD_OK) *notified = 1;
@@ -1111,7 +1097,7 @@ int kvd_lane_synchronize(KvdLane* lane) {
 
 int kvd_ipc_handle_bytes(void) { return (int)sizeof(cudaIpcMemHandle_t); }
 
-int kvd_abi_version(void) { return 7; }
+int kvd_abi_version(void) { return 8; }
 
 // First 16 hex digits of the SHA-256 of this file, passed by the build (-DKVD_SOURCE_HASH=...);
 // the loader refuses a library built from other source (a stale build would misread arguments).
