@@ -239,3 +239,80 @@ def test_retrieve_replies_come_after_the_copies_without_an_event(daemon):
     finally:
         c.unregister(reg)
         c.close()
+
+
+@pytest.fixture
+def lossy_daemon(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVDEPOT_INJECT_FAULTS", "drop=0.2,seed=3")
+    yield from serve(tmp_path, "1g")
+
+
+def _retry(fn, tries: int = 20):
+    """A control call against a daemon that drops replies: again until one is answered."""
+    from kvdepot.protocol.errors import ErrorCode, KVDepotError
+
+    for _ in range(tries - 1):
+        try:
+            return fn()
+        except KVDepotError as exc:
+            if exc.code not in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED):
+                raise
+    return fn()
+
+
+def test_regions_of_lost_replies_are_drained_and_the_ring_keeps_working(lossy_daemon):
+    """A fifth of the daemon's replies are dropped: each lost staged request leaves its ring
+    region taken until the client's Drain is answered, and a small ring (three chunks) wraps
+    onto those regions all the time. The ring never stays blocked (every lost region is
+    settled, the whole ring is free at the end) and every stored chunk comes back byte for
+    byte."""
+    from kvdepot.client import KVDepotClient
+    from kvdepot.client.kvcache import KVGroupShape, ShmKVCache
+    from kvdepot.protocol.errors import ErrorCode, KVDepotError
+
+    groups = [KVGroupShape(0, 3, 2, 64, 16, torch.bfloat16)]
+    cache = ShmKVCache(groups, NUM_BLOCKS, "LBNHC", device=torch.device("cuda"))
+    c = KVDepotClient(lossy_daemon, timeout_s=0.5)
+    ob = 3 * 2 * 2 * 64 * 2 * CHUNK  # layers * K/V * heads * head dim * bf16 * tokens
+    reg = _retry(lambda: c.register("lossy", "tp0of1", CHUNK, cache.storage_specs(), cache.layer_specs(),
+                                    cache.group_specs(), device="cuda", local_storages=[cache.storage],
+                                    staging_bytes=3 * ob))
+    assert reg.object_bytes == ob and reg.staging is not None
+    try:
+        rng = random.Random(11)
+        s = torch.cuda.current_stream()
+        stored, lost = [], 0
+        for _ in range(40):
+            keys = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
+            ids = _ids(rng, groups, 1)
+            cache.storage.copy_(torch.randint(0, 256, (cache.size_bytes,), dtype=torch.uint8, device="cuda"))
+            ref = [cache.read_tokens(li, ids[gid], as_bytes=True).clone() for li, gid in enumerate(cache.layer_gids)]
+            try:
+                r = c.store(reg, keys, ids, after=s)
+            except KVDepotError as exc:
+                assert exc.code == ErrorCode.TIMEOUT
+                lost += 1
+                continue
+            if r.stored == 1:
+                stored.append((keys, ref))
+        assert lost > 0 and stored and c.drains_answered > 0
+        for keys, ref in stored:
+            dst = _ids(rng, groups, 1)
+            cache.storage.fill_(0x33)
+            got = _retry(lambda: c.retrieve(reg, keys, dst, before=s))
+            s.synchronize()
+            assert got == 1
+            for a, b in zip([cache.read_tokens(li, dst[gid], as_bytes=True)
+                             for li, gid in enumerate(cache.layer_gids)], ref):
+                assert torch.equal(a, b)
+        ring = reg.staging.ring
+        region = None
+        for _ in range(20):  # a Drain whose own reply was dropped is sent again
+            region = ring.alloc(ring.size_bytes, c)
+            if region is not None:
+                break
+        assert region is not None, "a lost region was never settled"
+        region.release()
+    finally:
+        _retry(lambda: c.unregister(reg))
+        c.close()
