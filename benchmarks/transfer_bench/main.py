@@ -13,6 +13,7 @@ import torch
 from kvdepot.client import KVDepotClient
 from kvdepot.client.kvcache import ShmKVCache
 from transfer_bench.baselines import Blocks, Pages
+from transfer_bench.engines import evaluate_many, format_many, run_many_engines
 from transfer_bench.point import Ctx, bench_point
 from transfer_bench.procs import DaemonProc, zmq_echo_rtt_us
 from transfer_bench.report import HEADER, baseline_line, evaluate_targets, format_row, write_json
@@ -47,30 +48,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=5, help="repetitions of each stream / roofline measurement")
     p.add_argument("--lone-iters", type=int, default=50, help="lone requests per op")
     p.add_argument("--out", default="transfer.json", help="JSON results")
+    g = p.add_argument_group("many engines (transfer_bench.engines)")
+    g.add_argument("--engines", type=int, default=0,
+                   help="also run N engine processes against the one daemon (store, retrieve, half and half)")
+    g.add_argument("--only-engines", action="store_true", help="skip the per-shape points")
+    g.add_argument("--engine-shape", default="Llama-3.1-8B TP1", help="the engines' model shape")
+    g.add_argument("--engine-chunk", type=int, default=256, help="the engines' tokens per chunk")
+    g.add_argument("--engine-outstanding", type=int, default=8, help="requests in flight per engine")
+    g.add_argument("--engine-bytes", type=float, default=4e9, help="bytes all engines move per phase (about)")
+    g.add_argument("--engine-device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: CPU engines in shared memory (with --only-engines, runs without a GPU)")
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if not torch.cuda.is_available():
-        say("transfer.py needs CUDA (this measures the daemon's GPU data path)")
+    cuda = not (args.only_engines and args.engine_device == "cpu")
+    if cuda and not torch.cuda.is_available():
+        say("transfer.py needs CUDA (this measures the daemon's GPU data path); "
+            "--only-engines --engine-device cpu runs CPU engines without one")
         return 2
-    shapes = SHAPES
-    chunk_sizes = [int(x) for x in args.chunk_sizes.split(",") if x]
-    if args.quick:
-        shapes, chunk_sizes = [SHAPES[0]], [64, 256]
-    elif args.shapes:
-        want = [w.strip().lower() for w in args.shapes.split(",") if w.strip()]
-        shapes = [s for s in SHAPES if any(w in s.name.lower() for w in want)]
-    k = args.outstanding
-    dev = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.set_device(dev)
-
+    if args.engines and not any(s.name == args.engine_shape for s in SHAPES):
+        say(f"--engine-shape: one of {', '.join(s.name for s in SHAPES)}")
+        return 2
+    dev = None
+    if cuda:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(dev)
     daemon = None
     endpoint = args.endpoint
-    clients: list[KVDepotClient] = []
-    doc: dict = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "cuda": torch.version.cuda,
-                 "python": sys.version.split()[0], "args": vars(args), "results": []}
+    doc: dict = {"device": torch.cuda.get_device_name(dev) if cuda else "cpu", "torch": torch.__version__,
+                 "cuda": torch.version.cuda, "python": sys.version.split()[0], "args": vars(args), "results": []}
     t_run = time.perf_counter()
     try:
         zmq_rtt = zmq_echo_rtt_us()
@@ -78,7 +86,7 @@ def main(argv=None) -> int:
         say(f"bare ZMQ ipc round trip: median {zmq_rtt['median_us']:.1f} us (p10 {zmq_rtt['p10_us']:.1f}, "
             f"p90 {zmq_rtt['p90_us']:.1f})")
         if endpoint is None:
-            daemon = DaemonProc(args.l1_bytes, shlex.split(args.daemon_args), args.daemon_log)
+            daemon = DaemonProc(args.l1_bytes, shlex.split(args.daemon_args), args.daemon_log, pin=cuda)
             say(f"starting daemon: {' '.join(daemon.cmd)}  (KVDEPOT_KERNELS_SO={daemon.kernels_so or 'unset'})")
             t0 = time.monotonic()
             daemon.wait_ready()
@@ -93,14 +101,54 @@ def main(argv=None) -> int:
             endpoint = daemon.endpoint
         else:
             doc["daemon"] = {"endpoint": endpoint, "external": True}
-        clients = [KVDepotClient(endpoint, timeout_s=120, name=f"bench-{i}", spin_us=args.spin_us) for i in range(2 * k)]
-        streams = [torch.cuda.Stream(dev) for _ in range(2 * k)]
+        if not args.only_engines:
+            run_points(args, endpoint, dev, zmq_rtt["median_us"], doc)
+        targets = evaluate_targets(doc["results"])
+        if args.engines:
+            say(f"\n{args.engines} engine processes against one daemon:")
+            many = run_many_engines(endpoint, daemon.proc.pid if daemon is not None else None, args.engines,
+                                    args.engine_shape, args.engine_chunk, args.engine_outstanding, args.engine_bytes,
+                                    args.engine_device, args.iters)
+            doc["many_engines"] = many
+            say(format_many(many))
+            targets += evaluate_many(many)
+        doc["targets"] = targets
+        doc["total_s"] = time.perf_counter() - t_run
+        write_json(args.out, doc)
+        say(f"\ndaemon transfer engine: {doc.get('transfer_engine', '?')}")
+        say("targets:")
+        for t in doc["targets"]:
+            say(f"  {'PASS' if t['pass'] else 'FAIL'}  {t['target']}: {t['value']:.3g} (limit {t['limit']:.3g})")
+        say(f"results written to {args.out} ({doc['total_s']:.0f} s in all)")
+        return 0
+    finally:
+        if daemon is not None:
+            rc = daemon.stop()
+            tail = daemon.log_tail(200)
+            bad = [ln for ln in tail.splitlines() if " ERROR " in ln or " WARNING " in ln or "Traceback" in ln]
+            if rc not in (0, None) or bad:
+                say(f"daemon exit code {rc}; log {daemon.log_path}:\n" + "\n".join(bad[-20:] or tail.splitlines()[-20:]))
 
+
+def run_points(args, endpoint: str, dev: torch.device, zmq_us: float, doc: dict) -> None:
+    """Every (shape, chunk size) point (`transfer_bench.point.bench_point`); rows go into
+    ``doc["results"]`` (errors into ``doc["errors"]``), the JSON is rewritten after each."""
+    shapes = SHAPES
+    chunk_sizes = [int(x) for x in args.chunk_sizes.split(",") if x]
+    if args.quick:
+        shapes, chunk_sizes = [SHAPES[0]], [64, 256]
+    elif args.shapes:
+        want = [w.strip().lower() for w in args.shapes.split(",") if w.strip()]
+        shapes = [s for s in SHAPES if any(w in s.name.lower() for w in want)]
+    k = args.outstanding
+    clients = [KVDepotClient(endpoint, timeout_s=120, name=f"bench-{i}", spin_us=args.spin_us) for i in range(2 * k)]
+    try:
+        streams = [torch.cuda.Stream(dev) for _ in range(2 * k)]
         points = [(s, cs) for s in shapes for cs in chunk_sizes]
         max_bytes = max(chunks_for(s, cs, args.bytes_per_point, k) * s.token_bytes * cs for s, cs in points)
         host = [torch.empty(max_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         devbuf = [torch.randint(0, 256, (max_bytes,), dtype=torch.uint8, device=dev) for _ in range(2)]
-        ctx = Ctx(args, dev, clients, streams, host, devbuf, zmq_rtt["median_us"])
+        ctx = Ctx(args, dev, clients, streams, host, devbuf, zmq_us)
         say(f"device {doc['device']}, torch {torch.__version__}; {k} requests outstanding per direction; "
             f"up to {max_bytes / 1e9:.2f} GB per measurement")
         say(HEADER)
@@ -134,22 +182,7 @@ def main(argv=None) -> int:
             del pages, blocks, cache
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-        doc["targets"] = evaluate_targets(doc["results"])
-        doc["total_s"] = time.perf_counter() - t_run
-        write_json(args.out, doc)
-        say(f"\ndaemon transfer engine: {doc.get('transfer_engine', '?')}")
-        say("targets:")
-        for t in doc["targets"]:
-            say(f"  {'PASS' if t['pass'] else 'FAIL'}  {t['target']}: {t['value']:.3g} (limit {t['limit']:.3g})")
-        say(f"results written to {args.out} ({doc['total_s']:.0f} s in all)")
-        return 0
     finally:
         for c in clients:
             with contextlib.suppress(Exception):
                 c.close()
-        if daemon is not None:
-            rc = daemon.stop()
-            tail = daemon.log_tail(200)
-            bad = [ln for ln in tail.splitlines() if " ERROR " in ln or " WARNING " in ln or "Traceback" in ln]
-            if rc not in (0, None) or bad:
-                say(f"daemon exit code {rc}; log {daemon.log_path}:\n" + "\n".join(bad[-20:] or tail.splitlines()[-20:]))

@@ -71,7 +71,6 @@ def zmq_echo_rtt_us(iters: int = 2000, warmup: int = 200) -> dict:
     return {"median_us": statistics.median(ts) * 1e6, "p10_us": q[0] * 1e6, "p90_us": q[-1] * 1e6, "iters": iters}
 
 
-
 class DaemonProc:
     """``python -m kvdepot serve`` in a subprocess on an ipc endpoint in a temp dir.
 

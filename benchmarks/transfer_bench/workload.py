@@ -11,6 +11,7 @@ import torch
 
 from kvdepot.client import KVDepotClient
 
+
 class _Work:
     """Items handed out to threads one at a time."""
 

@@ -101,7 +101,7 @@ class KVDepotClient:
         self.last_retrieve_event = None
         self._drains: dict = {}  # id(staging ring) -> (rid, through_seq) of its Drain in flight
         self._submit_thread = threading.get_ident()
-        self.drains_answered = 0  # Drains that settled lost staging regions (`_drain_settles`)
+        self.drains_answered = 0  # Drains that settled lost staging regions (`kvdepot.client.pending.drain_settles`)
         # fastest staged store seen (submit to reply, seconds per byte, stores >= 4 MiB): a
         # staged store's wait sleeps until shortly before such a reply could come, then spins
         self._staged_store_s_per_byte: float | None = None
@@ -589,38 +589,6 @@ class KVDepotClient:
         ev.record(stream)
         if not ev.query():
             ev.synchronize()
-
-    def _drain_settles(self, reg: Registration, seq: int) -> bool:
-        """Whether staging region ``seq`` of ``reg``, whose request was lost in a timeout, may
-        be reused: a `Drain` through it was answered (the daemon finished every copy of it and
-        refuses the request should it still arrive). Never blocks: sends one Drain per ring at
-        a time (only from the thread that uses this client) and takes its reply in a later call."""
-        ring = reg.staging.ring
-        if ring.drained_through >= seq:
-            return True
-        if threading.get_ident() != self._submit_thread:
-            return False  # another client's thread asks: this client's socket is not its to use
-        got = self._drains.get(id(ring))
-        if got is not None:
-            rid, through = got
-            self.poll()
-            if not self.done(rid):
-                return False
-            del self._drains[id(ring)]
-            try:
-                self.wait(rid, 0)
-            except KVDepotError:
-                return False  # lost or refused: the next call asks again
-            ring.drained_through = max(ring.drained_through, through)
-            self.drains_answered += 1
-            return ring.drained_through >= seq
-        through = ring.last_seq
-        try:
-            rid = self.submit(m.Drain(rid=0, registration=reg.id, through_seq=through))
-        except (KVDepotError, zmq.ZMQError, OSError):
-            return False
-        self._drains[id(ring)] = (rid, through)
-        return False
 
     def end_request(self, request: str) -> None:
         self.call(m.EndRequest(rid=0, request=request))

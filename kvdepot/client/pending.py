@@ -1,11 +1,15 @@
 """Handles of submitted STORE / RETRIEVE requests (`KVDepotClient.submit_store`,
 `KVDepotClient.submit_retrieve`): ``done()`` never blocks, ``result()`` waits for the reply
-and, with engine-side staging, frees or scatters out of the request's staging-ring region."""
+and, with engine-side staging, frees or scatters out of the request's staging-ring region; a
+region whose request was lost in a timeout is settled by a `Drain` (`drain_settles`)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING
+
+import zmq
 
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
@@ -18,6 +22,39 @@ def region_reusable_after(error: KVDepotError) -> bool:
     """Whether a failed staged request's ring region may be reused: not when the request was
     lost in a timeout or with the connection (the daemon may still copy into or out of it)."""
     return error.code not in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED)
+
+
+def drain_settles(client: KVDepotClient, reg: Registration, seq: int) -> bool:
+    """Whether staging region ``seq`` of ``reg``, whose request was lost in a timeout, may be
+    reused: a `Drain` through it was answered (the daemon finished every copy of it and refuses
+    the request should it still arrive). Never blocks: sends one Drain per ring at a time (only
+    from the thread that uses ``client``) and takes its reply in a later call."""
+    ring = reg.staging.ring
+    if ring.drained_through >= seq:
+        return True
+    if threading.get_ident() != client._submit_thread:
+        return False  # another client's thread asks: this client's socket is not its to use
+    got = client._drains.get(id(ring))
+    if got is not None:
+        rid, through = got
+        client.poll()
+        if not client.done(rid):
+            return False
+        del client._drains[id(ring)]
+        try:
+            client.wait(rid, 0)
+        except KVDepotError:
+            return False  # lost or refused: the next call asks again
+        ring.drained_through = max(ring.drained_through, through)
+        client.drains_answered += 1
+        return ring.drained_through >= seq
+    through = ring.last_seq
+    try:
+        rid = client.submit(m.Drain(rid=0, registration=reg.id, through_seq=through))
+    except (KVDepotError, OSError, zmq.ZMQError):
+        return False
+    client._drains[id(ring)] = (rid, through)
+    return False
 
 
 def _settle_lost(pending) -> bool:
@@ -96,7 +133,7 @@ class PendingStore:
 
     def _settled(self, error: KVDepotError) -> bool:
         return (error.code == ErrorCode.TIMEOUT and self._reg is not None
-                and self.client._drain_settles(self._reg, self._region.seq))
+                and drain_settles(self.client, self._reg, self._region.seq))
 
     def _reclaim(self) -> bool:
         try:
@@ -156,7 +193,7 @@ class PendingRetrieve:
             self.done()  # takes the reply, or the error of a request lost in a timeout
         if self._error is not None:
             return region_reusable_after(self._error) or (
-                self._error.code == ErrorCode.TIMEOUT and self.client._drain_settles(self._reg, self._region.seq))
+                self._error.code == ErrorCode.TIMEOUT and drain_settles(self.client, self._reg, self._region.seq))
         if self._retrieved is None:
             return False
         return self._done_event is None or self._done_event.query()
