@@ -41,7 +41,8 @@ from kvdepot.client.kvcache import KVGroupShape, ShmKVCache  # noqa: E402
 from kvdepot.gpu.layout import group_layers  # noqa: E402
 from kvdepot.protocol import codec  # noqa: E402
 from kvdepot.protocol import messages as m  # noqa: E402
-from kvdepot.server.daemon import Daemon, DaemonConfig, Registration  # noqa: E402
+from kvdepot.server.daemon import Daemon, DaemonConfig  # noqa: E402
+from kvdepot.server.registration import Registration  # noqa: E402
 
 BF16 = torch.bfloat16
 SHAPES = {  # name -> (group, chunk tokens): the shapes of transfer.py whose chunks are smallest / largest

@@ -18,7 +18,7 @@ from kvdepot.protocol.errors import ErrorCode, RequestError
 from kvdepot.server.index import Entry, EntryState
 
 if TYPE_CHECKING:
-    from kvdepot.server.daemon import Registration
+    from kvdepot.server.registration import Registration
 
 log = logging.getLogger("kvdepot.daemon")
 _TRACE = trace.POINTS  # None unless KVDEPOT_TRACE_FILE is set (see kvdepot/trace.py)
