@@ -363,7 +363,8 @@ def direct(reg, num_blocks: int, endpoint: str, chunk: int, requests: int, objec
     with KVDepotClient(endpoint, timeout_s=60) as c:
         c.flush()  # the engines' chunks: the direct run starts with an empty L1
         r = c.register("direct-bench", "tp0of1", chunk, reg.storages, reg.layers, reg.groups, device=device,
-                       local_storages=reg.local if device == "cuda" else None, staging_bytes=staging_bytes)
+                       local_storages=reg.local if device == "cuda" else None, staging_bytes=staging_bytes,
+                       storage_fds=reg.storage_fds)
         keys = [[os.urandom(16) for _ in range(CHUNKS_PER_STEP)] for _ in range(requests)]
         ids = [[[(1 + (i * CHUNKS_PER_STEP * n + j)) % (num_blocks - 1) + 1 for j in range(CHUNKS_PER_STEP * n)]
                 for n in blocks_per_chunk] for i in range(requests)]
