@@ -1000,8 +1000,12 @@ int kvd_engine_signal(void* word, uint64_t value, cudaStream_t stream) {
 int kvd_host_register_mapped(void* ptr, size_t size_bytes, void** out_dev) {
   if (ptr == nullptr || out_dev == nullptr) return KVD_EINVAL;
   int rc = kvd_check(cudaHostRegister(ptr, size_bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
-  if (!rc) rc = kvd_check(cudaHostGetDevicePointer(out_dev, ptr, 0));
-  if (rc) cudaHostUnregister(ptr);
+  if (rc) return rc;
+  rc = kvd_check(cudaHostGetDevicePointer(out_dev, ptr, 0));
+  if (rc) {
+    cudaHostUnregister(ptr);
+    cudaGetLastError();  // an error left here would be read as the next launch's own
+  }
   return rc;
 }
 
