@@ -14,7 +14,9 @@ on the current stream. Per shape:
   results), median and p99 over the steps that stored 16 chunks / that loaded; per method too.
   ``on_new_request`` (a prompt's keys hashed, its lookup sent) runs when vLLM adds a request,
   not in a step: reported per request. Worker side includes the per-layer ``wait_for_layer_load``
-  / ``save_kv_layer`` calls (the latter sends stores that waited for staging-ring room).
+  / ``save_kv_layer`` calls, if vLLM makes any. The worker's transfer thread (the stores' and
+  loads' work itself) runs beside the engine's thread: its CPU time per step is reported
+  apart (``thread_cpu_us_per_step``).
 * ``decode_step_us``: the same for a step that moves nothing (8 short requests decoding).
 * Every figure is less the timer's own cost per wrapped call (``timer_overhead_us_per_call``,
   measured in the same process around a method that does nothing), and the per-layer calls
@@ -249,7 +251,7 @@ def _pct(xs, q):
 
 
 STAGE_CALLS = {  # --stages: the parts of the worker's transfer path, timed per call
-    "worker": ("_keys", "_block_ids", "_pump", "_collect", "_pump_due", "_current_stream"),
+    "mover": ("_keys", "_block_ids", "_pump", "_collect", "_publish", "_handle"),
     "client": ("submit_store", "submit_retrieve", "submit", "poll", "_fence", "wait"),
     "staging": ("gather", "scatter", "flat_ids"),
     "ring": ("alloc",),
@@ -270,7 +272,7 @@ class StageTimers:
         if not self.enabled:
             return
         w = engine.worker_conn.worker
-        objs = {"worker": w, "client": w.client}
+        objs = {"mover": w.mover, "client": w.client}
         if w.kvreg is not None and w.kvreg.staging is not None:
             objs["staging"], objs["ring"] = w.kvreg.staging, w.kvreg.staging.ring
         for kind, obj in objs.items():
@@ -303,6 +305,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, timeout_s: floa
     _sync()
     added = sched_t.take()  # on_new_request (keys hashed, lookup sent) at add time, not a step's
     steps, t0 = [], time.perf_counter()
+    forward_steps = 0
     engine_s = 0.0  # the engine's own time (its steps that ran a forward, less the connector's)
     deadline = time.monotonic() + timeout_s
     while engine.scheduler.has_requests():
@@ -314,6 +317,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, timeout_s: floa
         if getattr(so.kv_connector_metadata, kind, None):
             steps.append((sched, work))
         if so.total_num_scheduled_tokens:
+            forward_steps += 1
             engine_s += max(0.0, step_s - sum(sched.values()) - sum(work.values()))
         else:
             time.sleep(0.0002)
@@ -323,13 +327,14 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, timeout_s: floa
     names = sorted({n for a, b in steps for n in (*a, *b)})
     per_call = {n: statistics.median([1e6 * (a.get(n, 0.0) + b.get(n, 0.0)) for a, b in steps]) for n in names}
     med = statistics.median
-    return {"wall_s": time.perf_counter() - t0, "engine_s": engine_s, "steps_measured": len(steps),
+    stats = {k: v - before.get(k, 0) for k, v in engine.worker_conn.worker.stats.items()}
+    return {"thread_cpu_us_per_step": 1e6 * stats["thread_cpu_s"] / max(1, forward_steps), "forward_steps": forward_steps,
+            "wall_s": time.perf_counter() - t0, "engine_s": engine_s, "steps_measured": len(steps),
             "step_us_median": med(total) if total else None, "step_us_p99": _pct(total, 0.99),
             "sched_us_median": med([1e6 * sum(a.values()) for a, _ in steps]) if steps else None,
             "worker_us_median": med([1e6 * sum(b.values()) for _, b in steps]) if steps else None,
             "per_call_us_median": per_call, "on_new_request_us_per_request": 1e6 * sum(added.values()) / len(prompts),
-            "stages": stages.take(),
-            "stats": {k: v - before.get(k, 0) for k, v in engine.worker_conn.worker.stats.items()}}
+            "stages": stages.take(), "stats": stats}
 
 
 def decode_steps(engine: H.Engine, requests: int = 8, steps: int = 48) -> dict:
@@ -460,7 +465,7 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
         res[f"{op}_wall_s"], res[f"{op}_engine_s"] = d["wall_s"], d["engine_s"]
     for op, d in (("store", store), ("load", load)):
         for k in ("step_us_median", "step_us_p99", "sched_us_median", "worker_us_median", "per_call_us_median",
-                  "steps_measured", "on_new_request_us_per_request", "stages"):
+                  "steps_measured", "on_new_request_us_per_request", "stages", "thread_cpu_us_per_step"):
             res[f"{op}_{k}"] = d[k]
     res["store_stats"], res["load_stats"] = store["stats"], load["stats"]
     res["timer_overhead_us_per_call"] = 1e6 * CallTimer.overhead_s()
@@ -491,13 +496,15 @@ def report(r: dict) -> str:
             f" {1e3 * r['store_wall_s']:.0f} ms = {100 * r['store_vs_bound']:.1f}% of max(link {1e3 * r['store_link_s']:.0f},"
             f" engine's own steps {1e3 * r['store_engine_s']:.0f} ms); per step"
             f" +{r['store_step_us_median']:.0f} us median, {r['store_step_us_p99']:.0f} p99 (scheduler"
-            f" {r['store_sched_us_median']:.0f}, worker {r['store_worker_us_median']:.0f}; {calls('store')})\n"
+            f" {r['store_sched_us_median']:.0f}, worker {r['store_worker_us_median']:.0f}; {calls('store')});"
+            f" transfer thread {r['store_thread_cpu_us_per_step']:.0f} us CPU per forward step\n"
             f"  load:  {r['load_gbps']:.1f} GB/s = {100 * r['load_vs_roofline']:.1f}% of {r['roofline_h2d_gbps']:.1f}"
             f" (direct {r['direct_retrieve_gbps']:.1f} = {100 * r['direct_retrieve_vs_roofline']:.1f}%); wall"
             f" {1e3 * r['load_wall_s']:.0f} ms = {100 * r['load_vs_bound']:.1f}% of max(link {1e3 * r['load_link_s']:.0f},"
             f" engine's own steps {1e3 * r['load_engine_s']:.0f} ms); per step"
             f" +{r['load_step_us_median']:.0f} us median over {r['load_steps_measured']} steps (scheduler"
-            f" {r['load_sched_us_median']:.0f}, worker {r['load_worker_us_median']:.0f}; {calls('load')})\n"
+            f" {r['load_sched_us_median']:.0f}, worker {r['load_worker_us_median']:.0f}; {calls('load')});"
+            f" transfer thread {r['load_thread_cpu_us_per_step']:.0f} us CPU per forward step\n"
             f"  decode step (8 requests, nothing moved): +{r['decode_step_us_median']:.0f} us median,"
             f" {r['decode_step_us_p99']:.0f} p99 (the timer's own {r['timer_overhead_us_per_call']:.2f} us per call"
             f" taken off every figure, {r['timer_in_layer_extra_us_per_call']:.2f} more per per-layer call)\n"

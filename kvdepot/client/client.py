@@ -216,6 +216,12 @@ class KVDepotClient:
         except (msgspec.DecodeError, UnicodeDecodeError):
             self._reset(ErrorCode.MALFORMED, "undecodable reply")
 
+    @property
+    def awaiting_replies(self) -> bool:
+        """Whether a request sent on the open connection has not been answered yet (`poll`
+        with a timeout then returns at the first reply)."""
+        return self._unread > 0
+
     def done(self, rid: int) -> bool:
         """Whether `wait` of ``rid`` returns at once (its reply, error or loss is in); after `poll`."""
         return rid in self._replies or rid not in self._outstanding

@@ -396,7 +396,7 @@ def test_slow_daemon_load_times_out_and_blocks_wait_for_its_late_answer(daemon, 
     finally:
         daemon.resume()
     b.run()
-    assert not w._ops
+    assert not w.mover._ops
     assert b.runs[rb].outputs == a.runs[ra].outputs
 
 
@@ -549,7 +549,7 @@ def test_tensor_parallel_prefix_hits_only_where_every_shard_is_cached(shared_dae
     """A chunk cached for rank 0 only is no hit for a TP=2 instance: the scheduler asks for the
     chunks of every shard, and the request is computed in full."""
     a = engines(cfg(shared_daemon.endpoint), tp=2)
-    a.workers[1].worker._disable("test: rank 1 stores nothing")
+    a.workers[1].worker.disable("test: rank 1 stores nothing")
     prompt = H.tokens(6, 200)
     a.add(prompt, max_tokens=2)
     a.run()
@@ -563,24 +563,41 @@ def test_tensor_parallel_prefix_hits_only_where_every_shard_is_cached(shared_dae
     assert [w.worker.stats["loaded_chunks"] for w in b.workers] == [0, 0]
 
 
-def test_per_layer_calls_only_while_pieces_wait_or_loads_run(shared_daemon, cfg, engines):
-    """vLLM's attention layers call the connector around each layer only while
-    has_connector_metadata() is True: only while a piece waits for staging-ring room or a load
-    is in flight (its scatter is enqueued from save_kv_layer once its copies ended)."""
-    from kvdepot.client.vllm.worker import _Piece
+def test_transfers_run_off_the_engine_thread_and_no_per_layer_calls(shared_daemon, cfg, engines):
+    """Every request the worker sends to the daemon leaves from its transfer thread, never from
+    the engine's thread (a step only posts work), and vLLM's attention layers make no per-layer
+    connector calls (has_connector_metadata() is False while stores and loads run)."""
+    import threading
 
-    e = engines(cfg(shared_daemon.endpoint))
-    e.run(e.add(H.tokens(4, 100), max_tokens=2))
-    conn = e.worker_conn
-    assert conn.has_connector_metadata() is False  # idle, and during a decode step
-    w = conn.worker
-    w._queue.append(_Piece("r-load", "load", [b"k" * 16], [[1]]))
-    assert conn.has_connector_metadata() is True
-    w._queue.appendleft(_Piece("r-store", "store", [b"k" * 16], [[1]]))
-    assert conn.has_connector_metadata() is True
-    w._queue.clear()
-    assert conn.has_connector_metadata() is False
-    w._loads_out = 1  # a load sent, not yet scattered
-    assert conn.has_connector_metadata() is True
-    w._collect()  # no op is in flight: recounted
-    assert conn.has_connector_metadata() is False
+    a = engines(cfg(shared_daemon.endpoint))
+    engine_thread = threading.get_ident()
+    senders, per_layer = [], []
+
+    def spy_on(engine):
+        client, conn = engine.worker_conn.worker.client, engine.worker_conn
+        submit, has = client.submit, conn.has_connector_metadata
+
+        def spy(req):
+            senders.append((type(req).__name__, threading.get_ident()))
+            return submit(req)
+
+        def has_spy():
+            per_layer.append(has())
+            return per_layer[-1]
+
+        client.submit, conn.has_connector_metadata = spy, has_spy
+
+    spy_on(a)
+    prompt = H.tokens(21, 200)
+    ra = a.add(prompt, max_tokens=2)
+    a.run()
+    b = engines(cfg(shared_daemon.endpoint))
+    spy_on(b)
+    rb = b.add(prompt, max_tokens=2)
+    b.run()
+    kinds = {k for k, _ in senders}
+    assert {"Store", "Retrieve"} <= kinds, senders
+    assert all(t != engine_thread for _, t in senders), "the engine thread sent a request to the daemon"
+    assert per_layer and not any(per_layer)
+    assert a.runs[ra].computed == 200 + 1
+    assert b.runs[rb].computed == 200 - 3 * CHUNK + 1 and b.runs[rb].outputs == a.runs[ra].outputs

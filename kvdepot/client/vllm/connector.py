@@ -142,20 +142,16 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_connector_metadata(self) -> bool:
         # vLLM's attention layers call wait_for_layer_load and save_kv_layer around each layer
-        # only while this is True (vllm.model_executor.layers.attention.kv_transfer_utils). Loads
-        # never wait per layer, so the calls are needed only while pieces wait for staging-ring
-        # room or loads are in flight (save_kv_layer sends the former and scatters the latter):
-        # otherwise a decode step of an 80-layer model would make 160 calls that do nothing.
-        return self.worker is not None and self.worker.layer_calls_wanted()
+        # only while this is True (vllm.model_executor.layers.attention.kv_transfer_utils).
+        # Loads never wait per layer and whole chunks are stored after the forward, by the
+        # worker's transfer thread: the per-layer calls would do nothing.
+        return False
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request runs only after get_finished reported its load
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        # whole chunks are gathered in wait_for_save, after the forward; per layer, loads whose
-        # copies ended are scattered and pieces that wait for staging-ring room are sent
-        if self.worker is not None:
-            self.worker.on_layer()
+        return  # whole chunks are gathered after the forward (wait_for_save)
 
     def wait_for_save(self) -> None:
         assert self.worker is not None

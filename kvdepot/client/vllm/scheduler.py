@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 import zmq
+from vllm.v1.request import RequestStatus
 
 from kvdepot.client.client import KVDepotClient
 from kvdepot.client.hashing import chain_hashes, namespace_seed, shard_keys, shard_mask, shard_name
@@ -42,6 +43,7 @@ from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
 log = logging.getLogger("kvdepot.vllm")
+_WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
 @dataclasses.dataclass(slots=True)
@@ -197,6 +199,7 @@ class SchedulerSide:
                 st.hit_chunks = 0
             else:
                 st.hit_chunks = reply.hit_chunks
+                st.pinned = reply.hit_chunks > 0  # a lookup without a hit pins nothing: no EndRequest
                 st.next_store_chunk = max(st.next_store_chunk, reply.hit_chunks)  # those are cached already
         st.lookup_rid = None
         return st.hit_chunks
@@ -324,10 +327,8 @@ class SchedulerSide:
             end = self._send(m.EndRequest(rid=0, request=rid))
             if end is not None:
                 self.client.forget(end)  # fire and forget: pins also expire by TTL
-        from vllm.v1.request import RequestStatus
-
         # a request aborted while its load runs is freed by vLLM on finished_recving
-        delay = st.had_ops and request.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+        delay = st.had_ops and request.status != _WAITING_FOR_REMOTE_KVS
         if delay:
             self._release.append(rid)
         return delay, None

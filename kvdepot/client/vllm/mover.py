@@ -1,0 +1,613 @@
+"""The worker's transfer thread: every store and load of a vLLM worker runs here, off the
+engine's step. `kvdepot.client.vllm.worker.WorkerSide` (the engine thread's side) only posts
+commands and takes results; this thread owns the `KVDepotClient`, the staging ring and every
+piece in flight.
+
+Ordering with the engine's CUDA stream (the thread gathers and scatters on a stream of its own,
+the *side stream*):
+
+* a store's gather waits (GPU-side) on an event the engine thread recorded after the forward
+  that wrote the blocks (``wait_for_save``); the blocks stay the request's until its store
+  ended (vLLM's ``delay_free_blocks``), so the gather may run any time later. Models with a
+  sliding-window group are the exception (vLLM frees blocks that leave the window while the
+  request runs): their stores are gathered now or never, and the engine's stream waits for
+  those gathers before its next forward (`WorkerSide.bind`).
+* a load's scatter waits on an event recorded in ``start_load_kv`` (after vLLM gave the
+  request its blocks: work an earlier owner of those blocks queued runs first); the engine's
+  stream waits on an event recorded after the scatter before the request is reported in
+  ``finished_recving``.
+* preemption: `WorkerSide.handle_preemptions` waits until this thread dropped the preempted
+  requests' queued stores, and makes the engine's stream wait for the gathers already queued.
+
+Ring full: a store or load waits in a queue (in order, so a request's chunks reach the daemon
+parent first) and goes out once the ring has room; stores of sliding-window models never wait
+(skipped and counted). A load or store larger than a quarter of the ring goes in pieces. Daemon
+down, hung or restarted: see `kvdepot.client.client` (fail fast, `available` probes, a new boot
+-> register again). A store or retrieve without an answer after ``rpc_timeout_s`` marks the
+daemon down; its request keeps its blocks until the answer, the daemon's restart or
+``hold_max_s``, so a late copy never touches blocks vLLM gave to another request.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+
+import torch
+
+from kvdepot.client.client import KVDepotClient, PendingRetrieve, PendingStore
+from kvdepot.client.hashing import shard_keys, shard_mask
+from kvdepot.client.vllm.layout import Registration
+from kvdepot.client.vllm.plan import LoadJob, StoreJob
+from kvdepot.protocol.errors import ErrorCode, KVDepotError
+
+log = logging.getLogger("kvdepot.vllm")
+
+_REPLY_POLL_S = 1e-3  # while replies are due: the socket is watched this long at a time (a reply wakes it)
+_ROOM_POLL_S = 100e-6  # while pieces wait for ring room and no reply is due
+_IDLE_S = 0.05  # nothing in flight: wait this long for a command at a time
+# errors after which the daemon is treated as down (pinged until it answers) rather than as
+# having refused one request
+DOWN = (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE, ErrorCode.DISCONNECTED, ErrorCode.INTERNAL)
+
+
+@dataclasses.dataclass(slots=True)
+class _Piece:
+    """Up to a quarter of the staging ring of one store or load job."""
+
+    req_id: str
+    kind: str  # "store" / "load"
+    keys: list[bytes]  # this shard's keys
+    block_ids: list[list[int]]  # per daemon gid, registered (kernel) block ids
+    parent: bytes = b""  # store: key of the chunk before
+    cache_salt: str = ""
+    skip_tokens: int = 0  # load
+    load: _Load | None = None  # load: the job it belongs to
+    index: int = 0  # load: piece number within the job
+    queued_at: float = 0.0
+    waited: bool = False  # found the staging ring full at least once (counted in pieces_queued)
+    after: object = None  # CUDA: the engine-stream event the gather / scatter must follow
+
+
+@dataclasses.dataclass(slots=True)
+class _Load:
+    """A load job in flight: reported once every piece ended."""
+
+    job: LoadJob
+    retrieved: list[int | None]  # per piece: chunks written (None: not ended yet)
+    chunks: list[int]  # per piece: chunks asked for
+
+
+@dataclasses.dataclass(slots=True)
+class _Op:
+    piece: _Piece
+    pending: PendingStore | PendingRetrieve
+    generation: int  # the client's boot generation when sent
+    sent_at: float
+    late: bool = False  # rpc_timeout_s passed (logged, daemon marked down)
+
+
+class Preemption:
+    """A `TransferThread.preempt` in progress: ``done`` is set once the thread dropped the
+    requests' queued stores; ``event`` (CUDA) follows every gather the thread queued before."""
+
+    __slots__ = ("req_ids", "done", "event")
+
+    def __init__(self, req_ids: set[str]) -> None:
+        self.req_ids = req_ids
+        self.done = threading.Event()
+        self.event = None
+
+
+@dataclasses.dataclass(slots=True)
+class Results:
+    """What the transfer thread reports to the engine thread (taken by `TransferThread.take`)."""
+
+    sending: set[str] = dataclasses.field(default_factory=set)  # finished requests whose transfers ended
+    recving: set[str] = dataclasses.field(default_factory=set)  # loads that ended (ok or not)
+    failed_recving: set[str] = dataclasses.field(default_factory=set)
+    invalid_blocks: set[int] = dataclasses.field(default_factory=set)
+    scatter_event: object = None  # CUDA: recorded after the scatters of every load in ``recving``
+
+
+class TransferThread:
+    """The transfers of one vLLM worker (stores, loads, registration with the daemon), run on
+    a thread of their own. The engine thread calls `post`, `preempt`, `saves_gathered` and
+    `take`; everything else runs on the thread.
+
+    Args:
+        side: the `WorkerSide` (configuration, layout, stats, registration helpers).
+    """
+
+    def __init__(self, side) -> None:
+        self.side = side
+        self.cfg = side.cfg
+        self.client: KVDepotClient = side.client
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: collections.deque[_Piece] = collections.deque()  # waiting for ring room
+        self._ops: list[_Op] = []
+        self._stopped: set[str] = set()  # requests whose later stores are skipped (a chunk was)
+        self._masks: dict[bytes, bytes] = {}  # request seed -> this shard's mask
+        self._release: dict[str, int] = {}  # finished requests vLLM keeps blocks for -> step they came in
+        self._steps_ended = 0  # engine steps whose commands were all handled
+        # to the engine thread without a lock (deque appends and pops are atomic): a lock the
+        # engine thread blocked on would hand the GIL to this thread for a whole switch interval
+        self._outbox: collections.deque[Results] = collections.deque()
+        self._saves_cond = threading.Condition()  # notified as _saves_gathered grows
+        self._saves_gathered = 0  # "save" commands handled
+        self._gather_event = None  # side-stream event after the gathers of those
+        self._side: torch.cuda.Stream | None = None
+        self._scattered = False  # a load's scatter was queued since the last publish
+        self._thread: threading.Thread | None = None
+        self._failed = False
+        self._recving: set[str] = set()  # loads that ended since the last publish
+        self._failed_recving: set[str] = set()
+        self._invalid_blocks: set[int] = set()
+
+    # ------------------------------------------------------------------ engine thread
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"kvdepot-{self.side.shard}", daemon=True)
+        self._thread.start()
+
+    def post(self, cmd: tuple) -> None:
+        """Queue one command: ("bind", meta, step), ("load", jobs, null_id, event),
+        ("save", jobs, event), ("end", step)."""
+        self._inbox.put(cmd)
+
+    def preempt(self, req_ids: set[str], timeout_s: float) -> Preemption:
+        """Drop the queued stores of ``req_ids`` (their blocks go to other requests in this
+        step's forward); returns once the thread did (or after ``timeout_s``)."""
+        p = Preemption(req_ids)
+        self._inbox.put(("preempt", p))
+        if not p.done.wait(timeout_s):
+            log.error("kvdepot: the transfer thread did not answer a preemption within %.1f s", timeout_s)
+        return p
+
+    def saves_gathered(self, count: int, timeout_s: float):
+        """Wait until the first ``count`` "save" commands were handled (their gathers queued or
+        skipped); returns the side-stream event after those gathers (None on CPU)."""
+        if self._saves_gathered < count:
+            with self._saves_cond:
+                if not self._saves_cond.wait_for(lambda: self._saves_gathered >= count, timeout_s):
+                    log.error("kvdepot: the transfer thread did not gather a step's stores within %.1f s",
+                              timeout_s)
+        return self._gather_event
+
+    def take(self) -> Results:
+        """The results published since the last call (merged)."""
+        box = self._outbox
+        if not box:
+            return Results()
+        out = box.popleft()
+        while box:
+            more = box.popleft()
+            out.sending |= more.sending
+            out.recving |= more.recving
+            out.failed_recving |= more.failed_recving
+            out.invalid_blocks |= more.invalid_blocks
+            if more.scatter_event is not None:
+                out.scatter_event = more.scatter_event
+        return out
+
+    def stop(self, timeout_s: float) -> None:
+        if self._thread is None:
+            self.client.close()
+            return
+        self._inbox.put(("stop",))
+        self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        reg = self.side.reg
+        if reg is not None and reg.device == "cuda":
+            dev = reg.local[0].device if reg.local else torch.device("cuda")
+            torch.cuda.set_device(dev)
+            self._side = torch.cuda.Stream(dev)
+            torch.cuda.set_stream(self._side)  # a ring reclaim's scatter goes there too
+        t_cpu = time.thread_time()
+        while True:
+            cmd = self._wait()
+            try:
+                while cmd is not None:
+                    if cmd[0] == "stop":
+                        self._shutdown()
+                        return
+                    self._handle(cmd)
+                    cmd = self._next()
+                if self._queue or self._ops:
+                    self.client.poll()
+                    self._collect()
+                    self._pump()
+                self._publish()
+            except Exception as exc:  # a bug here must not leave requests waiting forever
+                self._fail_all(exc)
+            now = time.thread_time()
+            self.side.stats["thread_cpu_s"] += now - t_cpu
+            t_cpu = now
+
+    def _next(self):
+        try:
+            return self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _wait(self):
+        """The next command, or None once there may be transfer work to do."""
+        if not (self._queue or self._ops):
+            try:
+                return self._inbox.get(timeout=_IDLE_S)
+            except queue.Empty:
+                return None
+        cmd = self._next()
+        if cmd is not None:
+            return cmd
+        if self.client.awaiting_replies:
+            self.client.poll(_REPLY_POLL_S)  # returns at the first reply
+            return self._next()
+        try:
+            return self._inbox.get(timeout=_ROOM_POLL_S)
+        except queue.Empty:
+            return None
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "bind":
+            meta, step = cmd[1], cmd[2]
+            for r in meta.release:
+                self._release.setdefault(r, step)
+            self.side.ready()  # once per step: notices a restarted daemon even while idle
+        elif kind == "load":
+            _, jobs, null_id, event = cmd
+            ready = self.side.ready()
+            for job in jobs:
+                self._load(job, ready, null_id, event)
+            self._pump()
+        elif kind == "save":
+            _, jobs, event = cmd
+            try:
+                self._save(jobs, event)
+            finally:  # counted even if it failed: the engine thread may wait for the count
+                if self._side is not None:
+                    ev = torch.cuda.Event()
+                    ev.record(self._side)
+                    self._gather_event = ev  # before the count: a reader that sees the count sees it
+                with self._saves_cond:
+                    self._saves_gathered += 1
+                    self._saves_cond.notify_all()
+        elif kind == "end":
+            self._steps_ended = cmd[1]
+        elif kind == "preempt":
+            self._preempt(cmd[1])
+
+    def _publish(self) -> None:
+        sending = set()
+        if self._release:
+            for r, step in list(self._release.items()):
+                if step <= self._steps_ended and not self._busy(r):
+                    sending.add(r)
+                    del self._release[r]
+            self._stopped -= sending
+        if not (sending or self._recving or self._failed_recving or self._invalid_blocks):
+            return
+        ev = None
+        if self._scattered and self._side is not None:
+            ev = torch.cuda.Event()
+            ev.record(self._side)
+            self._scattered = False
+        self._outbox.append(Results(sending, self._recving, self._failed_recving & self._recving,
+                                    self._invalid_blocks, ev))
+        self._failed_recving -= self._recving
+        self._recving, self._invalid_blocks = set(), set()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """An unexpected error in this thread: log it, stop using the daemon on this worker
+        (vLLM keeps serving without it) and end every load (recomputed) and store (skipped)."""
+        if not self._failed:
+            log.exception("kvdepot: the transfer thread failed; the connector is disabled on this worker",
+                          exc_info=exc)
+        self._failed = True
+        self.side.disable(f"the transfer thread failed: {exc!r}")
+        for op in self._ops:
+            self._failed_op(op, None)
+        for p in self._queue:
+            self._drop(p, "the transfer thread failed")
+        self._ops, self._queue = [], collections.deque()
+        try:
+            self._publish()
+        except Exception:
+            pass
+
+    def _shutdown(self) -> None:
+        c, kvreg = self.client, self.side.kvreg
+        if kvreg is not None and c.up:
+            try:
+                for op in self._ops:  # the ring and the blocks must outlive the daemon's copies
+                    op.pending.result(timeout_s=self.cfg.rpc_timeout_s)
+                c.unregister(kvreg)
+            except KVDepotError:
+                pass
+        c.close()
+
+    # ------------------------------------------------------------------ jobs -> pieces
+
+    def _keys(self, chain: list[bytes], seed: bytes) -> list[bytes]:
+        mask = self._masks.get(seed)
+        if mask is None:
+            if len(self._masks) > 4096:
+                self._masks.clear()
+            mask = self._masks[seed] = shard_mask(seed, self.side.shard)
+        return shard_keys(chain, [mask])[0]
+
+    def _piece_chunks(self) -> int:
+        """Most chunks per piece: a quarter of the ring, so that several are in flight."""
+        kvreg = self.side.kvreg
+        if kvreg is None or kvreg.staging is None:
+            return 1 << 30
+        return max(1, kvreg.staging.ring.size_bytes // 4 // kvreg.object_bytes)
+
+    def _block_ids(self, reg: Registration, g: int, ids: list[int], null_id: int | None) -> list[int]:
+        """Manager block ids of daemon gid ``g`` -> registered block ids; ``null_id`` -> -1."""
+        r = reg.ratio[g]
+        if null_id is not None and self.side.groups[g].has_null_blocks and null_id in ids:
+            self.side.stats["null_blocks_left_alone"] += 1
+            return [-1 if b == null_id else b * r + i for b in ids for i in range(r)]
+        return reg.expand(g, ids)
+
+    def _load(self, job: LoadJob, ready: bool, null_id: int, event) -> None:
+        side = self.side
+        side.stats["loads"] += 1
+        if not (ready and job.chain and all(job.block_ids)):
+            self._finish_load(job, 0)
+            return
+        keys = self._keys(job.chain, job.seed)
+        c = self.cfg.chunk_size
+        per = self._piece_chunks()
+        reg = side.reg
+        ids = [self._block_ids(reg, g, b, null_id) for g, b in enumerate(job.block_ids)]
+        bpc = [c // gs.tokens_per_block for gs in reg.groups]
+        starts = list(range(0, len(keys), per))
+        load = _Load(job, [None] * len(starts), [min(per, len(keys) - s) for s in starts])
+        now = time.monotonic()
+        for i, s in enumerate(starts):
+            e = s + load.chunks[i]
+            self._queue.append(_Piece(job.req_id, "load", keys[s:e], [x[s * n:e * n] for x, n in zip(ids, bpc)],
+                                      skip_tokens=job.skip_tokens if i == 0 else 0, load=load, index=i,
+                                      queued_at=now, after=event))
+
+    def _save(self, jobs: list[StoreJob], event) -> None:
+        side = self.side
+        ready = side.ready()
+        c = self.cfg.chunk_size
+        per = self._piece_chunks()
+        now = time.monotonic()
+        reg = side.reg
+        for job in jobs:
+            if not ready or job.req_id in self._stopped or not job.chain:
+                side.stats["store_failures"] += 1
+                continue
+            keys = self._keys(job.chain, job.seed)
+            parent = self._keys([job.parent], job.seed)[0] if job.parent else b""
+            ids = [self._block_ids(reg, g, b, None) for g, b in enumerate(job.block_ids)]
+            bpc = [c // gs.tokens_per_block for gs in reg.groups]
+            for s in range(0, len(keys), per):
+                e = min(len(keys), s + per)
+                self._queue.append(_Piece(job.req_id, "store", keys[s:e], [x[s * n:e * n] for x, n in zip(ids, bpc)],
+                                          parent=parent if s == 0 else keys[s - 1], cache_salt=job.cache_salt,
+                                          queued_at=now, after=event))
+        self._pump(stores_now=True)
+
+    def _preempt(self, p: Preemption) -> None:
+        """Drop the queued stores of preempted requests; an unstaged store (the daemon reads the
+        blocks itself) is waited for; ``p.event`` follows every gather queued so far."""
+        try:
+            self._drop_preempted(p.req_ids)
+        finally:  # the engine thread waits for done
+            if self._side is not None:
+                p.event = torch.cuda.Event()
+                p.event.record(self._side)
+            p.done.set()
+        self._collect()
+
+    def _drop_preempted(self, gone: set[str]) -> None:
+        kept = collections.deque()
+        for piece in self._queue:
+            if piece.req_id in gone and piece.kind == "store":
+                self.side.stats["store_failures"] += 1
+                self._stopped.add(piece.req_id)
+            else:
+                kept.append(piece)
+        self._queue = kept
+        for op in self._ops:
+            if op.piece.req_id in gone and op.piece.kind == "store" and op.pending._region is None:
+                try:
+                    op.pending.result(timeout_s=self.cfg.rpc_timeout_s)
+                except KVDepotError as exc:
+                    log.error("kvdepot: store of preempted request %s did not end (%s); its blocks are reused now",
+                              op.piece.req_id, exc)
+
+    # ------------------------------------------------------------------ sending and collecting
+
+    def _pump(self, stores_now: bool = False) -> None:
+        """Send queued pieces, in order, while the staging ring has room (never waits for it).
+        ``stores_now``: this step's stores must be gathered now or never (sliding-window models)."""
+        if not self._queue:
+            return
+        side, c = self.side, self.client
+        c.poll()
+        self._collect()
+        kvreg = side.kvreg
+        stream = self._side
+        waited = None  # the engine event the side stream waits on already
+        while self._queue:
+            p = self._queue[0]
+            if kvreg is None or side.reg_generation != c.generation or not c.up:
+                self._drop(self._queue.popleft(), "the daemon is not available")
+                continue
+            if p.kind == "store" and p.req_id in self._stopped:
+                self._queue.popleft()
+                side.stats["store_failures"] += 1
+                continue
+            if stream is not None and p.after is not None and p.after is not waited:
+                stream.wait_event(p.after)  # GPU-side: after the engine's forward / block allocation
+                waited = p.after
+            try:
+                if p.kind == "store":
+                    pending = c.submit_store(kvreg, p.keys, p.block_ids, p.parent, p.cache_salt, p.req_id,
+                                             after=stream, wait_for_room=False)
+                else:
+                    pending = c.submit_retrieve(kvreg, p.keys, p.block_ids, p.skip_tokens, p.req_id,
+                                                wait_for_room=False)
+            except KVDepotError as exc:
+                if exc.code in DOWN:
+                    c.mark_down()
+                self._drop(self._queue.popleft(), str(exc))
+                continue
+            if pending is None:  # no room in the ring now
+                if p.kind == "store" and (stores_now and not side.stores_may_wait):
+                    self._queue.popleft()
+                    side.stats["stores_skipped_ring_full"] += 1
+                    self._stopped.add(p.req_id)
+                    continue
+                if time.monotonic() - p.queued_at > self.cfg.rpc_timeout_s:
+                    self._queue.popleft()  # the daemon drains the ring too slowly
+                    if p.kind == "store":
+                        side.stats["stores_skipped_ring_full"] += 1
+                        self._stopped.add(p.req_id)
+                    else:
+                        self._piece_ended(p, 0)  # recomputed
+                    continue
+                if not p.waited:  # a piece waits once however many pumps find the ring still full
+                    p.waited = True
+                    side.stats["pieces_queued"] += 1
+                break
+            self._queue.popleft()
+            self._ops.append(_Op(p, pending, c.generation, time.monotonic()))
+
+    def _drop(self, p: _Piece, why: str) -> None:
+        if p.kind == "store":
+            self.side.stats["store_failures"] += 1
+            self._stopped.add(p.req_id)
+            log.debug("kvdepot: store of request %s skipped: %s", p.req_id, why)
+        else:
+            self._piece_ended(p, 0)
+
+    def _collect(self) -> None:
+        """End the ops whose answer is in (never waits); give up on those of a daemon that
+        restarted or after ``hold_max_s``. A load's scatter is queued on the side stream."""
+        if not self._ops:
+            return
+        now = time.monotonic()
+        c, side = self.client, self.side
+        left = []
+        for op in self._ops:
+            p = op.piece
+            age_s = now - op.sent_at
+            if op.pending.done():
+                try:
+                    if p.kind == "store":
+                        r = op.pending.result()
+                        side.stats["stores"] += 1
+                        side.stats["stored_chunks"] += r.stored
+                        if r.skipped:
+                            self._stopped.add(p.req_id)
+                    else:
+                        got = op.pending.result(before=self._side)
+                        self._scattered = True
+                        self._piece_ended(p, got)
+                except KVDepotError as exc:
+                    if (exc.code in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED) and op.generation == c.generation
+                            and age_s <= self.cfg.hold_max_s):
+                        # lost with the connection, not refused: the daemon may still run it, so its
+                        # blocks stay the request's until the daemon restarted or hold_max_s passed
+                        if not op.late:
+                            op.late = True
+                            side.stats["late_ops"] += 1
+                            c.mark_down()
+                        left.append(op)
+                        continue
+                    self._failed_op(op, exc)
+                continue
+            if op.generation != c.generation or age_s > self.cfg.hold_max_s:
+                if op.generation == c.generation:
+                    log.warning("kvdepot: no answer for request %s after %.0f s; releasing its blocks",
+                                p.req_id, age_s)
+                self._failed_op(op, None)
+                continue
+            if age_s > self.cfg.rpc_timeout_s and not op.late:
+                op.late = True
+                side.stats["late_ops"] += 1
+                log.warning("kvdepot: %s of request %s unanswered after %.1f s; the daemon is considered down",
+                            p.kind, p.req_id, self.cfg.rpc_timeout_s)
+                c.mark_down()
+            left.append(op)
+        self._ops = left
+
+    def _failed_op(self, op: _Op, exc: KVDepotError | None) -> None:
+        p = op.piece
+        if exc is not None:
+            if exc.code == ErrorCode.UNKNOWN_REGISTRATION:
+                log.warning("kvdepot: the daemon lost registration %s (restarted?); registering again",
+                            self.side.kvreg.id if self.side.kvreg else None)
+                self.side.reg_generation = -1  # the next ready() registers again
+            elif exc.code in DOWN:
+                self.client.mark_down()
+            log.warning("kvdepot: %s of request %s failed: %s", p.kind, p.req_id, exc)
+        if p.kind == "store":
+            self.side.stats["store_failures"] += 1
+            self._stopped.add(p.req_id)
+        else:
+            self._piece_ended(p, 0)
+
+    def _piece_ended(self, p: _Piece, retrieved: int) -> None:
+        load = p.load
+        if load.retrieved[p.index] is not None:
+            return
+        load.retrieved[p.index] = retrieved
+        if any(r is None for r in load.retrieved):
+            return  # other pieces still run or wait
+        total = 0
+        for got, asked in zip(load.retrieved, load.chunks):
+            total += got
+            if got < asked:
+                break
+        self._finish_load(load.job, total)
+
+    def _finish_load(self, job: LoadJob, retrieved: int) -> None:
+        side = self.side
+        c = self.cfg.chunk_size
+        side.stats["loaded_chunks"] += retrieved
+        loaded_end = (job.first_chunk + retrieved) * c if retrieved else job.local_tokens
+        if loaded_end < job.end_tokens:
+            side.stats["load_failures"] += 1
+            self._fail_load(job, max(loaded_end, job.local_tokens))
+        self._recving.add(job.req_id)
+
+    def _fail_load(self, job: LoadJob, valid_end: int) -> None:
+        """Report tokens ``[valid_end, job.end_tokens)`` as not loaded."""
+        side = self.side
+        if side.single_group:
+            g = side.groups[0]
+            ids = job.fail_block_ids[0] if job.fail_block_ids else []
+            first_block = job.local_tokens // g.block_size
+            start = valid_end // g.block_size - first_block
+            self._invalid_blocks.update(ids[max(start, 0):])
+            if not ids:
+                self._failed_recving.add(job.req_id)
+        else:
+            self._failed_recving.add(job.req_id)  # hybrid: vLLM takes failures per request only
+
+    def _busy(self, req_id: str) -> bool:
+        return any(op.piece.req_id == req_id for op in self._ops) or any(p.req_id == req_id for p in self._queue)
+
+
+__all__ = ["TransferThread", "Results", "Preemption", "DOWN"]
