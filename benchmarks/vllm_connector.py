@@ -178,12 +178,9 @@ class CallTimer:
     """Wraps the named methods of a connector instance; ``take()`` returns and resets the
     seconds spent inside each since the last call, less the timer's own cost (`overhead_s`,
     measured once per process: the same wrapper around a method that does nothing) per call.
-    ``profile``: a ``cProfile.Profile`` enabled only while inside them (what the connector's own
-    time goes to)."""
+    """
 
-    profile = None  # class-wide: set by main() for --profile
     _overhead_s: float | None = None
-    _depth = 0  # wrapped calls under way (one inside another)
 
     def __init__(self, obj, names) -> None:
         self.spent_s: dict[str, float] = {}
@@ -197,18 +194,10 @@ class CallTimer:
 
     def _wrap(self, name, fn):
         def timed(*a, **kw):
-            # the profiler runs from the outermost wrapped call only (a second enable raises)
-            prof = CallTimer.profile if CallTimer._depth == 0 else None
-            CallTimer._depth += 1
             t0 = time.perf_counter()
-            if prof is not None:
-                prof.enable()
             try:
                 return fn(*a, **kw)
             finally:
-                if prof is not None:
-                    prof.disable()
-                CallTimer._depth -= 1
                 self.spent_s[name] = self.spent_s.get(name, 0.0) + time.perf_counter() - t0
                 self.calls[name] = self.calls.get(name, 0) + 1
         timed.timed_fn = fn
@@ -239,7 +228,7 @@ class CallTimer:
         return cls._overhead_s
 
     def take(self) -> dict[str, float]:
-        per = self.overhead_s() if self.profile is None else 0.0
+        per = self.overhead_s()
         s = {n: max(0.0, v - per * self.calls.get(n, 0)) for n, v in self.spent_s.items()}
         self.spent_s, self.calls = {}, {}
         return s
@@ -532,8 +521,9 @@ def main(argv=None) -> int:
                    help="the connector's staging ring (its staging_bytes setting; default 256 MiB, its default)")
     p.add_argument("--out", default="", help="write the results as JSON here")
     p.add_argument("--profile", default="",
-                   help="write a cProfile of the connector's methods (all shapes, both engines) here, as text "
-                        "(the timings above then include the profiler's own cost)")
+                   help="write a cProfile of the whole run (all shapes, both engines; on Python >= 3.12 every "
+                        "thread, the workers' transfer threads too) here, as text (the timings above then "
+                        "include the profiler's own cost)")
     p.add_argument("--stages", action="store_true",
                    help="also time the worker's internal calls (ring, gather, event, send, poll...) per call; "
                         "the per-step figures then include those timers' own cost")
@@ -545,8 +535,9 @@ def main(argv=None) -> int:
         return 2
     results = []
     StageTimers.enabled = args.stages
-    if args.profile:
-        CallTimer.profile = cProfile.Profile()
+    prof = cProfile.Profile() if args.profile else None
+    if prof is not None:
+        prof.enable()  # Python >= 3.12: every thread (the workers' transfer threads too)
     with tempfile.TemporaryDirectory() as td:
         wd = Path(td)
         ep = f"ipc://{wd / 'kvdepot.sock'}"
@@ -568,9 +559,10 @@ def main(argv=None) -> int:
             d.wait(30)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
-    if args.profile:
+    if prof is not None:
+        prof.disable()
         buf = io.StringIO()
-        st = pstats.Stats(CallTimer.profile, stream=buf)
+        st = pstats.Stats(prof, stream=buf)
         for key in ("tottime", "cumulative"):
             st.sort_stats(key).print_stats(45)
         Path(args.profile).write_text(buf.getvalue())

@@ -187,8 +187,8 @@ class KVDepotClient:
             self._hello_rid = None
             return None
         if got.rid in self._outstanding:
+            self._replies[got.rid] = got  # first: done() never sees it in neither
             self._outstanding.discard(got.rid)
-            self._replies[got.rid] = got
             return got
         return None  # a late reply to a request lost in a timeout
 
@@ -215,6 +215,10 @@ class KVDepotClient:
             self._reset(ErrorCode.DISCONNECTED, str(exc))
         except (msgspec.DecodeError, UnicodeDecodeError):
             self._reset(ErrorCode.MALFORMED, "undecodable reply")
+
+    def on_own_thread(self) -> bool:
+        """Whether the caller runs on the thread that last sent on this client (its socket's user)."""
+        return threading.get_ident() == self._submit_thread
 
     @property
     def awaiting_replies(self) -> bool:

@@ -5,7 +5,6 @@ region whose request was lost in a timeout is settled by a `Drain` (`drain_settl
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -28,11 +27,13 @@ def drain_settles(client: KVDepotClient, reg: Registration, seq: int) -> bool:
     """Whether staging region ``seq`` of ``reg``, whose request was lost in a timeout, may be
     reused: a `Drain` through it was answered (the daemon finished every copy of it and refuses
     the request should it still arrive). Never blocks: sends one Drain per ring at a time (only
-    from the thread that uses ``client``) and takes its reply in a later call."""
+    from the thread that uses ``client``) and takes its reply in a later call. The Drain goes
+    through ``seq`` only, not through the ring's newest region: another client sharing the ring
+    may have regions after it whose requests are still on their way."""
     ring = reg.staging.ring
     if ring.drained_through >= seq:
         return True
-    if threading.get_ident() != client._submit_thread:
+    if not client.on_own_thread():
         return False  # another client's thread asks: this client's socket is not its to use
     got = client._drains.get(id(ring))
     if got is not None:
@@ -48,7 +49,7 @@ def drain_settles(client: KVDepotClient, reg: Registration, seq: int) -> bool:
         ring.drained_through = max(ring.drained_through, through)
         client.drains_answered += 1
         return ring.drained_through >= seq
-    through = ring.last_seq
+    through = seq
     try:
         rid = client.submit(m.Drain(rid=0, registration=reg.id, through_seq=through))
     except (KVDepotError, OSError, zmq.ZMQError):
@@ -120,7 +121,9 @@ class PendingStore:
         return self._reply
 
     def _region_free(self) -> bool:
-        if self._reply is None and self._error is None and self.client.done(self.rid):
+        # another client's thread (sharing the ring) may ask: only this client's thread takes the reply
+        if (self._reply is None and self._error is None and self.client.on_own_thread()
+                and self.client.done(self.rid)):
             try:  # the reply is in (collected by a poll): take it, without waiting
                 self._await(0)
             except KVDepotError:
@@ -189,7 +192,8 @@ class PendingRetrieve:
         region.reclaim = self._reclaim
 
     def _region_free(self) -> bool:
-        if self._error is None and self._retrieved is None and self._reply is None:
+        if (self._error is None and self._retrieved is None and self._reply is None
+                and self.client.on_own_thread()):
             self.done()  # takes the reply, or the error of a request lost in a timeout
         if self._error is not None:
             return region_reusable_after(self._error) or (

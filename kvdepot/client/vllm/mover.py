@@ -50,6 +50,7 @@ log = logging.getLogger("kvdepot.vllm")
 _REPLY_POLL_S = 1e-3  # while replies are due: the socket is watched this long at a time (a reply wakes it)
 _ROOM_POLL_S = 100e-6  # while pieces wait for ring room and no reply is due
 _IDLE_S = 0.05  # nothing in flight: wait this long for a command at a time
+_FULL_PASS_S = 0.01  # ops in flight: look at them at least this often (timeouts), replies or not
 # errors after which the daemon is treated as down (pinged until it answers) rather than as
 # having refused one request
 DOWN = (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE, ErrorCode.DISCONNECTED, ErrorCode.INTERNAL)
@@ -132,8 +133,7 @@ class TransferThread:
         self._ops: list[_Op] = []
         self._stopped: set[str] = set()  # requests whose later stores are skipped (a chunk was)
         self._masks: dict[bytes, bytes] = {}  # request seed -> this shard's mask
-        self._release: dict[str, int] = {}  # finished requests vLLM keeps blocks for -> step they came in
-        self._steps_ended = 0  # engine steps whose commands were all handled
+        self._release: set[str] = set()  # finished requests vLLM keeps blocks for
         # to the engine thread without a lock (deque appends and pops are atomic): a lock the
         # engine thread blocked on would hand the GIL to this thread for a whole switch interval
         self._outbox: collections.deque[Results] = collections.deque()
@@ -159,8 +159,9 @@ class TransferThread:
         self._thread.start()
 
     def post(self, cmd: tuple) -> None:
-        """Queue one command: ("bind", meta, step), ("load", jobs, null_id, event),
-        ("save", jobs, event), ("end", step)."""
+        """Queue one command: ("load", jobs, null_id, event), ("save", jobs, event),
+        ("release", req_ids) (after the step's save: finished requests, reported in
+        ``sending`` once their transfers ended)."""
         self._inbox.put(cmd)
 
     def preempt(self, req_ids: set[str], timeout_s: float) -> Preemption:
@@ -215,25 +216,47 @@ class TransferThread:
             self._side = torch.cuda.Stream(dev)
             torch.cuda.set_stream(self._side)  # a ring reclaim's scatter goes there too
         t_cpu = time.thread_time()
+        seen_replies = -1  # the client's replies_read at the last pass over the ops
+        full_pass_s = 0.0  # time.monotonic() of the last pass
         while True:
             cmd = self._wait()
             try:
+                changed = cmd is not None
                 while cmd is not None:
                     if cmd[0] == "stop":
                         self._shutdown()
                         return
                     self._handle(cmd)
                     cmd = self._next()
+                now_s = time.monotonic()
                 if self._queue or self._ops:
-                    self.client.poll()
-                    self._collect()
-                    self._pump()
-                self._publish()
+                    c = self.client
+                    c.poll()
+                    # a pass only when it can find something: a command or a reply came, the
+                    # ring's oldest region freed (a load's scatter ran), or timeouts are due
+                    if (changed or c.replies_read != seen_replies or now_s - full_pass_s > _FULL_PASS_S
+                            or (self._queue and self._oldest_region_free())):
+                        seen_replies, full_pass_s = c.replies_read, now_s
+                        self._collect()
+                        self._pump()
+                        changed = True
+                elif not changed and now_s - full_pass_s > _IDLE_S:
+                    full_pass_s = now_s
+                    self.side.ready()  # idle: notices a restarted daemon (registers again)
+                if changed:
+                    self._publish()
             except Exception as exc:  # a bug here must not leave requests waiting forever
                 self._fail_all(exc)
             now = time.thread_time()
             self.side.stats["thread_cpu_s"] += now - t_cpu
             t_cpu = now
+
+    def _oldest_region_free(self) -> bool:
+        kvreg = self.side.kvreg
+        if kvreg is None or kvreg.staging is None:
+            return False
+        live = kvreg.staging.ring.live
+        return bool(live) and live[0].is_free()
 
     def _next(self):
         try:
@@ -261,11 +284,8 @@ class TransferThread:
 
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
-        if kind == "bind":
-            meta, step = cmd[1], cmd[2]
-            for r in meta.release:
-                self._release.setdefault(r, step)
-            self.side.ready()  # once per step: notices a restarted daemon even while idle
+        if kind == "release":
+            self._release.update(cmd[1])
         elif kind == "load":
             _, jobs, null_id, event = cmd
             ready = self.side.ready()
@@ -284,18 +304,14 @@ class TransferThread:
                 with self._saves_cond:
                     self._saves_gathered += 1
                     self._saves_cond.notify_all()
-        elif kind == "end":
-            self._steps_ended = cmd[1]
         elif kind == "preempt":
             self._preempt(cmd[1])
 
     def _publish(self) -> None:
         sending = set()
         if self._release:
-            for r, step in list(self._release.items()):
-                if step <= self._steps_ended and not self._busy(r):
-                    sending.add(r)
-                    del self._release[r]
+            sending = {r for r in self._release if not self._busy(r)}
+            self._release -= sending
             self._stopped -= sending
         if not (sending or self._recving or self._failed_recving or self._invalid_blocks):
             return

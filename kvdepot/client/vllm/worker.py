@@ -72,8 +72,8 @@ class WorkerSide:
                       "null_blocks_left_alone": 0, "thread_cpu_s": 0.0}
         self.mover = TransferThread(self)
         self._meta: KVDepotMetadata | None = None
-        self._step = 0  # engine steps bound so far
         self._saves_posted = 0
+        self._released: KVDepotMetadata | None = None  # the metadata whose releases were posted
         self._invalid_blocks: set[int] = set()  # taken by get_transfer_results, given by the next call
         self._stream: tuple[int, torch.cuda.Stream | None] = (0, None)  # (raw pointer, the current stream)
 
@@ -157,14 +157,12 @@ class WorkerSide:
         return self.mover.started
 
     def bind(self, meta: KVDepotMetadata) -> None:
-        """Before the forward: hands the step's released requests to the transfer thread. For a
-        model with a sliding-window group, the engine's stream waits for the gathers of the
-        previous step's stores (vLLM may give their blocks to this forward)."""
+        """Before the forward. For a model with a sliding-window group, the engine's stream
+        waits for the gathers of the previous step's stores (vLLM may give their blocks to this
+        forward)."""
         self._meta = meta
         if not self._active:
             return
-        self._step += 1
-        self.mover.post(("bind", meta, self._step))
         if not self.stores_may_wait and self._saves_posted:
             ev = self.mover.saves_gathered(self._saves_posted, self.cfg.rpc_timeout_s)
             if ev is not None:
@@ -207,7 +205,10 @@ class WorkerSide:
         engine's stream waits for the scatters of the loads reported."""
         if not self._active:
             return set(), set(), set()
-        self.mover.post(("end", self._step))
+        meta = self._meta
+        if meta is not None and meta.release and meta is not self._released:
+            self._released = meta  # once per step; after its save, so the stores are queued first
+            self.mover.post(("release", meta.release))
         out = self.mover.take()
         if out.scatter_event is not None:
             self._current_stream().wait_event(out.scatter_event)
