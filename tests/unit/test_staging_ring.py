@@ -125,6 +125,9 @@ def test_a_fenced_store_region_is_free_only_once_its_gather_ran():
         def done(self, rid):
             return True
 
+        def on_own_thread(self):
+            return True
+
         def wait(self, rid, timeout_s=None, spin_from=0.0):
             if isinstance(self.reply, BaseException):
                 raise self.reply
