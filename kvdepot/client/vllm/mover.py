@@ -297,7 +297,7 @@ class TransferThread:
             try:
                 self._save(jobs, event)
             finally:  # counted even if it failed: the engine thread may wait for the count
-                if self._side is not None:
+                if self._side is not None and not self.side.stores_may_wait:  # only `bind` of those waits on it
                     ev = torch.cuda.Event()
                     ev.record(self._side)
                     self._gather_event = ev  # before the count: a reader that sees the count sees it
