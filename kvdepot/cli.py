@@ -168,6 +168,7 @@ def cmd_soak(args) -> int:
 
     return soak_main(SoakConfig(
         duration_s=args.duration_s, engines=args.engines, seed=args.seed, device=args.device,
+        cpu_engines=args.cpu_engines,
         l1_bytes=parse_bytes(args.l1_bytes), l2=not args.no_l2, l3=args.l3, fault_interval_s=args.fault_interval_s,
         daemon_faults=args.daemon_faults, watchdog_s=args.watchdog_s, client_timeout_s=args.client_timeout_s,
         hang_s=args.hang_s,
@@ -233,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     sk.add_argument("--engines", type=int, default=4, help="engine processes (3 model families, mixed layouts)")
     sk.add_argument("--seed", type=int, default=1, help="seed of the workload and of every fault")
     sk.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engines' KV caches live")
+    sk.add_argument("--cpu-engines", type=int, default=0,
+                    help="with --device cuda: this many of the engines keep their KV caches in shared memory "
+                         "(both kinds on one daemon; CPU engines also get the shrunk-segment fault)")
     sk.add_argument("--l1-bytes", default="16m", help="the daemon's L1 (small: eviction all the time)")
     sk.add_argument("--no-l2", action="store_true", help="no L2 disk tier (else one under the work directory)")
     sk.add_argument("--l3", action="store_true", help="an L3 tier on a redis-server the soak starts and kills")

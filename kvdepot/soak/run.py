@@ -53,6 +53,7 @@ class SoakConfig:
     engines: int = 4
     seed: int = 1
     device: str = "cpu"
+    cpu_engines: int = 0  # device "cuda": this many of the engines keep their KV caches in shared memory
     l1_bytes: int = 16 << 20
     l2: bool = True
     l3: bool = False  # needs redis-server (or valkey-server) on PATH
@@ -197,11 +198,16 @@ class Soak:
         self.spawned += 1
         spec = EngineSpec(index=index, endpoint=self.daemon.endpoint, family=fam,
                           layout=self.rng.choice(FAMILIES[fam].layouts), seed=self.cfg.seed * 1000 + self.spawned,
-                          device=self.cfg.device, timeout_s=self.cfg.client_timeout_s)
+                          device=self._engine_device(index), timeout_s=self.cfg.client_timeout_s)
         p = self.ctx.Process(target=engine_main, args=(spec, self.reports, self.stop_event), daemon=True)
         p.start()
         self.engines[index] = p
         self.last.pop(index, None)
+
+    def _engine_device(self, index: int) -> str:
+        """Where engine ``index`` keeps its KV caches: with ``cpu_engines`` on a CUDA run, the
+        first ones in shared memory (the daemon then serves both kinds at once)."""
+        return "cpu" if self.cfg.device == "cpu" or index < self.cfg.cpu_engines else self.cfg.device
 
     def _retire(self, index: int) -> None:
         """Fold an ended engine's counters into the totals; unlink its leaked shm segment."""
@@ -227,7 +233,7 @@ class Soak:
         """Inject one fault: the first ones go through every kind once (in a seeded order, so
         a run of a few faults covers them all), later ones are drawn by weight."""
         kinds = ["kill_engine"] * 4 + ["kill_daemon"]
-        if self.cfg.device == "cpu":
+        if self.cfg.device == "cpu" or self.cfg.cpu_engines:
             kinds += ["shrink_segment"] * 2
         if self.cfg.l2:
             kinds += ["corrupt_l2"] * 2
@@ -446,7 +452,8 @@ class Soak:
         rs = sorted(self.reclaim_s)
         return {
             "ok": not self.failures, "failures": self.failures, "seed": cfg.seed, "duration_s": round(elapsed_s, 1),
-            "engines": cfg.engines, "device": cfg.device, "l1_bytes": cfg.l1_bytes, "l2": cfg.l2, "l3": cfg.l3,
+            "engines": cfg.engines, "device": cfg.device,
+            "cpu_engines": cfg.engines if cfg.device == "cpu" else min(cfg.cpu_engines, cfg.engines), "l1_bytes": cfg.l1_bytes, "l2": cfg.l2, "l3": cfg.l3,
             "ops": ops, "ops_per_s": round(ops / elapsed_s, 1), "requests": t["requests"],
             "lookup_hit_chunks": t["lookup_hit_chunks"], "retrieved_chunks": t["retrieved_chunks"],
             "stored_chunks": t["stored_chunks"], "short_retrieves": t["short_retrieves"],
@@ -463,11 +470,18 @@ class Soak:
         }
 
 
+def _engine_kinds(r: dict) -> str:
+    cpu = r.get("cpu_engines", 0)
+    if r["device"] == "cpu" or not cpu:
+        return r["device"]
+    return f"{r['engines'] - cpu} {r['device']}, {cpu} cpu"
+
+
 def format_report(r: dict) -> str:
     """The report as a person reads it."""
     mib = 1 << 20
     lines = [
-        f"kvdepot soak: {'PASS' if r['ok'] else 'FAIL'}  seed {r['seed']}, {r['engines']} engines ({r['device']}), "
+        f"kvdepot soak: {'PASS' if r['ok'] else 'FAIL'}  seed {r['seed']}, {r['engines']} engines ({_engine_kinds(r)}), "
         f"{r['duration_s']} s, L1 {r['l1_bytes'] // mib} MiB, L2 {'on' if r['l2'] else 'off'}, "
         f"L3 {'on' if r['l3'] else 'off'}",
         f"  ops {r['ops']} ({r['ops_per_s']}/s); requests {r['requests']}, chunks hit {r['lookup_hit_chunks']} / "

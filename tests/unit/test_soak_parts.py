@@ -89,3 +89,18 @@ def test_corrupt_l2_fault_changes_an_l2_object_file(tmp_path):
     assert soak._inject("corrupt_l2") is True
     after = obj.read_bytes()
     assert after[:len(before)] != before  # 8 random bytes at a random offset (may run past the end)
+
+
+def test_cpu_engines_of_a_cuda_run_keep_their_kv_in_shared_memory(tmp_path):
+    """``--cpu-engines K`` on a CUDA run: engines 0..K-1 are CPU engines (shared memory, the
+    shrunk-segment fault applies to them), the others CUDA; the report names both kinds."""
+    from kvdepot.soak.run import Soak, SoakConfig, _engine_kinds
+
+    soak = Soak(SoakConfig(workdir=str(tmp_path), device="cuda", engines=6, cpu_engines=4))
+    assert [soak._engine_device(i) for i in range(6)] == ["cpu"] * 4 + ["cuda"] * 2
+    assert _engine_kinds({"device": "cuda", "engines": 6, "cpu_engines": 4}) == "2 cuda, 4 cpu"
+    only_cuda = Soak(SoakConfig(workdir=str(tmp_path / "b"), device="cuda", engines=2))
+    assert [only_cuda._engine_device(i) for i in range(2)] == ["cuda", "cuda"]
+    cpu = Soak(SoakConfig(workdir=str(tmp_path / "c"), device="cpu", engines=2, cpu_engines=0))
+    assert cpu._engine_device(1) == "cpu"
+    assert _engine_kinds({"device": "cpu", "engines": 2, "cpu_engines": 2}) == "cpu"
