@@ -18,6 +18,17 @@ def point(rid: int, stage: str) -> None:
         POINTS.append((rid, stage, time.perf_counter_ns()))
 
 
+def now_ns() -> int:
+    """``perf_counter_ns()`` while tracing (for a point whose rid is known only later), else 0."""
+    return time.perf_counter_ns() if POINTS is not None else 0
+
+
+def point_at(rid: int, stage: str, t_ns: int) -> None:
+    """A point taken earlier (``t_ns`` from `now_ns`; 0: tracing was off, nothing recorded)."""
+    if POINTS is not None and t_ns:
+        POINTS.append((rid, stage, t_ns))
+
+
 def dump() -> None:
     if POINTS is not None and FILE:
         with open(FILE, "w") as f:

@@ -17,6 +17,7 @@ from transfer_bench.engines import evaluate_many, format_many, run_many_engines
 from transfer_bench.point import Ctx, bench_point
 from transfer_bench.procs import DaemonProc, zmq_echo_rtt_us
 from transfer_bench.report import HEADER, baseline_line, evaluate_targets, format_row, write_json
+from transfer_bench import stages
 from transfer_bench.shapes import SHAPES, chunks_for, say
 
 DESCRIPTION = ""  # set by benchmarks/transfer.py
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=5, help="repetitions of each stream / roofline measurement")
     p.add_argument("--lone-iters", type=int, default=50, help="lone requests per op")
     p.add_argument("--out", default="transfer.json", help="JSON results")
+    p.add_argument("--trace", action="store_true",
+                   help="stage breakdown of the lone requests: the daemon and this process record per-request "
+                        "points (KVDEPOT_TRACE_FILE, transfer_bench.stages), printed at the end")
     g = p.add_argument_group("many engines (transfer_bench.engines)")
     g.add_argument("--engines", type=int, default=0,
                    help="also run N engine processes against the one daemon (store, retrieve, half and half)")
@@ -85,6 +89,12 @@ def main(argv=None) -> int:
         doc["zmq_echo_rtt"] = zmq_rtt
         say(f"bare ZMQ ipc round trip: median {zmq_rtt['median_us']:.1f} us (p10 {zmq_rtt['p10_us']:.1f}, "
             f"p90 {zmq_rtt['p90_us']:.1f})")
+        trace_file = ""
+        if args.trace:
+            if endpoint is not None:
+                say("--trace needs the daemon this run starts (not --endpoint)")
+                return 2
+            trace_file = stages.enable_in_tempdir()
         if endpoint is None:
             daemon = DaemonProc(args.l1_bytes, shlex.split(args.daemon_args), args.daemon_log, pin=cuda)
             say(f"starting daemon: {' '.join(daemon.cmd)}  (KVDEPOT_KERNELS_SO={daemon.kernels_so or 'unset'})")
@@ -114,6 +124,10 @@ def main(argv=None) -> int:
             targets += evaluate_many(many)
         doc["targets"] = targets
         doc["total_s"] = time.perf_counter() - t_run
+        if trace_file:
+            daemon.stop()  # writes its trace
+            for line in stages.report(doc["results"], trace_file):
+                say(line)
         write_json(args.out, doc)
         say(f"\ndaemon transfer engine: {doc.get('transfer_engine', '?')}")
         say("targets:")

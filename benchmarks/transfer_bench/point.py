@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from kvdepot import trace
 from kvdepot.client import KVDepotClient
 from kvdepot.client.kvcache import ShmKVCache
 from transfer_bench.baselines import Blocks, Pages, dma_baseline, torch_baseline
@@ -172,16 +173,20 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
         c, s = ctx.clients[0], ctx.streams[0]
         warmup = 3
         lat_r, reply_r = [], []
+        rids = {"store": [], "retrieve": []}  # --trace: the lone requests (`transfer_bench.stages`)
         missing = 0
         for i in range(warmup + a.lone_iters):
             j = i % n
-            t0 = time.perf_counter()
-            got = c.retrieve(reg, [keys[j]], dst[j], before=s)  # staged: after the daemon's copies
-            t1 = time.perf_counter()
+            t0 = time.perf_counter_ns()
+            pending = c.submit_retrieve(reg, [keys[j]], dst[j])  # as c.retrieve(..., before=s)
+            got = pending.result(s)  # staged: after the daemon's copies, the scatter enqueued on s
+            t1 = time.perf_counter_ns()
             s.synchronize()  # and the scatter
+            t2 = time.perf_counter_ns()
             if i >= warmup:
-                lat_r.append(time.perf_counter() - t0)
-                reply_r.append(t1 - t0)
+                lat_r.append((t2 - t0) / 1e9)
+                reply_r.append((t1 - t0) / 1e9)
+                _trace_lone(rids["retrieve"], pending.rid, (("b_call", t0), ("b_replied", t1), ("b_end", t2)))
             missing += got != 1
         if missing:
             say(f"  WARNING: {missing} lone retrieves found no chunk (evicted? raise --l1-bytes)")
@@ -190,10 +195,13 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
         not_stored = 0
         for i, key in enumerate(lone_keys):
             j = i % n
-            t0 = time.perf_counter()
-            r = c.store(reg, [key], src[j], after=s)
+            t0 = time.perf_counter_ns()
+            pending = c.submit_store(reg, [key], src[j], after=s)  # as c.store(...)
+            r = pending.result()
+            t1 = time.perf_counter_ns()
             if i >= warmup:
-                lat_s.append(time.perf_counter() - t0)
+                lat_s.append((t1 - t0) / 1e9)
+                _trace_lone(rids["store"], pending.rid, (("b_call", t0), ("b_end", t1)))
             not_stored += r.stored != 1
         if not_stored:
             say(f"  WARNING: {not_stored} lone stores stored nothing")
@@ -214,6 +222,8 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
         res["lone_store_overhead_us"] = res["lone_store_us"] - res["link_d2h_us"]
         res["lone_retrieve_overhead_us"] = res["lone_retrieve_us"] - res["link_h2d_us"]
         res["ping_us"] = statistics.median(pings) * 1e6
+        if trace.POINTS is not None:
+            res["lone_rids"] = rids  # turned into lone_stages by transfer_bench.stages.report
         res["zmq_echo_us"] = ctx.zmq_us
         main.flush()
 
@@ -242,3 +252,11 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
         main.unregister(reg)
     res["point_s"] = time.perf_counter() - t_start
     return res
+
+
+def _trace_lone(rids: list[int], rid: int, points) -> None:
+    """--trace: the benchmark's own points of one lone request (see `transfer_bench.stages`)."""
+    if trace.POINTS is not None:
+        rids.append(rid)
+        for stage, t_ns in points:
+            trace.point_at(rid, stage, t_ns)

@@ -31,6 +31,7 @@ import msgspec
 import msgspec.structs
 import zmq
 
+from kvdepot import trace
 from kvdepot.client.pending import PendingRetrieve, PendingStore
 from kvdepot.client.registration import Registration, engine_staging
 from kvdepot.protocol import codec
@@ -173,6 +174,7 @@ class KVDepotClient:
         answers an outstanding request (kept for its wait), else None."""
         self._unread -= 1
         self.replies_read += 1
+        trace.point(got.rid, "c_reply")
         boot = getattr(got, "boot_id", None)
         if isinstance(boot, str) and boot:
             if self.boot_id is not None and boot != self.boot_id:
@@ -292,6 +294,7 @@ class KVDepotClient:
             self._socket().send(frame)
         self._unread += 1
         self._outstanding.add(req.rid)
+        trace.point(req.rid, "c_sent")
         return req.rid
 
     def wait(self, rid: int, timeout_s: float | None = None, spin_from: float = 0.0) -> m.Msg:
@@ -515,6 +518,7 @@ class KVDepotClient:
                 self._fence(stream)
         elif after is not None:
             self._fence(after)
+        gathered_ns = trace.now_ns()
         try:
             rid = self.submit(m.Store(rid=0, registration=reg.id, keys=list(keys),
                                       block_ids=[list(b) for b in block_ids], parent=parent, cache_salt=cache_salt,
@@ -526,6 +530,7 @@ class KVDepotClient:
                     self._fence(stream)  # free once the gather (and its fence write) ran
                 region.release()  # nothing was sent: no copy reads it
             raise
+        trace.point_at(rid, "c_gathered", gathered_ns)
         return PendingStore(self, rid, region, len(keys), staging.fence if fence else None, reg)
 
     def retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],

@@ -107,8 +107,8 @@ class SocketFront:
         except Exception as exc:  # noqa: BLE001 - a reply that cannot be encoded still gets an answer
             self._reply_error(identity, reply.rid, exc)
             return
-        self._send(identity, frame)
-        trace_point(reply.rid, "sent")
+        trace_point(reply.rid, "reply")  # encoded, handed to the socket now (a client may read it before
+        self._send(identity, frame)       # a point taken after the send)
 
     def _note_activity(self) -> None:
         """Keep the loop polling without sleeping for ``busy_poll_us`` from now (see DaemonConfig).

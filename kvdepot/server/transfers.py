@@ -211,6 +211,7 @@ class TransferHandlers:
         token = self.watch("retrieve", reg.id, identity, req.rid, len(entries) * lay.object_bytes, reply_pending=True)
 
         def finish(err: BaseException | None) -> None:
+            trace_point(req.rid, "gpu_done")  # (the CPU copy's end, seen by the loop)
             self._finish_transfer(reg)
             stuck = self.unwatch(token)  # answered TIMEOUT by the watchdog
             for e in entries:
@@ -226,10 +227,13 @@ class TransferHandlers:
             self._count_transfer(reg, "retrieve", len(entries), time.perf_counter() - t0)
             self._reply(identity, m.RetrieveReply(rid=req.rid, retrieved=len(entries)))
 
+        trace_point(req.rid, "enqueue")
         try:
             self._in_executor(finish, self._scatter, reg, req.block_ids, req.skip_tokens, entries)
         except BaseException as exc:
             finish(exc)
+            return None
+        trace_point(req.rid, "r_enqueued")
         return None
 
     def _retrieve_cuda(self, identity: bytes, reg: Registration, req: m.Retrieve, entries: list[Entry],

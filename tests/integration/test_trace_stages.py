@@ -1,0 +1,71 @@
+"""The lone-request stage breakdown of ``benchmarks/transfer.py --trace``
+(`transfer_bench.stages`): a daemon started with ``KVDEPOT_TRACE_FILE`` and a client tracing in
+this process record every point of a store and a retrieve, and the breakdown puts them in order
+and sums to each request's own time."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import kv_engine as ke
+from conftest import start_daemon
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture
+def stages(monkeypatch):
+    from kvdepot import trace
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    from transfer_bench import stages as mod
+
+    monkeypatch.setattr(trace, "POINTS", None)
+    monkeypatch.delenv("KVDEPOT_TRACE_FILE", raising=False)
+    yield mod
+    trace.POINTS = None
+
+
+def test_lone_store_and_retrieve_are_broken_down_into_every_stage(tmp_path, stages):
+    from kvdepot import trace
+
+    trace_file = str(tmp_path / "daemon-trace.jsonl")
+    stages.enable(trace_file)
+    assert os.environ["KVDEPOT_TRACE_FILE"] == trace_file and trace.POINTS == []
+    d = start_daemon(tmp_path / "d")
+    try:
+        spec = ke.EngineSpec(d.endpoint, ke.SMOLLM2, "LBNHC", (16,), (8,), 16, 4100, model_id="trace")
+        rids = {"store": [], "retrieve": []}
+        with ke.Engine(spec) as eng:
+            c, reg = eng.client, eng.reg
+            keys = eng.keys(ke.prompt_tokens(4100, 2 * 16))
+            for i, key in enumerate(keys):
+                t0 = time.perf_counter_ns()
+                p = c.submit_store(reg, [key], [[i]])
+                assert p.result().stored == 1
+                rids["store"].append(p.rid)
+                trace.point_at(p.rid, "b_call", t0)
+                trace.point_at(p.rid, "b_end", time.perf_counter_ns())
+            for i, key in enumerate(keys):
+                t0 = time.perf_counter_ns()
+                p = c.submit_retrieve(reg, [key], [[4 + i]])
+                assert p.result() == 1
+                t1 = time.perf_counter_ns()
+                rids["retrieve"].append(p.rid)
+                for stage, t in (("b_call", t0), ("b_replied", t1), ("b_end", t1)):
+                    trace.point_at(p.rid, stage, t)
+    finally:
+        d.stop()  # the daemon writes its trace as it stops
+    results = [{"shape": "smollm2", "chunk_tokens": 16, "link_d2h_us": 1.0, "link_h2d_us": 1.0, "lone_rids": rids}]
+    lines = stages.report(results, trace_file)
+    got = results[0]["lone_stages"]
+    for op, b in got.items():
+        assert b["requests"] == 2 and b["complete"] == 2, (op, b)
+        # every point of the op's order was seen, and the stages add up to the request's own time
+        assert list(b["stages_us"]) == list(stages.ORDER[op][1:]), (op, b)
+        assert all(us >= 0 for us in b["stages_us"].values()), b
+        assert sum(b["stages_us"].values()) == pytest.approx(b["total_us"], rel=0.5)
+    assert len(lines) == 2 and "lone store" in lines[0] and "daemon: index / plan" in lines[0], lines
