@@ -4,7 +4,6 @@ this process record every point of a store and a retrieve, and the breakdown put
 and sums to each request's own time."""
 
 import os
-import sys
 import time
 from pathlib import Path
 

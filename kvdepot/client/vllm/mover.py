@@ -10,8 +10,9 @@ the *side stream*):
   that wrote the blocks (``wait_for_save``); the blocks stay the request's until its store
   ended (vLLM's ``delay_free_blocks``), so the gather may run any time later. Models with a
   sliding-window group are the exception (vLLM frees blocks that leave the window while the
-  request runs): their stores are gathered now or never, and the engine's stream waits for
-  those gathers before its next forward (`WorkerSide.bind`).
+  request runs): their stores are gathered now or never, and a later forward that may write
+  one of their blocks (the scheduler's ``written_block_ids``) waits for those gathers
+  (`WorkerSide.bind`); the others do not wait.
 * a load's scatter waits on an event recorded in ``start_load_kv`` (after vLLM gave the
   request its blocks: work an earlier owner of those blocks queued runs first); the engine's
   stream waits on an event recorded after the scatter before the request is reported in
@@ -31,7 +32,6 @@ daemon down; its request keeps its blocks until the answer, the daemon's restart
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import queue
 import threading
@@ -39,9 +39,10 @@ import time
 
 import torch
 
-from kvdepot.client.client import KVDepotClient, PendingRetrieve, PendingStore
+from kvdepot.client.client import KVDepotClient
 from kvdepot.client.hashing import shard_keys, shard_mask
 from kvdepot.client.vllm.layout import Registration
+from kvdepot.client.vllm.pieces import Load, Op, Piece, Preemption, Results
 from kvdepot.client.vllm.plan import LoadJob, StoreJob
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
@@ -54,65 +55,6 @@ _FULL_PASS_S = 0.01  # ops in flight: look at them at least this often (timeouts
 # errors after which the daemon is treated as down (pinged until it answers) rather than as
 # having refused one request
 DOWN = (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE, ErrorCode.DISCONNECTED, ErrorCode.INTERNAL)
-
-
-@dataclasses.dataclass(slots=True)
-class _Piece:
-    """Up to a quarter of the staging ring of one store or load job."""
-
-    req_id: str
-    kind: str  # "store" / "load"
-    keys: list[bytes]  # this shard's keys
-    block_ids: list[list[int]]  # per daemon gid, registered (kernel) block ids
-    parent: bytes = b""  # store: key of the chunk before
-    cache_salt: str = ""
-    skip_tokens: int = 0  # load
-    load: _Load | None = None  # load: the job it belongs to
-    index: int = 0  # load: piece number within the job
-    queued_at: float = 0.0
-    waited: bool = False  # found the staging ring full at least once (counted in pieces_queued)
-    after: object = None  # CUDA: the engine-stream event the gather / scatter must follow
-
-
-@dataclasses.dataclass(slots=True)
-class _Load:
-    """A load job in flight: reported once every piece ended."""
-
-    job: LoadJob
-    retrieved: list[int | None]  # per piece: chunks written (None: not ended yet)
-    chunks: list[int]  # per piece: chunks asked for
-
-
-@dataclasses.dataclass(slots=True)
-class _Op:
-    piece: _Piece
-    pending: PendingStore | PendingRetrieve
-    generation: int  # the client's boot generation when sent
-    sent_at: float
-    late: bool = False  # rpc_timeout_s passed (logged, daemon marked down)
-
-
-class Preemption:
-    """A `TransferThread.preempt` in progress: ``done`` is set once the thread dropped the
-    requests' queued stores; ``event`` (CUDA) follows every gather the thread queued before."""
-
-    __slots__ = ("req_ids", "done", "event")
-
-    def __init__(self, req_ids: set[str]) -> None:
-        self.req_ids = req_ids
-        self.done = threading.Event()
-        self.event = None
-
-
-@dataclasses.dataclass(slots=True)
-class Results:
-    """What the transfer thread reports to the engine thread (taken by `TransferThread.take`)."""
-
-    sending: set[str] = dataclasses.field(default_factory=set)  # finished requests whose transfers ended
-    recving: set[str] = dataclasses.field(default_factory=set)  # loads that ended (ok or not)
-    failed_recving: set[str] = dataclasses.field(default_factory=set)
-    invalid_blocks: set[int] = dataclasses.field(default_factory=set)
-    scatter_event: object = None  # CUDA: recorded after the scatters of every load in ``recving``
 
 
 class TransferThread:
@@ -129,8 +71,8 @@ class TransferThread:
         self.cfg = side.cfg
         self.client: KVDepotClient = side.client
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._queue: collections.deque[_Piece] = collections.deque()  # waiting for ring room
-        self._ops: list[_Op] = []
+        self._queue: collections.deque[Piece] = collections.deque()  # waiting for ring room
+        self._ops: list[Op] = []
         self._stopped: set[str] = set()  # requests whose later stores are skipped (a chunk was)
         self._masks: dict[bytes, bytes] = {}  # request seed -> this shard's mask
         self._release: set[str] = set()  # finished requests vLLM keeps blocks for
@@ -139,7 +81,9 @@ class TransferThread:
         self._outbox: collections.deque[Results] = collections.deque()
         self._saves_cond = threading.Condition()  # notified as _saves_gathered grows
         self._saves_gathered = 0  # "save" commands handled
-        self._gather_event = None  # side-stream event after the gathers of those
+        # sliding-window models: save number (1-based) -> side-stream event after its gathers
+        # (None on CPU); the engine thread removes an entry once it no longer needs it
+        self._gather_events: dict[int, object] = {}
         self._side: torch.cuda.Stream | None = None
         self._scattered = False  # a load's scatter was queued since the last publish
         self._thread: threading.Thread | None = None
@@ -175,13 +119,23 @@ class TransferThread:
 
     def saves_gathered(self, count: int, timeout_s: float):
         """Wait until the first ``count`` "save" commands were handled (their gathers queued or
-        skipped); returns the side-stream event after those gathers (None on CPU)."""
+        skipped); returns the side-stream event after the gathers of save ``count`` (None on
+        CPU, or if the thread did not answer within ``timeout_s``). Sliding-window models only."""
         if self._saves_gathered < count:
             with self._saves_cond:
                 if not self._saves_cond.wait_for(lambda: self._saves_gathered >= count, timeout_s):
                     log.error("kvdepot: the transfer thread did not gather a step's stores within %.1f s",
                               timeout_s)
-        return self._gather_event
+        return self._gather_events.get(count)
+
+    def gathered(self, seq: int) -> tuple[bool, object]:
+        """(whether save ``seq`` was handled, the side-stream event after its gathers); never waits."""
+        if seq > self._saves_gathered:
+            return False, None
+        return True, self._gather_events.get(seq)
+
+    def forget_gathered(self, seq: int) -> None:
+        self._gather_events.pop(seq, None)
 
     def take(self) -> Results:
         """The results published since the last call (merged)."""
@@ -297,10 +251,13 @@ class TransferThread:
             try:
                 self._save(jobs, event)
             finally:  # counted even if it failed: the engine thread may wait for the count
-                if self._side is not None and not self.side.stores_may_wait:  # only `bind` of those waits on it
-                    ev = torch.cuda.Event()
-                    ev.record(self._side)
-                    self._gather_event = ev  # before the count: a reader that sees the count sees it
+                if not self.side.stores_may_wait:  # only `bind` of those waits on it
+                    ev = None
+                    if self._side is not None:
+                        ev = torch.cuda.Event()
+                        ev.record(self._side)
+                    # before the count: a reader that sees the count sees the event
+                    self._gather_events[self._saves_gathered + 1] = ev
                 with self._saves_cond:
                     self._saves_gathered += 1
                     self._saves_cond.notify_all()
@@ -392,11 +349,11 @@ class TransferThread:
         ids = [self._block_ids(reg, g, b, null_id) for g, b in enumerate(job.block_ids)]
         bpc = [c // gs.tokens_per_block for gs in reg.groups]
         starts = list(range(0, len(keys), per))
-        load = _Load(job, [None] * len(starts), [min(per, len(keys) - s) for s in starts])
+        load = Load(job, [None] * len(starts), [min(per, len(keys) - s) for s in starts])
         now = time.monotonic()
         for i, s in enumerate(starts):
             e = s + load.chunks[i]
-            self._queue.append(_Piece(job.req_id, "load", keys[s:e], [x[s * n:e * n] for x, n in zip(ids, bpc)],
+            self._queue.append(Piece(job.req_id, "load", keys[s:e], [x[s * n:e * n] for x, n in zip(ids, bpc)],
                                       skip_tokens=job.skip_tokens if i == 0 else 0, load=load, index=i,
                                       queued_at=now, after=event))
 
@@ -417,7 +374,7 @@ class TransferThread:
             bpc = [c // gs.tokens_per_block for gs in reg.groups]
             for s in range(0, len(keys), per):
                 e = min(len(keys), s + per)
-                self._queue.append(_Piece(job.req_id, "store", keys[s:e], [x[s * n:e * n] for x, n in zip(ids, bpc)],
+                self._queue.append(Piece(job.req_id, "store", keys[s:e], [x[s * n:e * n] for x, n in zip(ids, bpc)],
                                           parent=parent if s == 0 else keys[s - 1], cache_salt=job.cache_salt,
                                           queued_at=now, after=event))
         self._pump(stores_now=True)
@@ -507,9 +464,9 @@ class TransferThread:
                     side.stats["pieces_queued"] += 1
                 break
             self._queue.popleft()
-            self._ops.append(_Op(p, pending, c.generation, time.monotonic()))
+            self._ops.append(Op(p, pending, c.generation, time.monotonic()))
 
-    def _drop(self, p: _Piece, why: str) -> None:
+    def _drop(self, p: Piece, why: str) -> None:
         if p.kind == "store":
             self.side.stats["store_failures"] += 1
             self._stopped.add(p.req_id)
@@ -568,7 +525,7 @@ class TransferThread:
             left.append(op)
         self._ops = left
 
-    def _failed_op(self, op: _Op, exc: KVDepotError | None) -> None:
+    def _failed_op(self, op: Op, exc: KVDepotError | None) -> None:
         p = op.piece
         if exc is not None:
             if exc.code == ErrorCode.UNKNOWN_REGISTRATION:
@@ -584,7 +541,7 @@ class TransferThread:
         else:
             self._piece_ended(p, 0)
 
-    def _piece_ended(self, p: _Piece, retrieved: int) -> None:
+    def _piece_ended(self, p: Piece, retrieved: int) -> None:
         load = p.load
         if load.retrieved[p.index] is not None:
             return

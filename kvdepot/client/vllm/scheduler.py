@@ -80,6 +80,7 @@ class SchedulerSide:
         self.enabled = not disabled_reason
         self.single_group = len(kv_cache_config.kv_cache_groups) == 1
         self.lcm = math.lcm(*(g.block_size for g in groups)) if groups else 1
+        self.sliding = any(g.has_null_blocks for g in groups)  # vLLM frees blocks of running requests
         tp = vllm_config.parallel_config.tensor_parallel_size
         self.shards = [shard_name(r, tp) for r in range(tp)]
         self.client = KVDepotClient(cfg.endpoint, timeout_s=cfg.lookup_timeout_s, name=f"vllm-scheduler-{os.getpid()}",
@@ -257,6 +258,8 @@ class SchedulerSide:
                 if job is not None:
                     meta.stores.append(job)
         meta.release, self._release = self._release, []
+        if self.sliding and self.enabled:
+            meta.written_block_ids = written_blocks(scheduler_output, self._null_block_id)
         return meta
 
     def _load_job(self, req_id: str, block_ids, local: int, end: int) -> LoadJob | None:
@@ -366,3 +369,24 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+def written_blocks(so, null_block_id: int) -> set[int]:
+    """Blocks a step may write that their request did not hold before it (`KVDepotMetadata`
+    ``written_block_ids``), from vLLM 0.33's ``SchedulerOutput``: new requests' tables, the
+    blocks appended to running ones (a resumed request's whole table), blocks zeroed before the
+    forward and copy-on-write destinations. A load's scatter needs no entry: it runs on the
+    transfer thread's stream after every gather queued before it."""
+    out: set[int] = set()
+    for r in so.scheduled_new_reqs:
+        for ids in r.block_ids:
+            out.update(ids)
+    cached = so.scheduled_cached_reqs
+    for per_group in getattr(cached, "new_block_ids", ()) or ():
+        for ids in per_group or ():
+            out.update(ids)
+    out.update(getattr(so, "new_block_ids_to_zero", None) or ())
+    for copy in getattr(so, "kv_cache_block_copies", None) or ():
+        out.add(copy.dst_block_id)
+    out.discard(null_block_id)  # never written
+    return out

@@ -69,10 +69,11 @@ class WorkerSide:
         self.reg_generation = -1
         self.stats = {"loads": 0, "load_failures": 0, "loaded_chunks": 0, "stores": 0, "stored_chunks": 0,
                       "store_failures": 0, "stores_skipped_ring_full": 0, "pieces_queued": 0, "late_ops": 0,
-                      "null_blocks_left_alone": 0, "thread_cpu_s": 0.0}
+                      "null_blocks_left_alone": 0, "forwards_waiting_for_gathers": 0, "thread_cpu_s": 0.0}
         self.mover = TransferThread(self)
         self._meta: KVDepotMetadata | None = None
         self._saves_posted = 0
+        self._sliding_saves: list[_SlidingSave] = []  # sliding-window models: saves maybe not gathered yet
         self._released: KVDepotMetadata | None = None  # the metadata whose releases were posted
         self._invalid_blocks: set[int] = set()  # taken by get_transfer_results, given by the next call
         self._stream: tuple[int, torch.cuda.Stream | None] = (0, None)  # (raw pointer, the current stream)
@@ -157,16 +158,42 @@ class WorkerSide:
         return self.mover.started
 
     def bind(self, meta: KVDepotMetadata) -> None:
-        """Before the forward. For a model with a sliding-window group, the engine's stream
-        waits for the gathers of the previous step's stores (vLLM may give their blocks to this
-        forward)."""
+        """Before the forward. For a model with a sliding-window group (vLLM frees blocks that
+        leave the window while their request runs), the forward must not write a block before
+        an earlier step's store gathered it: see `_order_after_gathers`."""
         self._meta = meta
-        if not self._active:
-            return
-        if not self.stores_may_wait and self._saves_posted:
-            ev = self.mover.saves_gathered(self._saves_posted, self.cfg.rpc_timeout_s)
+        if self._sliding_saves and self._active:
+            self._order_after_gathers(meta.written_block_ids if isinstance(meta, KVDepotMetadata) else None)
+
+    def _order_after_gathers(self, written: set[int] | None) -> None:
+        """Make the engine's stream wait for the gathers of every earlier store that reads a
+        block of ``written`` (blocks this step may write that their request did not hold: the
+        scheduler's ``written_block_ids``; None: all of them). A store the transfer thread has
+        not gathered yet is waited for on the CPU, one already queued on the GPU only; stores
+        whose gathers ran, or whose blocks this step leaves alone, cost no wait (the check
+        comes again next step for those not gathered yet)."""
+        mover, keep, waited = self.mover, [], 0
+        for s in self._sliding_saves:
+            handled, ev = mover.gathered(s.seq)
+            if handled and (ev is None or ev.query()):  # its gathers ran (CPU: its Store was sent)
+                mover.forget_gathered(s.seq)
+                continue
+            if written is not None and s.blocks().isdisjoint(written):
+                keep.append(s)
+                continue
+            if not handled:
+                ev = mover.saves_gathered(s.seq, self.cfg.rpc_timeout_s)
             if ev is not None:
                 self._current_stream().wait_event(ev)
+            self.stats["forwards_waiting_for_gathers"] += 1
+            mover.forget_gathered(s.seq)
+            waited = s.seq
+        if waited:  # the side stream runs in order: the gathers of earlier saves came before
+            for s in keep:
+                if s.seq < waited:
+                    mover.forget_gathered(s.seq)
+            keep = [s for s in keep if s.seq > waited]
+        self._sliding_saves = keep
 
     def handle_preemptions(self, meta: KVDepotMetadata) -> None:
         """Before the forward that reuses preempted requests' blocks: their queued stores are
@@ -178,6 +205,9 @@ class WorkerSide:
         p = self.mover.preempt(gone, self.cfg.rpc_timeout_s + 1.0)
         if p.event is not None:
             self._current_stream().wait_event(p.event)
+            for s in self._sliding_saves:  # handled before the preemption: p.event follows their gathers
+                self.mover.forget_gathered(s.seq)
+            self._sliding_saves = []
 
     def _engine_event(self):
         """CUDA: an event recorded on the engine's current stream now (None on CPU)."""
@@ -199,6 +229,8 @@ class WorkerSide:
             return
         self._saves_posted += 1
         self.mover.post(("save", meta.stores, self._engine_event()))
+        if not self.stores_may_wait:
+            self._sliding_saves.append(_SlidingSave(self._saves_posted, meta.stores))
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) of this step; never waits. The
@@ -234,6 +266,23 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self.mover.stop(self.cfg.rpc_timeout_s * 2 + 1.0)
+
+
+class _SlidingSave:
+    """A "save" posted for a sliding-window model whose gathers may not have run yet."""
+
+    __slots__ = ("seq", "stores", "_blocks")
+
+    def __init__(self, seq: int, stores) -> None:
+        self.seq = seq  # its number among the saves posted (1-based), `TransferThread.gathered`
+        self.stores = stores  # its StoreJobs
+        self._blocks: set[int] | None = None
+
+    def blocks(self) -> set[int]:
+        """Every manager block id its stores read (built on first use)."""
+        if self._blocks is None:
+            self._blocks = {b for job in self.stores for ids in job.block_ids for b in ids}
+        return self._blocks
 
 
 def _tp_rank(tp_size: int) -> int:

@@ -1,0 +1,148 @@
+"""Models with a sliding-window group: vLLM frees the blocks that leave the window while their
+request runs, so a forward may write a block an earlier step's store has not gathered yet. The
+scheduler names the blocks each step may write that their request did not hold before
+(``written_block_ids``); a worker's forward waits only for the gathers of stores that read one
+of those, on the GPU if the transfer thread queued them already, on the CPU if not."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm_harness as H  # noqa: E402
+from kvdepot.client.vllm.plan import KVDepotMetadata, StoreJob  # noqa: E402
+from kvdepot.client.vllm.scheduler import written_blocks  # noqa: E402
+from kvdepot.client.vllm.worker import WorkerSide, _SlidingSave  # noqa: E402
+
+CHUNK = 64
+
+
+def test_written_block_ids_cover_every_block_a_step_gives_a_request(daemon, tmp_path):
+    """Through vLLM's real scheduler (chunked prefill of a hybrid model, so requests run over
+    several steps while the sliding-window group gives blocks back): every block a request
+    holds after a step's scheduling and did not hold before is in that step's
+    ``written_block_ids``; vLLM's null block never is."""
+    cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, chunk_size=CHUNK,
+                             max_num_batched_tokens=48, max_model_len=256, extra={"model_id": "sliding-written"})
+    e = H.Engine(cfg, H.hybrid_specs(sliding_window=16), num_blocks=40)
+    try:
+        sched, conn = e.scheduler, e.sched_conn
+        null = sched.kv_cache_manager.block_pool.null_block.block_id
+        held: dict[str, set[int]] = {}
+        checked = {"steps": 0, "new_blocks": 0, "freed_blocks": 0}
+        build = conn.build_connector_meta
+
+        def spy(so):
+            meta = build(so)
+            now = {rid: {b for ids in sched.kv_cache_manager.get_block_ids(rid) for b in ids}
+                   for rid in sched.requests}
+            new = set().union(*(now[r] - held.get(r, set()) for r in now)) - {null}
+            assert meta.written_block_ids is not None and new <= meta.written_block_ids, (new, meta)
+            assert null not in meta.written_block_ids
+            checked["steps"] += 1
+            checked["new_blocks"] += len(new)
+            checked["freed_blocks"] += sum(len(held[r] - now.get(r, set()) - {null}) for r in held)
+            held.clear()
+            held.update(now)
+            return meta
+
+        conn.build_connector_meta = spy
+        for i in range(3):
+            e.add(H.tokens(40 + i, 200), max_tokens=4)
+        e.run(timeout_s=60)
+        assert checked["steps"] >= 10 and checked["new_blocks"] >= 20, checked
+        assert checked["freed_blocks"] > 0, "no block left a window while its request ran: nothing tested"
+        assert e.worker_conn.worker.stats["stored_chunks"] >= 6
+    finally:
+        e.close()
+
+
+def test_written_blocks_reads_every_field_of_the_scheduler_output():
+    so = types.SimpleNamespace(
+        scheduled_new_reqs=[types.SimpleNamespace(block_ids=([1, 2], [0, 3]))],
+        scheduled_cached_reqs=types.SimpleNamespace(new_block_ids=[([4], [5]), None]),
+        new_block_ids_to_zero=[6], kv_cache_block_copies=[types.SimpleNamespace(src_block_id=9, dst_block_id=7)])
+    assert written_blocks(so, null_block_id=0) == {1, 2, 3, 4, 5, 6, 7}
+
+
+class _Event:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _Mover:
+    """The transfer thread's side of the handshake: which saves were handled, with which events."""
+
+    def __init__(self) -> None:
+        self.handled = 0
+        self.events: dict[int, _Event] = {}
+        self.cpu_waits: list[int] = []
+
+    def gathered(self, seq):
+        return (True, self.events.get(seq)) if seq <= self.handled else (False, None)
+
+    def saves_gathered(self, count, timeout_s):
+        self.cpu_waits.append(count)
+        self.handled = max(self.handled, count)  # the thread got there
+        self.events.setdefault(count, _Event(False))
+        return self.events[count]
+
+    def forget_gathered(self, seq):
+        self.events.pop(seq, None)
+
+
+def _worker():
+    w = object.__new__(WorkerSide)
+    w.mover, w.stats = _Mover(), {"forwards_waiting_for_gathers": 0}
+    w.cfg = types.SimpleNamespace(rpc_timeout_s=1.0)
+    w._sliding_saves = []
+    waits = []
+    w._current_stream = lambda: types.SimpleNamespace(wait_event=waits.append)
+    return w, waits
+
+
+def _save(seq, blocks):
+    return _SlidingSave(seq, [StoreJob("r", [b"k"], b"", b"s", 0, [list(blocks)], "")])
+
+
+def test_a_forward_waits_only_for_gathers_that_read_a_block_it_may_write():
+    w, waits = _worker()
+    mv = w.mover
+    w._sliding_saves = [_save(1, [10, 11]), _save(2, [20, 21]), _save(3, [30])]
+    mv.handled, mv.events = 2, {1: _Event(True), 2: _Event(False)}
+    # save 1's gathers ran (forgotten); save 2 is queued on the GPU, save 3 not handled yet:
+    # this step writes none of their blocks -> no wait at all
+    w._order_after_gathers({40, 41})
+    assert waits == [] and mv.cpu_waits == [] and [s.seq for s in w._sliding_saves] == [2, 3]
+    assert 1 not in mv.events
+    # this step writes a block of save 2: a GPU wait on its event, no CPU wait
+    ev2 = mv.events[2]
+    w._order_after_gathers({21})
+    assert waits == [ev2] and mv.cpu_waits == [] and [s.seq for s in w._sliding_saves] == [3]
+    # a block of save 3, which the thread has not gathered: the CPU waits for it, then the GPU
+    w._order_after_gathers({30, 99})
+    assert mv.cpu_waits == [3] and len(waits) == 2 and waits[-1] is not ev2  # save 3's own event
+    assert w._sliding_saves == [] and w.stats["forwards_waiting_for_gathers"] == 2
+
+
+def test_waiting_for_a_later_save_covers_the_earlier_ones_and_none_means_wait():
+    w, waits = _worker()
+    mv = w.mover
+    w._sliding_saves = [_save(1, [1]), _save(2, [2]), _save(3, [3])]
+    mv.handled, mv.events = 3, {1: _Event(False), 2: _Event(False), 3: _Event(False)}
+    w._order_after_gathers({3})  # save 3's gathers follow 1's and 2's on the side stream
+    assert len(waits) == 1 and w._sliding_saves == [] and mv.events == {}
+    # no written_block_ids (an older scheduler): every save not known gathered is waited for
+    w._sliding_saves = [_save(4, [4])]
+    w._order_after_gathers(None)
+    assert mv.cpu_waits == [4] and len(waits) == 2 and w._sliding_saves == []
+
+
+def test_metadata_of_dense_models_carries_no_written_blocks():
+    assert KVDepotMetadata().written_block_ids is None
