@@ -335,7 +335,13 @@ def test_daemon_down_then_restarted(daemon, cfg, engines):
     f.run()
     assert f.worker_conn.worker.registration_id, "the worker must register with the restarted daemon"
     assert f.worker_conn.worker.stats["stored_chunks"] >= 3
-    # the first instance notices the restart (UNKNOWN_REGISTRATION / new boot id) and re-registers
+    # the first instance notices the restart (its connection closed, a new boot id) and
+    # registers again, idle (its transfer thread looks every 50 ms)
+    for _ in range(400):
+        e.step()
+        if w.registration_id not in (None, first_reg):
+            break
+        time.sleep(0.005)
     r3 = e.add(H.tokens(10, 3) + prompt, max_tokens=2)
     e.run()
     assert w.registration_id and w.registration_id != first_reg

@@ -138,6 +138,7 @@ class WorkerSide:
         c = self.client
         if not c.available():
             return False
+        c.poll()  # reads a close of the connection by a daemon that stopped (connected turns False)
         if self.kvreg is not None and not c.connected:
             # the daemon closed the connection: a restarted one would not know the registration.
             # One round trip on the new connection learns its boot id (then generation says).
