@@ -8,7 +8,8 @@ after the request left, ``c_reply`` when its reply was decoded). The lone-reques
 ``result`` returned: reply in, scatter enqueued) and ``b_end`` (the op is over: a store's reply,
 a retrieve's scatter finished on the GPU). Both processes read CLOCK_MONOTONIC, so the points
 of one request line up; the daemon's are matched by rid within the request's own time span
-(only one client talks to the daemon during the lone requests).
+(only one client talks to the daemon during the lone requests; other clients reuse rid
+numbers, so a point outside the request's span is someone else's).
 """
 
 from __future__ import annotations
@@ -81,12 +82,14 @@ def breakdown(op: str, rids: list[int], mine: dict, daemon: dict) -> dict:
     deltas: dict[str, list[float]] = collections.defaultdict(list)
     totals, complete = [], 0
     for rid in rids:
-        own = dict(mine.get(rid, ()))
+        own = {s: t for s, t in mine.get(rid, ()) if s.startswith("b_")}
         if "b_call" not in own or "b_end" not in own:
             continue
         lo, hi = own["b_call"], own["b_end"]
         pts = dict(own)
-        for stage, t in daemon.get(rid, ()):
+        # other clients of this process and the daemon's other connections reuse rid numbers:
+        # only points inside the request's own span are its
+        for stage, t in [*mine.get(rid, ()), *daemon.get(rid, ())]:
             if lo <= t <= hi:
                 pts.setdefault(stage, t)
         seq = [(s, pts[s]) for s in ORDER[op] if s in pts]

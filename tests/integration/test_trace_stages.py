@@ -68,3 +68,18 @@ def test_lone_store_and_retrieve_are_broken_down_into_every_stage(tmp_path, stag
         assert all(us >= 0 for us in b["stages_us"].values()), b
         assert sum(b["stages_us"].values()) == pytest.approx(b["total_us"], rel=0.5)
     assert len(lines) == 2 and "lone store" in lines[0] and "daemon: index / plan" in lines[0], lines
+
+
+def test_points_of_other_requests_with_the_same_rid_are_left_out(stages):
+    """Several clients in one process number their requests alike: a point of the same rid
+    outside a lone request's own span belongs to another request."""
+    from kvdepot import trace
+
+    trace.POINTS = [(7, "c_sent", 50), (7, "b_call", 1000), (7, "c_sent", 1010), (7, "c_reply", 1090),
+                    (7, "b_end", 1100), (7, "c_reply", 5000)]
+    daemon = {7: [("start", 20), ("start", 1020), ("enqueue", 1030), ("r_enqueued", 1040), ("gpu_done", 1070),
+                  ("reply", 1080), ("reply", 4000)]}
+    b = stages.breakdown("retrieve", [7], stages.client_points(), daemon)
+    assert b["total_us"] == pytest.approx(0.1) and b["requests"] == 1
+    assert b["stages_us"]["c_sent"] == pytest.approx(0.010) and b["stages_us"]["start"] == pytest.approx(0.010)
+    assert b["stages_us"]["c_reply"] == pytest.approx(0.010) and b["stages_us"]["b_end"] == pytest.approx(0.010)
