@@ -115,10 +115,22 @@ def chain_hashes(prev: bytes, token_ids: Sequence[int], chunk_size: int, max_chu
     return out
 
 
+_SMALL_KEYS = 32  # up to this many keys (chunks x shards) `shard_keys` XORs ints; beyond, numpy is faster
+
+
 def shard_keys(chain: Sequence[bytes], masks: Sequence[bytes]) -> list[list[bytes]]:
     """Per mask (shard), the keys of ``chain``: ``[[h ^ mask for h in chain] for mask in masks]``."""
     if not chain:
         return [[] for _ in masks]
+    if len(chain) * len(masks) <= _SMALL_KEYS:
+        # a step's few chunks: plain ints (numpy's per-call cost, cold after a forward, was
+        # measured at ~100 us per call on the vLLM worker's transfer thread)
+        frm = int.from_bytes
+        out = []
+        for mask in masks:
+            mi = frm(mask, "little")
+            out.append([(frm(h, "little") ^ mi).to_bytes(KEY_BYTES, "little") for h in chain])
+        return out
     h = np.frombuffer(b"".join(chain), dtype=np.uint8).reshape(1, -1, KEY_BYTES)
     m = np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(-1, 1, KEY_BYTES)
     keys = np.bitwise_xor(h, m)  # [shards, chunks, 16]

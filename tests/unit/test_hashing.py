@@ -200,3 +200,20 @@ def test_shard_name():
     for rank, size in [(1, 1), (-1, 2), (0, 0), (4, 4), (0, -1)]:
         with pytest.raises(ValueError, match="tp_rank"):
             shard_name(rank, size)
+
+
+@pytest.mark.parametrize("chunks,shards", [(1, 1), (16, 1), (32, 1), (33, 1), (16, 8), (300, 2)])
+def test_shard_keys_small_and_large_paths_agree(chunks, shards, monkeypatch):
+    """Few keys are XORed as ints, many with numpy: the same bytes either way."""
+    import os
+
+    import kvdepot.client.hashing as hashing
+
+    chain = [os.urandom(KEY_BYTES) for _ in range(chunks)]
+    masks = [os.urandom(KEY_BYTES) for _ in range(shards)]
+    got = shard_keys(chain, masks)
+    monkeypatch.setattr(hashing, "_SMALL_KEYS", 0)
+    assert shard_keys(chain, masks) == got
+    monkeypatch.setattr(hashing, "_SMALL_KEYS", 10**9)
+    assert shard_keys(chain, masks) == got
+    assert got[0][0] == bytes(a ^ b for a, b in zip(chain[0], masks[0]))
