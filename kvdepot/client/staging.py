@@ -198,6 +198,71 @@ def _release_fence(kernels: Kernels, host_ptr: int, fd: int, mem: torch.Tensor) 
     del mem  # the mapping goes with the last reference
 
 
+class GatherGate:
+    """A GPU-side ordering of one stream after another's numbered work, with a bounded wait:
+    the vLLM worker's forward (engine stream) after the gathers of a sliding-window model's
+    earlier stores (the transfer thread's stream), without the engine thread waiting on the CPU
+    for the transfer thread to queue them.
+
+    Three uint64 words of host memory mapped for the GPU: 0, the highest number whose work is
+    done (written by the GPU after that work, `signal`); 1, the highest number a wait gave up
+    on (`Kernels.engine_wait`, after ``timeout_s``); 2, the highest number the working side
+    claimed before starting it (`claim`). A number is either claimed before its wait gives
+    up, and then waited for however long it takes, or abandoned, and then its work is not done.
+
+    Raises:
+        KernelError: the memory cannot be registered with CUDA.
+    """
+
+    WORDS = 3
+
+    def __init__(self, kernels: Kernels, timeout_s: float) -> None:
+        import mmap
+
+        self.kernels = kernels
+        self.timeout_s = timeout_s
+        self._mem = mmap.mmap(-1, mmap.PAGESIZE)  # page-aligned, zero-filled
+        self.host_ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._mem))
+        self.dev_ptr = kernels.host_register_mapped(self.host_ptr, mmap.PAGESIZE)
+        self._view = (ctypes.c_uint64 * self.WORDS).from_address(self.host_ptr)
+        self._finalizer = weakref.finalize(self, _release_gate, kernels, self.host_ptr, self._mem)
+
+    def wait(self, number: int, stream) -> None:
+        """Enqueue on ``stream`` (a ``torch.cuda.Stream``): wait until the work of ``number`` is done."""
+        self.kernels.engine_wait(self.dev_ptr, number, self.timeout_s, stream.cuda_stream)
+
+    def claim(self, number: int) -> bool:
+        """Before starting the work of ``number``: False if its wait already gave up (do not do it)."""
+        return self.kernels.engine_claim(self.host_ptr, number)
+
+    def signal(self, number: int, stream) -> None:
+        """Enqueue on ``stream``, after the work of ``number``: it is done (done or not, every
+        number must be signalled, in order, or a wait for it lasts until its timeout)."""
+        self.kernels.engine_signal(self.dev_ptr, number, stream.cuda_stream)
+
+    @property
+    def done(self) -> int:
+        return self._view[0]
+
+    @property
+    def abandoned(self) -> int:
+        return self._view[1]
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _release_gate(kernels: Kernels, host_ptr: int, mem) -> None:
+    try:
+        kernels.host_unregister(host_ptr)
+    except KernelError as exc:
+        log.warning("unregistering the gather gate's words failed: %s", exc)
+    try:
+        mem.close()
+    except BufferError:  # a ctypes view still exported: the mapping goes with the process
+        pass
+
+
 class EngineStaging:
     """A registration's engine side: its layer groups in the kernel library (the engine's own
     device pointers) and the staging ring.

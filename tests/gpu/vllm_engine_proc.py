@@ -8,7 +8,9 @@ Scenario keys: ``device`` (default cuda), ``endpoint``, ``model_id``, ``workdir`
 (dense / dense-wide / hybrid), ``tp``, ``rank_processes``, ``warmup`` ([seed, tokens]: a request run first so
 that the prompt gets other block ids), ``prompt`` ([seed, tokens]), ``max_tokens``,
 ``more_prompts`` (more [seed, tokens] added with it), ``extra`` (connector settings),
-``kill_daemon_pid`` (SIGKILL that pid once the scheduler's lookup was answered, then run on).
+``kill_daemon_pid`` (SIGKILL that pid once the scheduler's lookup was answered, then run on),
+``num_blocks`` (KV-cache blocks per group), ``budget`` (max_num_batched_tokens: chunked prefill),
+``max_model_len``.
 Prints one JSON line: ``outputs``, ``computed`` (tokens the toy forward computed), per-rank
 ``stats``, ``run_s``, ``stubbed`` (compiled vLLM modules that were absent).
 """
@@ -33,10 +35,14 @@ def main(sc: dict) -> dict:
              "dense-wide": lambda: H.dense_specs(heads=8, head_size=64),  # 512 KiB per 64-token chunk
              "dense": H.dense_specs}[sc.get("specs", "dense")]()
     model = H.model_dir(Path(sc["workdir"]))
+    budget = {"max_num_batched_tokens": sc["budget"]} if sc.get("budget") else {}
+    if sc.get("max_model_len"):
+        budget["max_model_len"] = sc["max_model_len"]
     cfg = H.make_vllm_config(model, sc["endpoint"], chunk_size=sc.get("chunk_size", 64), layout=sc["layout"],
-                             device=sc.get("device", "cuda"),
+                             device=sc.get("device", "cuda"), **budget,
                              extra={"model_id": sc["model_id"], "rpc_timeout_s": 2.0, **sc.get("extra", {})})
-    eng = H.Engine(cfg, specs, tp=sc.get("tp", 1), rank_processes=sc.get("rank_processes", False))
+    eng = H.Engine(cfg, specs, tp=sc.get("tp", 1), rank_processes=sc.get("rank_processes", False),
+                   **({"num_blocks": sc["num_blocks"]} if sc.get("num_blocks") else {}))
     try:
         if sc.get("warmup"):
             eng.add(H.tokens(*sc["warmup"]), max_tokens=1)

@@ -248,18 +248,31 @@ class TransferThread:
             self._pump()
         elif kind == "save":
             _, jobs, event = cmd
+            seq = self._saves_gathered + 1
+            gate = self.side.gate
             try:
-                self._save(jobs, event)
+                if gate is not None and not gate.claim(seq):
+                    # the engine's GPU-side wait for these gathers gave up (`WorkerSide.bind`):
+                    # the forward after it may be writing their blocks, so none is stored
+                    self.side.stats["saves_abandoned"] += 1
+                    self.side.stats["store_failures"] += len(jobs)
+                    self._stopped.update(job.req_id for job in jobs)
+                    log.warning("kvdepot: the transfer thread reached a step's stores after the forward stopped "
+                                "waiting for them (%.1f s); they are skipped", gate.timeout_s)
+                else:
+                    self._save(jobs, event)
             finally:  # counted even if it failed: the engine thread may wait for the count
                 if not self.side.stores_may_wait:  # only `bind` of those waits on it
                     ev = None
                     if self._side is not None:
+                        if gate is not None:
+                            gate.signal(seq, self._side)  # after the gathers: every number, in order
                         ev = torch.cuda.Event()
                         ev.record(self._side)
                     # before the count: a reader that sees the count sees the event
-                    self._gather_events[self._saves_gathered + 1] = ev
+                    self._gather_events[seq] = ev
                 with self._saves_cond:
-                    self._saves_gathered += 1
+                    self._saves_gathered = seq
                     self._saves_cond.notify_all()
         elif kind == "preempt":
             self._preempt(cmd[1])
@@ -364,6 +377,7 @@ class TransferThread:
         per = self._piece_chunks()
         now = time.monotonic()
         reg = side.reg
+        first_new = len(self._queue)
         for job in jobs:
             if not ready or job.req_id in self._stopped or not job.chain:
                 side.stats["store_failures"] += 1
@@ -377,7 +391,20 @@ class TransferThread:
                 self._queue.append(Piece(job.req_id, "store", keys[s:e], [x[s * n:e * n] for x, n in zip(ids, bpc)],
                                           parent=parent if s == 0 else keys[s - 1], cache_salt=job.cache_salt,
                                           queued_at=now, after=event))
+        new = [self._queue[i] for i in range(first_new, len(self._queue))]
         self._pump(stores_now=True)
+        if not side.stores_may_wait and self._queue:
+            # sliding-window models: gathered now or never (a load waiting for ring room ahead
+            # of them held them back; later, the blocks may be another request's)
+            late = {id(p) for p in new}
+            kept = collections.deque()
+            for p in self._queue:
+                if id(p) in late:
+                    side.stats["stores_skipped_ring_full"] += 1
+                    self._stopped.add(p.req_id)
+                else:
+                    kept.append(p)
+            self._queue = kept
 
     def _preempt(self, p: Preemption) -> None:
         """Drop the queued stores of preempted requests; an unstaged store (the daemon reads the
