@@ -84,6 +84,7 @@ class TransferThread:
         # sliding-window models: save number (1-based) -> side-stream event after its gathers
         # (None on CPU); the engine thread removes an entry once it no longer needs it
         self._gather_events: dict[int, object] = {}
+        self._gathered_forgotten = 0  # saves up to this one: no event kept (`forget_gathered`)
         self._side: torch.cuda.Stream | None = None
         self._scattered = False  # a load's scatter was queued since the last publish
         self._thread: threading.Thread | None = None
@@ -135,7 +136,12 @@ class TransferThread:
         return True, self._gather_events.get(seq)
 
     def forget_gathered(self, seq: int) -> None:
-        self._gather_events.pop(seq, None)
+        """The engine thread no longer asks about saves ``<= seq`` (its stream is ordered after
+        their gathers, or they ran)."""
+        if seq > self._gathered_forgotten:
+            self._gathered_forgotten = seq
+        for k in [k for k in self._gather_events if k <= seq]:
+            self._gather_events.pop(k, None)
 
     def take(self) -> Results:
         """The results published since the last call (merged)."""
@@ -270,7 +276,10 @@ class TransferThread:
                         ev = torch.cuda.Event()
                         ev.record(self._side)
                     # before the count: a reader that sees the count sees the event
-                    self._gather_events[seq] = ev
+                    if seq > self._gathered_forgotten:
+                        self._gather_events[seq] = ev
+                    for k in [k for k in self._gather_events if k <= self._gathered_forgotten]:
+                        self._gather_events.pop(k, None)  # raced with forget_gathered
                 with self._saves_cond:
                     self._saves_gathered = seq
                     self._saves_cond.notify_all()

@@ -193,11 +193,11 @@ class WorkerSide:
         not gathered yet is waited for on the CPU, one already queued on the GPU only; stores
         whose gathers ran, or whose blocks this step leaves alone, cost no wait (the check
         comes again next step for those not gathered yet)."""
-        mover, keep, waited = self.mover, [], 0
+        mover, keep, ordered = self.mover, [], 0  # ordered: saves <= this need nothing more
         for s in self._sliding_saves:
             handled, ev = mover.gathered(s.seq)
             if handled and (ev is None or ev.query()):  # its gathers ran (CPU: its Store was sent)
-                mover.forget_gathered(s.seq)
+                ordered = s.seq  # and those of every earlier save (one stream, in order)
                 continue
             if written is not None and s.blocks().isdisjoint(written):
                 keep.append(s)
@@ -211,13 +211,10 @@ class WorkerSide:
             if ev is not None:
                 self._current_stream().wait_event(ev)
             self.stats["forwards_waiting_for_gathers"] += 1
-            mover.forget_gathered(s.seq)
-            waited = s.seq
-        if waited:  # the side stream runs in order: the gathers of earlier saves came before
-            for s in keep:
-                if s.seq < waited:
-                    mover.forget_gathered(s.seq)
-            keep = [s for s in keep if s.seq > waited]
+            ordered = s.seq  # the side stream runs in order: earlier saves' gathers came before
+        if ordered:
+            mover.forget_gathered(ordered)
+            keep = [s for s in keep if s.seq > ordered]
         self._sliding_saves = keep
 
     def handle_preemptions(self, meta: KVDepotMetadata) -> None:
@@ -230,9 +227,9 @@ class WorkerSide:
         p = self.mover.preempt(gone, self.cfg.rpc_timeout_s + 1.0)
         if p.event is not None:
             self._current_stream().wait_event(p.event)
-            for s in self._sliding_saves:  # handled before the preemption: p.event follows their gathers
-                self.mover.forget_gathered(s.seq)
-            self._sliding_saves = []
+            if self._sliding_saves:  # handled before the preemption: p.event follows their gathers
+                self.mover.forget_gathered(self._sliding_saves[-1].seq)
+                self._sliding_saves = []
 
     def _engine_event(self):
         """CUDA: an event recorded on the engine's current stream now (None on CPU)."""
