@@ -38,7 +38,7 @@ ENV_SO = "KVDEPOT_KERNELS_SO"
 ENV_NO_JIT = "KVDEPOT_NO_JIT"
 # built at install (setup.py) for `build.INSTALL_ARCHS` when nvcc was there
 PACKAGED_SO = Path(__file__).parent / "_lib" / "libkvdepot_kernels.so"
-ABI_VERSION = 9
+ABI_VERSION = 8
 
 KVD_OK, KVD_EINVAL, KVD_EALIGN, KVD_ECUDA = 0, 1, 2, 3
 
@@ -108,8 +108,6 @@ class Kernels:
         lib.kvd_dma.argtypes = [vp, vp, ctypes.c_uint64, vp, vp, ctypes.c_uint64, i64, i32, vp, i32, ctypes.c_uint64,
                                 vp]
         lib.kvd_engine_signal.argtypes = [vp, ctypes.c_uint64, vp]
-        lib.kvd_engine_wait.argtypes = [vp, ctypes.c_uint64, ctypes.c_uint64, vp]
-        lib.kvd_engine_claim.argtypes = [vp, ctypes.c_uint64, ctypes.POINTER(i32)]
         lib.kvd_host_register_mapped.argtypes = [vp, ctypes.c_size_t, ctypes.POINTER(vp)]
         lib.kvd_lane_cancel.argtypes = [vp, vp, vp]
         lib.kvd_event_create_ipc.argtypes = [i32, ctypes.POINTER(vp), ctypes.c_char_p]
@@ -270,25 +268,6 @@ class Kernels:
             KernelError: misaligned pointer, or the launch failed.
         """
         self._check(self.lib.kvd_engine_signal(word_dev_ptr, value, stream), "kvd_engine_signal")
-
-    def engine_wait(self, words_dev_ptr: int, value: int, timeout_s: float, stream: int) -> None:
-        """Engine side (sliding-window models): enqueue on ``stream`` a wait until word 0 of
-        ``words_dev_ptr`` (3 uint64 of host memory mapped by `host_register_mapped`: its device
-        address) holds ``value`` or more. After ``timeout_s`` the wait marks ``value`` abandoned
-        (word 1) and returns, unless `engine_claim` claimed it first (word 2).
-
-        Raises:
-            KernelError: misaligned pointer, or the launch failed.
-        """
-        self._check(self.lib.kvd_engine_wait(words_dev_ptr, value, int(timeout_s * 1e9), stream), "kvd_engine_wait")
-
-    def engine_claim(self, words_host_ptr: int, value: int) -> bool:
-        """The side that writes word 0 (after its work for ``value``): claim ``value`` before
-        starting that work; False if the engine's wait has already given up on it (the work
-        must then not be done). ``words_host_ptr``: the host address of the words."""
-        abandoned = ctypes.c_int32()
-        self._check(self.lib.kvd_engine_claim(words_host_ptr, value, ctypes.byref(abandoned)), "kvd_engine_claim")
-        return abandoned.value == 0
 
     def host_register_mapped(self, ptr: int, size_bytes: int) -> int:
         """Page-lock ``[ptr, ptr + size_bytes)`` of host memory and map it for the GPU to write

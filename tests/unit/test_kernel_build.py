@@ -39,21 +39,6 @@ def test_built_library_loads_with_its_abi_and_source_stamp(built):
         k.event_open_ipc(b"abc", 0)
 
 
-def test_gather_gate_claim_and_abandon_exclude_each_other(built):
-    """`GatherGate`'s CPU side (no GPU needed): the working side claims a number; if the
-    engine's wait gave up on it first (word 1), the claim fails and the work must not be done."""
-    k = Kernels(str(built))
-    words = (ctypes.c_uint64 * 3)()
-    host = ctypes.addressof(words)
-    assert k.engine_claim(host, 1) is True and words[2] == 1
-    words[1] = 2  # the GPU-side wait gave up on number 2
-    assert k.engine_claim(host, 2) is False and words[2] == 2
-    assert k.engine_claim(host, 3) is True and words[2] == 3
-    with pytest.raises(KernelError):
-        k.engine_claim(host + 4, 4)  # misaligned
-    assert k.lib.kvd_engine_wait(3, 1, 10, 0) == 1  # misaligned words: refused before any launch
-
-
 def test_library_built_from_other_source_is_refused(tmp_path):
     stale = tmp_path / "stale.so"
     nvcc = build.find_nvcc()

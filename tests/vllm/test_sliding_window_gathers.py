@@ -103,7 +103,6 @@ def _worker():
     w.mover, w.stats = _Mover(), {"forwards_waiting_for_gathers": 0}
     w.cfg = types.SimpleNamespace(rpc_timeout_s=1.0)
     w._sliding_saves = []
-    w.gate = None
     waits = []
     w._current_stream = lambda: types.SimpleNamespace(wait_event=waits.append)
     return w, waits
@@ -150,16 +149,3 @@ def test_waiting_for_a_later_save_covers_the_earlier_ones_and_none_means_wait():
 def test_metadata_of_dense_models_carries_no_written_blocks():
     assert KVDepotMetadata().written_block_ids is None
 
-
-def test_with_the_gpu_gate_the_engine_thread_never_waits_for_the_transfer_thread():
-    """CUDA with the kernel library: a conflicting store not gathered yet costs the forward a
-    GPU-side wait on the gate (`GatherGate`), not a CPU wait for the transfer thread."""
-    w, waits = _worker()
-    mv = w.mover
-    gate_waits = []
-    w.gate = types.SimpleNamespace(wait=lambda seq, stream: gate_waits.append(seq))
-    w._sliding_saves = [_save(1, [1]), _save(2, [2]), _save(3, [3])]
-    mv.handled = 0
-    w._order_after_gathers({2})
-    assert gate_waits == [2] and mv.cpu_waits == [] and waits == []
-    assert [s.seq for s in w._sliding_saves] == [3]  # save 1 came before 2 on the thread's stream

@@ -255,24 +255,12 @@ class TransferThread:
         elif kind == "save":
             _, jobs, event = cmd
             seq = self._saves_gathered + 1
-            gate = self.side.gate
             try:
-                if gate is not None and not gate.claim(seq):
-                    # the engine's GPU-side wait for these gathers gave up (`WorkerSide.bind`):
-                    # the forward after it may be writing their blocks, so none is stored
-                    self.side.stats["saves_abandoned"] += 1
-                    self.side.stats["store_failures"] += len(jobs)
-                    self._stopped.update(job.req_id for job in jobs)
-                    log.warning("kvdepot: the transfer thread reached a step's stores after the forward stopped "
-                                "waiting for them (%.1f s); they are skipped", gate.timeout_s)
-                else:
-                    self._save(jobs, event)
+                self._save(jobs, event)
             finally:  # counted even if it failed: the engine thread may wait for the count
                 if not self.side.stores_may_wait:  # only `bind` of those waits on it
                     ev = None
                     if self._side is not None:
-                        if gate is not None:
-                            gate.signal(seq, self._side)  # after the gathers: every number, in order
                         ev = torch.cuda.Event()
                         ev.record(self._side)
                     # before the count: a reader that sees the count sees the event

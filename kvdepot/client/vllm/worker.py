@@ -69,9 +69,8 @@ class WorkerSide:
         self.reg_generation = -1
         self.stats = {"loads": 0, "load_failures": 0, "loaded_chunks": 0, "stores": 0, "stored_chunks": 0,
                       "store_failures": 0, "stores_skipped_ring_full": 0, "pieces_queued": 0, "late_ops": 0,
-                      "null_blocks_left_alone": 0, "forwards_waiting_for_gathers": 0, "saves_abandoned": 0,
+                      "null_blocks_left_alone": 0, "forwards_waiting_for_gathers": 0,
                       "thread_cpu_s": 0.0}
-        self.gate = None  # CUDA sliding-window models: the forward's GPU-side wait for gathers (_make_gate)
         self.mover = TransferThread(self)
         self._meta: KVDepotMetadata | None = None
         self._saves_posted = 0
@@ -100,25 +99,7 @@ class WorkerSide:
                 self.disable(str(exc))
             else:
                 self._register()
-                self._make_gate()
         self.mover.start()  # disabled too: it ends the loads the scheduler still plans (recomputed)
-
-    def _make_gate(self) -> None:
-        """CUDA models with a sliding-window group: the GPU-side wait of a forward for the
-        gathers of earlier stores (`kvdepot.client.staging.GatherGate`); without the kernel
-        library the engine thread waits on the CPU instead."""
-        if self.stores_may_wait or self.reg is None or self.reg.device != "cuda":
-            return
-        from kvdepot.client.staging import GatherGate
-        from kvdepot.gpu.kernels import KernelError, load_kernels
-
-        try:
-            kernels = load_kernels()
-            if kernels is not None:
-                self.gate = GatherGate(kernels, self.cfg.rpc_timeout_s)
-        except (KernelError, OSError) as exc:
-            log.warning("kvdepot: no GPU-side wait for the gathers of sliding-window stores (%s); "
-                        "the engine thread waits on the CPU", exc)
 
     def disable(self, why: str) -> None:
         log.error("kvdepot: connector disabled on this worker (vLLM keeps serving without it): %s", why)
@@ -202,11 +183,7 @@ class WorkerSide:
             if written is not None and s.blocks().isdisjoint(written):
                 keep.append(s)
                 continue
-            if not handled and self.gate is not None:
-                # GPU-side: the forward waits for the gathers, the engine thread goes on
-                self.gate.wait(s.seq, self._current_stream())
-                ev = None
-            elif not handled:
+            if not handled:
                 ev = mover.saves_gathered(s.seq, self.cfg.rpc_timeout_s)
             if ev is not None:
                 self._current_stream().wait_event(ev)
@@ -288,10 +265,6 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self.mover.stop(self.cfg.rpc_timeout_s * 2 + 1.0)
-        if self.gate is not None:
-            torch.cuda.synchronize()  # no wait kernel may read the words once they are unmapped
-            self.gate.close()
-            self.gate = None
 
 
 class _SlidingSave:

@@ -996,56 +996,6 @@ int kvd_engine_signal(void* word, uint64_t value, cudaStream_t stream) {
   return kvd_check(cudaGetLastError());
 }
 
-// Engine side, models with a sliding-window group: make `stream` (the engine's) wait until the
-// transfer thread's stream has written `value` or more into words[0] (after the gathers of its
-// save number `value`: kvd_engine_signal), so that a forward cannot overwrite a block before an
-// earlier store gathered it (vLLM frees blocks leaving the window while their request runs).
-// `words`: 3 uint64 of host memory mapped with kvd_host_register_mapped (device address).
-// A thread that never gets there (a bug, or a process that blocks on the GPU while holding
-// what the thread needs) must not hang the engine: after `timeout_ns` the kernel marks the save
-// abandoned (words[1] = value) and lets the stream go on, unless the thread has claimed the
-// save (words[2] >= value, kvd_engine_claim) -- then its gathers are on their way and the wait
-// goes on for them. Claim and abandon are a Dekker pair (each side writes its word, fences,
-// then reads the other's): at most one side proceeds as if it had won.
-__device__ __forceinline__ unsigned long long kvd_globaltimer_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__global__ void kvd_wait_kernel(unsigned long long* words, unsigned long long value, unsigned long long timeout_ns) {
-  volatile unsigned long long* w = words;
-  const unsigned long long t0 = kvd_globaltimer_ns();
-  while (w[0] < value) {
-    if (kvd_globaltimer_ns() - t0 > timeout_ns) {
-      w[1] = value;
-      __threadfence_system();
-      if (w[2] < value) return;  // not claimed: abandoned, the thread will not gather it
-      while (w[0] < value) __nanosleep(2000);
-      return;
-    }
-    __nanosleep(1000);
-  }
-}
-
-int kvd_engine_wait(void* words, uint64_t value, uint64_t timeout_ns, cudaStream_t stream) {
-  if (words == nullptr || (uintptr_t)words % 8) return KVD_EINVAL;
-  kvd_wait_kernel<<<1, 1, 0, stream>>>(static_cast<unsigned long long*>(words), (unsigned long long)value,
-                                       (unsigned long long)timeout_ns);
-  return kvd_check(cudaGetLastError());
-}
-
-// The transfer thread, before gathering save `value`: claim it (words: the host address of the
-// words above). *abandoned = 1 if the engine's wait had already given up on it (then nothing
-// may be gathered for it: the forward after the wait may be writing its blocks), else 0.
-int kvd_engine_claim(uint64_t* words, uint64_t value, int* abandoned) {
-  if (words == nullptr || (uintptr_t)words % 8 || abandoned == nullptr) return KVD_EINVAL;
-  __atomic_store_n(&words[2], value, __ATOMIC_SEQ_CST);
-  __atomic_thread_fence(__ATOMIC_SEQ_CST);
-  *abandoned = __atomic_load_n(&words[1], __ATOMIC_SEQ_CST) >= value ? 1 : 0;
-  return KVD_OK;
-}
-
 // Page-lock a host range for the GPU to write (fence words): *out_dev = its device address.
 int kvd_host_register_mapped(void* ptr, size_t size_bytes, void** out_dev) {
   if (ptr == nullptr || out_dev == nullptr) return KVD_EINVAL;
@@ -1151,7 +1101,7 @@ int kvd_lane_synchronize(KvdLane* lane) {
 
 int kvd_ipc_handle_bytes(void) { return (int)sizeof(cudaIpcMemHandle_t); }
 
-int kvd_abi_version(void) { return 9; }
+int kvd_abi_version(void) { return 8; }
 
 // First 16 hex digits of the SHA-256 of this file, passed by the build (-DKVD_SOURCE_HASH=...);
 // the loader refuses a library built from other source (a stale build would misread arguments).
