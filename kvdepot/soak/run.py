@@ -179,6 +179,7 @@ class Soak:
         self.engines: dict[int, multiprocessing.Process] = {}
         self.last: dict[int, dict] = {}  # index -> latest report of the engine running now
         self.totals = collections.Counter()  # counters of engines that ended
+        self.ops_by_device = collections.Counter()  # their ops, by where the engine's KV caches were
         self.errors = collections.Counter()
         self.faults = collections.Counter()
         self.daemon_counts: dict[str, collections.Counter] = {}  # boot id -> injected faults, tier counters
@@ -215,6 +216,7 @@ class Soak:
         if rep is None:
             return
         self.totals.update(rep["counts"])
+        self.ops_by_device[self._engine_device(index)] += _ops(rep["counts"])
         self.errors.update(rep["errors"])
 
     def _drain_reports(self) -> None:
@@ -422,7 +424,7 @@ class Soak:
         t = collections.Counter(self.totals)
         for rep in self.last.values():
             t.update(rep["counts"])
-        ops = t["lookups"] + t["retrieves"] + t["stores"] + t["flushes"] + t["requests"]
+        ops = _ops(t)
         print(f"soak {elapsed_s:.0f} s: {ops} ops ({ops / max(elapsed_s, 1e-9):.0f}/s), "
               f"{t['verified_bytes'] >> 20} MiB verified, corrupt bytes {t['corrupt_bytes']}, "
               f"faults {sum(self.faults.values())}, failures {len(self.failures)}", file=sys.stderr, flush=True)
@@ -445,7 +447,7 @@ class Soak:
         if self.max_rss_over_base > rss_limit:
             self.failures.append(f"daemon memory grew {self.max_rss_over_base >> 20} MiB over its start "
                                  f"(limit {rss_limit >> 20} MiB: 110% of L1 + tier queues)")
-        ops = t["lookups"] + t["retrieves"] + t["stores"] + t["flushes"] + t["requests"]  # requests = end_request
+        ops = _ops(t)
         faults = dict(self.faults)
         faults.update({k: daemon[k] for k in ("dropped_replies", "delayed_replies", "stalled_copies")})
         tiers = {k: v for k, v in sorted(daemon.items()) if k.startswith(("l1_", "l2_", "l3_"))}
@@ -454,7 +456,8 @@ class Soak:
             "ok": not self.failures, "failures": self.failures, "seed": cfg.seed, "duration_s": round(elapsed_s, 1),
             "engines": cfg.engines, "device": cfg.device,
             "cpu_engines": cfg.engines if cfg.device == "cpu" else min(cfg.cpu_engines, cfg.engines), "l1_bytes": cfg.l1_bytes, "l2": cfg.l2, "l3": cfg.l3,
-            "ops": ops, "ops_per_s": round(ops / elapsed_s, 1), "requests": t["requests"],
+            "ops": ops, "ops_per_s": round(ops / elapsed_s, 1), "ops_by_device": dict(self.ops_by_device),
+            "requests": t["requests"],
             "lookup_hit_chunks": t["lookup_hit_chunks"], "retrieved_chunks": t["retrieved_chunks"],
             "stored_chunks": t["stored_chunks"], "short_retrieves": t["short_retrieves"],
             "verified_bytes": t["verified_bytes"], "cache_checks": t["cache_checks"],
@@ -468,6 +471,16 @@ class Soak:
             "daemon_rss_anon_bytes": [(round(s, 1), b) for s, b in self.rss[::10]],
             "workdir": str(self.workdir),
         }
+
+
+def _ops(counts) -> int:
+    """Requests an engine sent: lookups, retrieves, stores, flushes and one EndRequest per request."""
+    return sum(counts.get(k, 0) for k in ("lookups", "retrieves", "stores", "flushes", "requests"))
+
+
+def _by_device(r: dict) -> str:
+    by = r.get("ops_by_device") or {}
+    return "; " + ", ".join(f"{n} by {d} engines" for d, n in sorted(by.items())) if len(by) > 1 else ""
 
 
 def _engine_kinds(r: dict) -> str:
@@ -484,7 +497,7 @@ def format_report(r: dict) -> str:
         f"kvdepot soak: {'PASS' if r['ok'] else 'FAIL'}  seed {r['seed']}, {r['engines']} engines ({_engine_kinds(r)}), "
         f"{r['duration_s']} s, L1 {r['l1_bytes'] // mib} MiB, L2 {'on' if r['l2'] else 'off'}, "
         f"L3 {'on' if r['l3'] else 'off'}",
-        f"  ops {r['ops']} ({r['ops_per_s']}/s); requests {r['requests']}, chunks hit {r['lookup_hit_chunks']} / "
+        f"  ops {r['ops']} ({r['ops_per_s']}/s{_by_device(r)}); requests {r['requests']}, chunks hit {r['lookup_hit_chunks']} / "
         f"retrieved {r['retrieved_chunks']} / stored {r['stored_chunks']}, short retrieves {r['short_retrieves']}",
         f"  verified {r['verified_bytes'] / mib:.1f} MiB ({r['cache_checks']} whole-cache checks): corrupt bytes "
         f"{r['corrupt_bytes']}, wrong hits {r['wrong_hits']}; blocks quarantined after lost copies "

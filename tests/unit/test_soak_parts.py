@@ -104,3 +104,18 @@ def test_cpu_engines_of_a_cuda_run_keep_their_kv_in_shared_memory(tmp_path):
     cpu = Soak(SoakConfig(workdir=str(tmp_path / "c"), device="cpu", engines=2, cpu_engines=0))
     assert cpu._engine_device(1) == "cpu"
     assert _engine_kinds({"device": "cpu", "engines": 2, "cpu_engines": 2}) == "cpu"
+
+
+def test_ops_are_counted_by_where_the_engine_kept_its_kv(tmp_path):
+    """A mixed run's report splits its ops by engine kind (which one the rate came from)."""
+    from kvdepot.soak.run import Soak, SoakConfig, _by_device, _ops
+
+    soak = Soak(SoakConfig(workdir=str(tmp_path), device="cuda", engines=3, cpu_engines=2))
+    counts = {"lookups": 3, "retrieves": 2, "stores": 1, "requests": 3}  # no flushes: absent keys count 0
+    assert _ops(counts) == 9
+    for i in range(3):
+        soak.last[i] = {"counts": counts, "errors": {}}
+        soak._retire(i)
+    assert soak.ops_by_device == {"cpu": 18, "cuda": 9}
+    assert _by_device({"ops_by_device": {"cpu": 18, "cuda": 9}}) == "; 18 by cpu engines, 9 by cuda engines"
+    assert _by_device({"ops_by_device": {"cpu": 18}}) == ""
