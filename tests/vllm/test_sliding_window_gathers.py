@@ -149,3 +149,31 @@ def test_waiting_for_a_later_save_covers_the_earlier_ones_and_none_means_wait():
 def test_metadata_of_dense_models_carries_no_written_blocks():
     assert KVDepotMetadata().written_block_ids is None
 
+
+
+def test_cpu_sliding_window_save_counts_as_gathered_only_once_the_daemon_copied_it(daemon, tmp_path):
+    """CPU engines: the daemon copies a store's blocks out of shared memory itself, so a
+    sliding-window model's save may count as gathered (and a conflicting forward go on) only
+    once the daemon answered the store, not when it was sent."""
+    cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, chunk_size=CHUNK,
+                             max_num_batched_tokens=48, max_model_len=256, extra={"model_id": "sliding-cpu"})
+    e = H.Engine(cfg, H.hybrid_specs(sliding_window=16), num_blocks=40)
+    try:
+        mv = e.worker_conn.worker.mover
+        handle, checked = mv._handle, []
+
+        def spy(cmd):
+            before = {id(op) for op in mv._ops}
+            handle(cmd)
+            if cmd[0] == "save":
+                new = [op for op in mv._ops if id(op) not in before and op.piece.kind == "store"]
+                checked.append(all(op.pending.done() for op in new))
+
+        mv._handle = spy
+        for i in range(3):
+            e.add(H.tokens(70 + i, 200), max_tokens=4)
+        e.run(timeout_s=60)
+        assert len(checked) >= 3 and all(checked), checked
+        assert e.worker_conn.worker.stats["stored_chunks"] >= 6
+    finally:
+        e.close()

@@ -42,7 +42,7 @@ import torch
 from kvdepot.client.client import KVDepotClient
 from kvdepot.client.hashing import shard_keys, shard_mask
 from kvdepot.client.vllm.layout import Registration
-from kvdepot.client.vllm.pieces import Load, Op, Piece, Preemption, Results
+from kvdepot.client.vllm.pieces import Load, LoadOutcomes, Op, Piece, Preemption, Results
 from kvdepot.client.vllm.plan import LoadJob, StoreJob
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
@@ -89,9 +89,7 @@ class TransferThread:
         self._scattered = False  # a load's scatter was queued since the last publish
         self._thread: threading.Thread | None = None
         self._failed = False
-        self._recving: set[str] = set()  # loads that ended since the last publish
-        self._failed_recving: set[str] = set()
-        self._invalid_blocks: set[int] = set()
+        self._loads = LoadOutcomes(side)  # loads that ended since the last publish
 
     # ------------------------------------------------------------------ engine thread
 
@@ -256,7 +254,10 @@ class TransferThread:
             _, jobs, event = cmd
             seq = self._saves_gathered + 1
             try:
+                before = {id(op) for op in self._ops}
                 self._save(jobs, event)
+                if not self.side.stores_may_wait:
+                    self._await_unstaged([op for op in self._ops if id(op) not in before])
             finally:  # counted even if it failed: the engine thread may wait for the count
                 if not self.side.stores_may_wait:  # only `bind` of those waits on it
                     ev = None
@@ -280,17 +281,17 @@ class TransferThread:
             sending = {r for r in self._release if not self._busy(r)}
             self._release -= sending
             self._stopped -= sending
-        if not (sending or self._recving or self._failed_recving or self._invalid_blocks):
+        lo = self._loads
+        if not (sending or lo.recving or lo.failed_recving or lo.invalid_blocks):
             return
         ev = None
         if self._scattered and self._side is not None:
             ev = torch.cuda.Event()
             ev.record(self._side)
             self._scattered = False
-        self._outbox.append(Results(sending, self._recving, self._failed_recving & self._recving,
-                                    self._invalid_blocks, ev))
-        self._failed_recving -= self._recving
-        self._recving, self._invalid_blocks = set(), set()
+        self._outbox.append(Results(sending, lo.recving, lo.failed_recving & lo.recving, lo.invalid_blocks, ev))
+        lo.failed_recving -= lo.recving
+        lo.recving, lo.invalid_blocks = set(), set()
 
     def _fail_all(self, exc: BaseException) -> None:
         """An unexpected error in this thread: log it, stop using the daemon on this worker
@@ -350,7 +351,7 @@ class TransferThread:
         side = self.side
         side.stats["loads"] += 1
         if not (ready and job.chain and all(job.block_ids)):
-            self._finish_load(job, 0)
+            self._loads.finish(job, 0)
             return
         keys = self._keys(job.chain, job.seed)
         c = self.cfg.chunk_size
@@ -402,6 +403,17 @@ class TransferThread:
                 else:
                     kept.append(p)
             self._queue = kept
+
+    def _await_unstaged(self, ops: list[Op]) -> None:
+        """Sliding-window models: a store the daemon copies from the blocks itself (CPU engines,
+        or CUDA without engine-side staging) is "gathered" only once the daemon answered it, so
+        that `saves_gathered` means the bytes left the blocks (the next forward may reuse them)."""
+        for op in ops:
+            if op.piece.kind == "store" and op.pending._region is None:
+                try:
+                    op.pending.result(timeout_s=self.cfg.rpc_timeout_s)
+                except KVDepotError:
+                    pass  # `_collect` books the failure
 
     def _preempt(self, p: Preemption) -> None:
         """Drop the queued stores of preempted requests; an unstaged store (the daemon reads the
@@ -481,7 +493,7 @@ class TransferThread:
                         side.stats["stores_skipped_ring_full"] += 1
                         self._stopped.add(p.req_id)
                     else:
-                        self._piece_ended(p, 0)  # recomputed
+                        self._loads.piece_ended(p, 0)  # recomputed
                     continue
                 if not p.waited:  # a piece waits once however many pumps find the ring still full
                     p.waited = True
@@ -496,7 +508,7 @@ class TransferThread:
             self._stopped.add(p.req_id)
             log.debug("kvdepot: store of request %s skipped: %s", p.req_id, why)
         else:
-            self._piece_ended(p, 0)
+            self._loads.piece_ended(p, 0)
 
     def _collect(self) -> None:
         """End the ops whose answer is in (never waits); give up on those of a daemon that
@@ -520,7 +532,7 @@ class TransferThread:
                     else:
                         got = op.pending.result(before=self._side)
                         self._scattered = True
-                        self._piece_ended(p, got)
+                        self._loads.piece_ended(p, got)
                 except KVDepotError as exc:
                     if (exc.code in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED) and op.generation == c.generation
                             and age_s <= self.cfg.hold_max_s):
@@ -563,45 +575,7 @@ class TransferThread:
             self.side.stats["store_failures"] += 1
             self._stopped.add(p.req_id)
         else:
-            self._piece_ended(p, 0)
-
-    def _piece_ended(self, p: Piece, retrieved: int) -> None:
-        load = p.load
-        if load.retrieved[p.index] is not None:
-            return
-        load.retrieved[p.index] = retrieved
-        if any(r is None for r in load.retrieved):
-            return  # other pieces still run or wait
-        total = 0
-        for got, asked in zip(load.retrieved, load.chunks):
-            total += got
-            if got < asked:
-                break
-        self._finish_load(load.job, total)
-
-    def _finish_load(self, job: LoadJob, retrieved: int) -> None:
-        side = self.side
-        c = self.cfg.chunk_size
-        side.stats["loaded_chunks"] += retrieved
-        loaded_end = (job.first_chunk + retrieved) * c if retrieved else job.local_tokens
-        if loaded_end < job.end_tokens:
-            side.stats["load_failures"] += 1
-            self._fail_load(job, max(loaded_end, job.local_tokens))
-        self._recving.add(job.req_id)
-
-    def _fail_load(self, job: LoadJob, valid_end: int) -> None:
-        """Report tokens ``[valid_end, job.end_tokens)`` as not loaded."""
-        side = self.side
-        if side.single_group:
-            g = side.groups[0]
-            ids = job.fail_block_ids[0] if job.fail_block_ids else []
-            first_block = job.local_tokens // g.block_size
-            start = valid_end // g.block_size - first_block
-            self._invalid_blocks.update(ids[max(start, 0):])
-            if not ids:
-                self._failed_recving.add(job.req_id)
-        else:
-            self._failed_recving.add(job.req_id)  # hybrid: vLLM takes failures per request only
+            self._loads.piece_ended(p, 0)
 
     def _busy(self, req_id: str) -> bool:
         return any(op.piece.req_id == req_id for op in self._ops) or any(p.req_id == req_id for p in self._queue)

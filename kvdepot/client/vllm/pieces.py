@@ -1,6 +1,6 @@
 """What the worker's transfer thread (`kvdepot.client.vllm.mover`) keeps per transfer, and
 what it hands the engine thread: pieces of store / load jobs, load jobs in flight, requests
-sent, preemptions and results."""
+sent, how loads ended, preemptions and results."""
 
 from __future__ import annotations
 
@@ -70,4 +70,60 @@ class Results:
     scatter_event: object = None  # CUDA: recorded after the scatters of every load in ``recving``
 
 
-__all__ = ["Piece", "Load", "Op", "Preemption", "Results"]
+class LoadOutcomes:
+    """How the loads of a worker ended, until the transfer thread publishes them: requests in
+    ``finished_recving``, those that failed (hybrid models: vLLM takes failures per request) and
+    single-group models' blocks not loaded (vLLM's invalid blocks, recomputed).
+
+    Args:
+        side: the `WorkerSide` (its stats, groups and configuration).
+    """
+
+    def __init__(self, side) -> None:
+        self.side = side
+        self.recving: set[str] = set()
+        self.failed_recving: set[str] = set()
+        self.invalid_blocks: set[int] = set()
+
+    def piece_ended(self, p: Piece, retrieved: int) -> None:
+        """One piece of a load ended with ``retrieved`` chunks written; the load ends with its last."""
+        load = p.load
+        if load.retrieved[p.index] is not None:
+            return
+        load.retrieved[p.index] = retrieved
+        if any(r is None for r in load.retrieved):
+            return  # other pieces still run or wait
+        total = 0
+        for got, asked in zip(load.retrieved, load.chunks):
+            total += got
+            if got < asked:
+                break
+        self.finish(load.job, total)
+
+    def finish(self, job: LoadJob, retrieved: int) -> None:
+        """The load of ``job`` ended with its first ``retrieved`` chunks written."""
+        side = self.side
+        c = side.cfg.chunk_size
+        side.stats["loaded_chunks"] += retrieved
+        loaded_end = (job.first_chunk + retrieved) * c if retrieved else job.local_tokens
+        if loaded_end < job.end_tokens:
+            side.stats["load_failures"] += 1
+            self._fail(job, max(loaded_end, job.local_tokens))
+        self.recving.add(job.req_id)
+
+    def _fail(self, job: LoadJob, valid_end: int) -> None:
+        """Report tokens ``[valid_end, job.end_tokens)`` as not loaded."""
+        side = self.side
+        if side.single_group:
+            g = side.groups[0]
+            ids = job.fail_block_ids[0] if job.fail_block_ids else []
+            first_block = job.local_tokens // g.block_size
+            start = valid_end // g.block_size - first_block
+            self.invalid_blocks.update(ids[max(start, 0):])
+            if not ids:
+                self.failed_recving.add(job.req_id)
+        else:
+            self.failed_recving.add(job.req_id)  # hybrid: vLLM takes failures per request only
+
+
+__all__ = ["Piece", "Load", "LoadOutcomes", "Op", "Preemption", "Results"]
