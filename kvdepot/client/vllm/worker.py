@@ -177,7 +177,7 @@ class WorkerSide:
         mover, keep, ordered = self.mover, [], 0  # ordered: saves <= this need nothing more
         for s in self._sliding_saves:
             handled, ev = mover.gathered(s.seq)
-            if handled and (ev is None or ev.query()):  # its gathers ran (CPU: its Store was sent)
+            if handled and (ev is None or ev.query()):  # its gathers ran (unstaged: the daemon answered)
                 ordered = s.seq  # and those of every earlier save (one stream, in order)
                 continue
             if written is not None and s.blocks().isdisjoint(written):
