@@ -181,10 +181,14 @@ def redis_cluster(tmp_path):
         r = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
                             "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
+        # converged: every node serves all slots and knows the other two (a node that says
+        # "ok" before gossip reached it once made the daemon's first write fail)
+        want = ("cluster_state:ok", "cluster_slots_ok:16384", "cluster_known_nodes:3", "cluster_size:3")
         deadline = time.monotonic() + 30
-        while not all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in nodes):
+        while not all(all(w in n.cli("CLUSTER", "INFO") for w in want) for n in nodes):
             assert time.monotonic() < deadline, "the cluster did not converge"
             time.sleep(0.1)
+        time.sleep(0.5)  # and the slot map they gossip settles
         yield nodes
     finally:
         for n in nodes:
