@@ -254,9 +254,10 @@ class TransferThread:
             _, jobs, event = cmd
             seq = self._saves_gathered + 1
             try:
-                before = {id(op) for op in self._ops}
+                sliding = not self.side.stores_may_wait
+                before = {id(op) for op in self._ops} if sliding else None
                 self._save(jobs, event)
-                if not self.side.stores_may_wait:
+                if sliding:
                     self._await_unstaged([op for op in self._ops if id(op) not in before])
             finally:  # counted even if it failed: the engine thread may wait for the count
                 if not self.side.stores_may_wait:  # only `bind` of those waits on it
@@ -389,9 +390,9 @@ class TransferThread:
                 self._queue.append(Piece(job.req_id, "store", keys[s:e], [x[s * n:e * n] for x, n in zip(ids, bpc)],
                                           parent=parent if s == 0 else keys[s - 1], cache_salt=job.cache_salt,
                                           queued_at=now, after=event))
-        new = [self._queue[i] for i in range(first_new, len(self._queue))]
+        new = [self._queue[i] for i in range(first_new, len(self._queue))] if not side.stores_may_wait else ()
         self._pump(stores_now=True)
-        if not side.stores_may_wait and self._queue:
+        if new and self._queue:
             # sliding-window models: gathered now or never (a load waiting for ring room ahead
             # of them held them back; later, the blocks may be another request's)
             late = {id(p) for p in new}
