@@ -34,6 +34,7 @@ import zmq
 from kvdepot import trace
 from kvdepot.client.pending import PendingRetrieve, PendingStore
 from kvdepot.client.registration import Registration, engine_staging
+from kvdepot.client.staged import StagedStores
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
@@ -67,7 +68,7 @@ def timer_slack_s() -> float:
     return got
 
 
-class KVDepotClient:
+class KVDepotClient(StagedStores):
     """Blocking client.
 
     Args:
@@ -443,7 +444,7 @@ class KVDepotClient:
         it would otherwise stay taken."""
         new = self._register(reg.request, reg.staging, reg.storage_fds)
         if new.staging is not None and new.boot_id != reg.boot_id:
-            new.staging.ring.reset()
+            new.staging.ring.reset(new.staging.fence)
         return new
 
     def unregister(self, reg: Registration) -> None:
@@ -474,50 +475,35 @@ class KVDepotClient:
 
     def submit_store(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
                      parent: bytes = b"", cache_salt: str = "", request: str = "", after=None,
-                     early: bool = False, wait_for_room: bool = True) -> PendingStore | None:
+                     early: bool = False, wait_for_room: bool = True, staged=None) -> PendingStore | None:
         """`store` without waiting: ``.result()`` of the returned handle gives the `StoreReply`.
         Unstaged, the blocks must not be overwritten before then. ``early``: ignored.
 
         With engine-side staging (`register`'s ``local_storages``) the blocks are gathered into
-        the staging ring here, on ``after`` (default: the current stream), so work enqueued on
-        that stream later may overwrite them at once; the store is sent without waiting for
-        the gather (the daemon copies once the GPU wrote its fence word, `kvdepot.client.staging`).
-        Without fence words (a daemon on tcp://, or one that does not poll them), and unstaged,
-        this call waits until the GPU has run the work enqueued on ``after`` so far.
-        ``wait_for_room=False``: if the ring has no room for the chunks now, nothing is sent
-        and None is returned (never blocks)."""
+        the staging ring here (`stage_store`, on ``after``, default: the current stream), so
+        work enqueued on that stream later may overwrite them at once; the store is sent without
+        waiting for the gather (the daemon copies once the GPU wrote its fence word,
+        `kvdepot.client.staging`). Without fence words (a daemon on tcp://, or one that does not
+        poll them), and unstaged, this call waits until the GPU has run the work enqueued on
+        ``after`` so far. ``wait_for_room=False``: if the ring has no room for the chunks now,
+        nothing is sent and None is returned (never blocks). ``staged``: the region a
+        `stage_store` of these chunks returned (nothing is gathered here; on an error the
+        region is given up, `abandon_region`)."""
         offset = -1
         fence = 0
-        region = None
+        region = staged
         staging = reg.staging
-        if staging is not None and keys:
-            region = staging.ring.alloc(len(keys) * reg.object_bytes, self, wait=wait_for_room)
+        if region is None and staging is not None and keys:
+            region = self.stage_store(reg, block_ids, len(keys), after, wait_for_room)
             if region is None:
                 if not wait_for_room:
                     return None
                 self.unstaged_requests += 1
+        if region is None and after is not None:
+            self._fence(after)  # unstaged: the daemon reads the blocks once it has the request
         if region is not None:
-            import torch
-
-            stream = after if after is not None else torch.cuda.current_stream(staging.device)
-            try:
-                staging.gather(block_ids, len(keys), region.offset, stream)
-            except BaseException:
-                region.release()
-                raise
             offset = region.offset
-            if staging.fence_active:
-                try:
-                    staging.fence.signal(region.seq, stream)
-                except BaseException:
-                    self._fence(stream)  # the gather is enqueued: the region is free once it ran
-                    region.release()
-                    raise
-                fence = region.seq
-            else:
-                self._fence(stream)
-        elif after is not None:
-            self._fence(after)
+            fence = region.seq if region.fenced else 0
         gathered_ns = trace.now_ns()
         try:
             rid = self.submit(m.Store(rid=0, registration=reg.id, keys=list(keys),
@@ -526,9 +512,7 @@ class KVDepotClient:
                                       staging_seq=region.seq if region is not None else 0))
         except BaseException:
             if region is not None:
-                if fence:
-                    self._fence(stream)  # free once the gather (and its fence write) ran
-                region.release()  # nothing was sent: no copy reads it
+                self.abandon_region(reg, region)  # nothing was sent: no copy reads it
             raise
         trace.point_at(rid, "c_gathered", gathered_ns)
         return PendingStore(self, rid, region, len(keys), staging.fence if fence else None, reg)
@@ -582,28 +566,6 @@ class KVDepotClient:
 
 
     # ------------------------------------------------------------------ CUDA events
-
-    def _fence(self, stream) -> None:
-        """Return once the work enqueued on ``stream`` so far (the writes or the gather of a
-        store's blocks) has completed on the GPU; at once if it already has.
-
-        Why not hand the daemon an interprocess event to wait on: measured on an H200 with 14
-        engine processes on one GPU (``kvdepot soak --device cuda --engines 14``), the daemon's
-        ``cudaEventQuery`` on an engine's interprocess event reported a record complete while
-        the work before it had not run yet (the engine's context was waiting for its time
-        slice): the daemon copied a staging-ring region before the engine's gather wrote it,
-        and the late gather then overwrote a retrieve's bytes in the same region (about 1 in
-        1,000 retrieved chunks wrong). A local event, queried in the process that recorded it,
-        is exact."""
-        import torch
-
-        ev = self._fences.get(stream.cuda_stream)
-        if ev is None:
-            with torch.cuda.device(stream.device):
-                ev = self._fences[stream.cuda_stream] = torch.cuda.Event()
-        ev.record(stream)
-        if not ev.query():
-            ev.synchronize()
 
     def end_request(self, request: str) -> None:
         self.call(m.EndRequest(rid=0, request=request))

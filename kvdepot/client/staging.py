@@ -30,6 +30,7 @@ from __future__ import annotations
 import array
 import collections
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -56,13 +57,16 @@ class StagingRegion:
     nothing reads or writes it any more; ``reclaim()`` blocks until then (False: cannot tell,
     e.g. the request was lost in a timeout, and the region stays taken)."""
 
-    __slots__ = ("offset", "size_bytes", "owner", "seq", "is_free", "reclaim")
+    __slots__ = ("offset", "size_bytes", "owner", "seq", "fenced", "is_free", "reclaim")
 
-    def __init__(self, offset: int, size_bytes: int, owner: object = None, seq: int = 0) -> None:
+    def __init__(self, offset: int, size_bytes: int, owner: object = None, seq: int = 0,
+                 fenced: bool = False) -> None:
         self.offset = offset
         self.size_bytes = size_bytes
-        self.owner = owner
-        self.seq = seq  # the ring's allocation number (>= 1): a store's fence value  # the client whose request uses it (only it may call reclaim)
+        self.owner = owner  # the client whose request uses it (only it may call reclaim)
+        self.seq = seq  # the ring's allocation number (>= 1): a store's fence value
+        # a store's gather, then the GPU's write of its fence word, is (to be) enqueued
+        self.fenced = fenced
         self.is_free: Callable[[], bool] = lambda: False
         self.reclaim: Callable[[], bool] = lambda: False
 
@@ -107,19 +111,30 @@ class StagingRing:
         # wrapped: taken [tail, end) and [0, head); free: [head, tail) (empty when head == tail)
         return self.head if self.head + nbytes <= tail else None
 
-    def reset(self) -> None:
-        """Forget every region: call only when no copy can touch the ring any more, e.g. after
-        the daemon restarted (requests lost with it keep their regions taken for good, since
-        the client cannot tell whether their copies ran)."""
+    def reset(self, fence: FenceWords | None = None) -> None:
+        """Forget every region the daemon may have copied: call only when no copy of the
+        daemon's can touch the ring any more, e.g. after it restarted (without this, regions
+        of requests lost with it stay taken for good: the client cannot tell whether their
+        copies ran). A store's region whose gather has not run yet (``fenced``, its word in
+        ``fence`` not written) stays taken until it has: the engine's GPU still writes it."""
         with self._lock:
-            self.live.clear()
-            self.head = 0
+            keep = collections.deque()
+            if fence is not None:
+                for r in self.live:
+                    if r.fenced and not fence.holds(r.seq):
+                        r.is_free = functools.partial(fence.holds, r.seq)
+                        r.reclaim = functools.partial(_await_word, fence, r.seq, self.foreign_wait_s)
+                        keep.append(r)
+            self.live = keep
+            self.head = keep[-1].offset + keep[-1].size_bytes if keep else 0
 
-    def alloc(self, nbytes: int, owner: object = None, wait: bool = True) -> StagingRegion | None:
+    def alloc(self, nbytes: int, owner: object = None, wait: bool = True,
+              fenced: bool = False) -> StagingRegion | None:
         """A region of at least ``nbytes`` for ``owner``'s request; while there is no room it
         reclaims the oldest region (`StagingRegion.reclaim`) if ``owner`` owns it, else polls it.
         None: larger than the ring, or the oldest region cannot be reclaimed in time (the
-        caller then goes the daemon-gathers way), or (``wait=False``) no room right now."""
+        caller then goes the daemon-gathers way), or (``wait=False``) no room right now.
+        ``fenced``: a store's, whose gather will write its fence word (`reset`)."""
         nbytes = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         if nbytes > self.size_bytes or nbytes == 0:
             return None
@@ -131,7 +146,7 @@ class StagingRing:
                 off = self._fit(nbytes) if len(self.live) < self.max_live else None
                 if off is not None:
                     self._seq += 1
-                    region = StagingRegion(off, nbytes, owner, self._seq)
+                    region = StagingRegion(off, nbytes, owner, self._seq, fenced)
                     self.live.append(region)
                     self.head = off + nbytes
                     return region
@@ -187,6 +202,16 @@ class FenceWords:
 
     def close(self) -> None:
         self._finalizer()
+
+
+def _await_word(fence: FenceWords, seq: int, wait_s: float) -> bool:
+    """Whether the GPU wrote ``seq`` into its fence word, polled for up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while not fence.holds(seq):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(20e-6)
+    return True
 
 
 def _release_fence(kernels: Kernels, host_ptr: int, fd: int, mem: torch.Tensor) -> None:

@@ -143,3 +143,62 @@ def test_a_fenced_store_region_is_free_only_once_its_gather_ran():
     assert not failed.reclaim()  # waits up to the client's timeout for the word, then gives up
     fence.written.update({ok.seq, failed.seq})
     assert ok.is_free() and failed.is_free()
+
+
+class _Words:
+    """Stands in for `FenceWords`: the numbers whose gathers "ran"."""
+
+    def __init__(self) -> None:
+        self.written: set[int] = set()
+
+    def holds(self, seq: int) -> bool:
+        return seq in self.written
+
+
+def test_reset_keeps_a_store_region_whose_gather_has_not_run():
+    """A daemon restart resets the ring, but the engine's GPU still writes a store region whose
+    gather is queued (the engine thread may have gathered a store the thread never sent): it
+    stays taken, nothing new overlaps it, and it frees once its fence word is written."""
+    ring = StagingRing(1024)
+    words = _Words()
+    pending_gather = ring.alloc(256, fenced=True)
+    gathered = ring.alloc(256, fenced=True)
+    words.written.add(gathered.seq)
+    ring.alloc(256)  # a retrieve's region lost with the daemon: forgotten by the reset
+    ring.reset(words)
+    assert list(ring.live) == [pending_gather]
+    assert ring.alloc(1024, wait=False) is None  # would overlap the region the GPU writes
+    new = ring.alloc(512, wait=False)
+    assert new is not None and new.offset >= pending_gather.offset + pending_gather.size_bytes
+    assert not pending_gather.is_free()
+    words.written.add(pending_gather.seq)
+    assert pending_gather.is_free()
+    new.release()
+    assert ring.alloc(1024, wait=False) is not None
+
+
+def test_reset_without_fence_words_forgets_every_region():
+    ring = StagingRing(1024)
+    ring.alloc(512, fenced=True)
+    ring.reset()
+    assert not ring.live and ring.alloc(1024, wait=False) is not None
+
+
+def test_an_abandoned_store_region_frees_once_its_gather_ran():
+    """`KVDepotClient.abandon_region`: a staged store that will not be sent gives its region
+    back once the GPU wrote its fence word, at once if it was not fenced."""
+    import types
+
+    from kvdepot.client.client import KVDepotClient
+
+    words = _Words()
+    reg = types.SimpleNamespace(staging=types.SimpleNamespace(fence=words))
+    ring = StagingRing(1024)
+    fenced = ring.alloc(512, fenced=True)
+    plain = ring.alloc(512)
+    KVDepotClient.abandon_region(reg, fenced)
+    KVDepotClient.abandon_region(reg, plain)
+    assert plain.is_free() and not fenced.is_free()
+    assert ring.alloc(512, wait=False) is None  # the oldest (fenced) still blocks the ring
+    words.written.add(fenced.seq)
+    assert fenced.is_free() and ring.alloc(1024, wait=False) is not None

@@ -10,9 +10,11 @@ the *side stream*):
   that wrote the blocks (``wait_for_save``); the blocks stay the request's until its store
   ended (vLLM's ``delay_free_blocks``), so the gather may run any time later. Models with a
   sliding-window group are the exception (vLLM frees blocks that leave the window while the
-  request runs): their stores are gathered now or never, and a later forward that may write
-  one of their blocks (the scheduler's ``written_block_ids``) waits for those gathers
-  (`WorkerSide.bind`); the others do not wait.
+  request runs): their stores are gathered now or never. CUDA with fence words: the engine
+  thread gathers them itself in ``wait_for_save``, on its own stream (`JobPieces.stage_saves`;
+  stream order keeps every later forward behind the gathers), and this thread only sends
+  them. Otherwise a later forward that may write one of their blocks (the scheduler's
+  ``written_block_ids``) waits for this thread's gathers (`WorkerSide.bind`).
 * a load's scatter waits on an event recorded in ``start_load_kv`` (after vLLM gave the
   request its blocks: work an earlier owner of those blocks queued runs first); the engine's
   stream waits on an event recorded after the scatter before the request is reported in
@@ -40,10 +42,8 @@ import time
 import torch
 
 from kvdepot.client.client import KVDepotClient
-from kvdepot.client.hashing import shard_keys, shard_mask
-from kvdepot.client.vllm.layout import Registration
-from kvdepot.client.vllm.pieces import Load, LoadOutcomes, Op, Piece, Preemption, Results
-from kvdepot.client.vllm.plan import LoadJob, StoreJob
+from kvdepot.client.vllm.jobs import DOWN, JobPieces
+from kvdepot.client.vllm.pieces import LoadOutcomes, Op, Piece, Preemption, Results
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
 log = logging.getLogger("kvdepot.vllm")
@@ -52,12 +52,9 @@ _REPLY_POLL_S = 1e-3  # while replies are due: the socket is watched this long a
 _ROOM_POLL_S = 100e-6  # while pieces wait for ring room and no reply is due
 _IDLE_S = 0.05  # nothing in flight: wait this long for a command at a time
 _FULL_PASS_S = 0.01  # ops in flight: look at them at least this often (timeouts), replies or not
-# errors after which the daemon is treated as down (pinged until it answers) rather than as
-# having refused one request
-DOWN = (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE, ErrorCode.DISCONNECTED, ErrorCode.INTERNAL)
 
 
-class TransferThread:
+class TransferThread(JobPieces):
     """The transfers of one vLLM worker (stores, loads, registration with the daemon), run on
     a thread of their own. The engine thread calls `post`, `preempt`, `saves_gathered` and
     `take`; everything else runs on the thread.
@@ -102,7 +99,8 @@ class TransferThread:
         self._thread.start()
 
     def post(self, cmd: tuple) -> None:
-        """Queue one command: ("load", jobs, null_id, event), ("save", jobs, event),
+        """Queue one command: ("load", jobs, null_id, event), ("save", jobs, event, staged)
+        (``staged``: what `stage_saves` returned, or None: the thread gathers after ``event``),
         ("release", req_ids) (after the step's save: finished requests, reported in
         ``sending`` once their transfers ended)."""
         self._inbox.put(cmd)
@@ -251,16 +249,19 @@ class TransferThread:
                 self._load(job, ready, null_id, event)
             self._pump()
         elif kind == "save":
-            _, jobs, event = cmd
+            _, jobs, event, staged = cmd
             seq = self._saves_gathered + 1
             try:
                 sliding = not self.side.stores_may_wait
-                before = {id(op) for op in self._ops} if sliding else None
-                self._save(jobs, event)
-                if sliding:
-                    self._await_unstaged([op for op in self._ops if id(op) not in before])
+                if staged is not None:
+                    self._send_staged(jobs, staged)
+                else:
+                    before = {id(op) for op in self._ops} if sliding else None
+                    self._save(jobs, event)
+                    if sliding:
+                        self._await_unstaged([op for op in self._ops if id(op) not in before])
             finally:  # counted even if it failed: the engine thread may wait for the count
-                if not self.side.stores_may_wait:  # only `bind` of those waits on it
+                if not self.side.stores_may_wait and staged is None:  # only `bind` of those waits on it
                     ev = None
                     if self._side is not None:
                         ev = torch.cuda.Event()
@@ -323,98 +324,7 @@ class TransferThread:
                 pass
         c.close()
 
-    # ------------------------------------------------------------------ jobs -> pieces
-
-    def _keys(self, chain: list[bytes], seed: bytes) -> list[bytes]:
-        mask = self._masks.get(seed)
-        if mask is None:
-            if len(self._masks) > 4096:
-                self._masks.clear()
-            mask = self._masks[seed] = shard_mask(seed, self.side.shard)
-        return shard_keys(chain, [mask])[0]
-
-    def _piece_chunks(self) -> int:
-        """Most chunks per piece: a quarter of the ring, so that several are in flight."""
-        kvreg = self.side.kvreg
-        if kvreg is None or kvreg.staging is None:
-            return 1 << 30
-        return max(1, kvreg.staging.ring.size_bytes // 4 // kvreg.object_bytes)
-
-    def _block_ids(self, reg: Registration, g: int, ids: list[int], null_id: int | None) -> list[int]:
-        """Manager block ids of daemon gid ``g`` -> registered block ids; ``null_id`` -> -1."""
-        r = reg.ratio[g]
-        if null_id is not None and self.side.groups[g].has_null_blocks and null_id in ids:
-            self.side.stats["null_blocks_left_alone"] += 1
-            return [-1 if b == null_id else b * r + i for b in ids for i in range(r)]
-        return reg.expand(g, ids)
-
-    def _load(self, job: LoadJob, ready: bool, null_id: int, event) -> None:
-        side = self.side
-        side.stats["loads"] += 1
-        if not (ready and job.chain and all(job.block_ids)):
-            self._loads.finish(job, 0)
-            return
-        keys = self._keys(job.chain, job.seed)
-        c = self.cfg.chunk_size
-        per = self._piece_chunks()
-        reg = side.reg
-        ids = [self._block_ids(reg, g, b, null_id) for g, b in enumerate(job.block_ids)]
-        bpc = [c // gs.tokens_per_block for gs in reg.groups]
-        starts = list(range(0, len(keys), per))
-        load = Load(job, [None] * len(starts), [min(per, len(keys) - s) for s in starts])
-        now = time.monotonic()
-        for i, s in enumerate(starts):
-            e = s + load.chunks[i]
-            self._queue.append(Piece(job.req_id, "load", keys[s:e], [x[s * n:e * n] for x, n in zip(ids, bpc)],
-                                      skip_tokens=job.skip_tokens if i == 0 else 0, load=load, index=i,
-                                      queued_at=now, after=event))
-
-    def _save(self, jobs: list[StoreJob], event) -> None:
-        side = self.side
-        ready = side.ready()
-        c = self.cfg.chunk_size
-        per = self._piece_chunks()
-        now = time.monotonic()
-        reg = side.reg
-        first_new = len(self._queue)
-        for job in jobs:
-            if not ready or job.req_id in self._stopped or not job.chain:
-                side.stats["store_failures"] += 1
-                continue
-            keys = self._keys(job.chain, job.seed)
-            parent = self._keys([job.parent], job.seed)[0] if job.parent else b""
-            ids = [self._block_ids(reg, g, b, None) for g, b in enumerate(job.block_ids)]
-            bpc = [c // gs.tokens_per_block for gs in reg.groups]
-            for s in range(0, len(keys), per):
-                e = min(len(keys), s + per)
-                self._queue.append(Piece(job.req_id, "store", keys[s:e], [x[s * n:e * n] for x, n in zip(ids, bpc)],
-                                          parent=parent if s == 0 else keys[s - 1], cache_salt=job.cache_salt,
-                                          queued_at=now, after=event))
-        new = [self._queue[i] for i in range(first_new, len(self._queue))] if not side.stores_may_wait else ()
-        self._pump(stores_now=True)
-        if new and self._queue:
-            # sliding-window models: gathered now or never (a load waiting for ring room ahead
-            # of them held them back; later, the blocks may be another request's)
-            late = {id(p) for p in new}
-            kept = collections.deque()
-            for p in self._queue:
-                if id(p) in late:
-                    side.stats["stores_skipped_ring_full"] += 1
-                    self._stopped.add(p.req_id)
-                else:
-                    kept.append(p)
-            self._queue = kept
-
-    def _await_unstaged(self, ops: list[Op]) -> None:
-        """Sliding-window models: a store the daemon copies from the blocks itself (CPU engines,
-        or CUDA without engine-side staging) is "gathered" only once the daemon answered it, so
-        that `saves_gathered` means the bytes left the blocks (the next forward may reuse them)."""
-        for op in ops:
-            if op.piece.kind == "store" and op.pending._region is None:
-                try:
-                    op.pending.result(timeout_s=self.cfg.rpc_timeout_s)
-                except KVDepotError:
-                    pass  # `_collect` books the failure
+    # ------------------------------------------------------------------ preemption
 
     def _preempt(self, p: Preemption) -> None:
         """Drop the queued stores of preempted requests; an unstaged store (the daemon reads the

@@ -18,7 +18,9 @@ Per step (order of vLLM's ``KVConnectorModelRunnerMixin``): ``handle_preemptions
   (block id -1).
 * Stores (``wait_for_save``, after the forward): an event is recorded on the engine's stream and
   the step's store jobs go to the thread, which gathers the chunks into the ring after that
-  event and sends the `Store`. CPU: the daemon reads the shared-memory blocks itself. A finished
+  event and sends the `Store`. Models with a sliding-window group (CUDA, fence words in use):
+  the engine thread enqueues the gathers on its own stream here (one kernel per piece) and the
+  thread only sends. CPU: the daemon reads the shared-memory blocks itself. A finished
   request keeps its blocks (vLLM's ``delay_free_blocks``) until its stores and loads ended, then
   is reported in finished_sending.
 * No per-layer calls: ``has_connector_metadata`` is False, so vLLM's attention layers never call
@@ -162,7 +164,8 @@ class WorkerSide:
     def bind(self, meta: KVDepotMetadata) -> None:
         """Before the forward. For a model with a sliding-window group (vLLM frees blocks that
         leave the window while their request runs), the forward must not write a block before
-        an earlier step's store gathered it: see `_order_after_gathers`."""
+        an earlier step's store gathered it: see `_order_after_gathers` (nothing to do for
+        saves the engine thread gathered itself, `wait_for_save`)."""
         self._meta = meta
         if self._sliding_saves and self._active:
             self._order_after_gathers(meta.written_block_ids if isinstance(meta, KVDepotMetadata) else None)
@@ -227,7 +230,14 @@ class WorkerSide:
         if meta is None or not meta.stores or not self._active:
             return
         self._saves_posted += 1
-        self.mover.post(("save", meta.stores, self._engine_event()))
+        if not self.stores_may_wait and self.reg is not None and self.reg.device == "cuda":
+            # sliding-window models: gathered now, on the engine's stream (none of them for
+            # `bind` to wait for), where the ring's fence words are in use
+            staged = self.mover.stage_saves(meta.stores, self._current_stream())
+            if staged is not None:
+                self.mover.post(("save", meta.stores, None, staged))
+                return
+        self.mover.post(("save", meta.stores, self._engine_event(), None))
         if not self.stores_may_wait:
             self._sliding_saves.append(_SlidingSave(self._saves_posted, meta.stores))
 

@@ -1,0 +1,95 @@
+"""The engine-side staging half of `kvdepot.client.KVDepotClient`: gathering a store's chunks
+into the staging ring (`kvdepot.client.staging`) apart from sending it, so that the engine's
+own thread may gather on its stream while another thread sends (the vLLM connector does so for
+sliding-window models, `kvdepot.client.vllm.worker`), and the local waits on a stream."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvdepot.client.registration import Registration
+
+
+class StagedStores:
+    """Mixed into `KVDepotClient` (which sets ``self._fences = {}``)."""
+
+    _fences: dict
+
+    def stage_store(self, reg: Registration, block_ids: Sequence[Sequence[int]], num_chunks: int,
+                    after=None, wait_for_room: bool = True):
+        """Engine-side staging: enqueue on ``after`` (a ``torch.cuda.Stream``, default: the
+        current stream) the gather of ``num_chunks`` chunks from the engine's blocks into a new
+        region of the staging ring, then (fence words active) the GPU's write of the region's
+        fence word. ``block_ids``: registered block ids per KV-cache group, chunk after chunk.
+        Work enqueued on ``after`` later may overwrite the blocks. Without fence words this
+        waits until the gather ran. Touches no socket: one thread may stage while another
+        uses the client (the ring is thread-safe).
+
+        Returns the `kvdepot.client.staging.StagingRegion` to pass to `submit_store`
+        (``staged``) or to `abandon_region`; None: not staged (no ring, larger than the ring,
+        or no room now with ``wait_for_room=False``).
+
+        Raises:
+            KernelError: the gather could not be enqueued (nothing is allocated then).
+        """
+        staging = reg.staging
+        if staging is None or num_chunks <= 0:
+            return None
+        fenced = staging.fence_active
+        region = staging.ring.alloc(num_chunks * reg.object_bytes, self, wait=wait_for_room, fenced=fenced)
+        if region is None:
+            return None
+        import torch
+
+        stream = after if after is not None else torch.cuda.current_stream(staging.device)
+        try:
+            staging.gather(block_ids, num_chunks, region.offset, stream)
+        except BaseException:
+            region.fenced = False
+            region.release()
+            raise
+        if fenced:
+            try:
+                staging.fence.signal(region.seq, stream)
+            except BaseException:
+                region.fenced = False  # no word will come: free once the gather ran
+                self._fence(stream)
+                region.release()
+                raise
+        else:
+            self._fence(stream)
+        return region
+
+    @staticmethod
+    def abandon_region(reg: Registration, region) -> None:
+        """Give up a staged region whose store will not be sent (or was refused before any
+        copy): free once its gather ran (its fence word), at once without fence words (the
+        gather ran before `stage_store` returned). Never blocks."""
+        fence = reg.staging.fence if reg.staging is not None else None
+        if region.fenced and fence is not None:
+            seq = region.seq
+            region.is_free = lambda: fence.holds(seq)
+        else:
+            region.release()
+
+    def _fence(self, stream) -> None:
+        """Return once the work enqueued on ``stream`` so far (the writes or the gather of a
+        store's blocks) has completed on the GPU; at once if it already has.
+
+        Why not hand the daemon an interprocess event to wait on: measured on an H200 with 14
+        engine processes on one GPU (``kvdepot soak --device cuda --engines 14``), the daemon's
+        ``cudaEventQuery`` on an engine's interprocess event reported a record complete while
+        the work before it had not run yet (the engine's context was waiting for its time
+        slice): the daemon copied a staging-ring region before the engine's gather wrote it,
+        and the late gather then overwrote a retrieve's bytes in the same region (about 1 in
+        1,000 retrieved chunks wrong). A local event, queried in the process that recorded it,
+        is exact."""
+        import torch
+
+        ev = self._fences.get(stream.cuda_stream)
+        if ev is None:
+            with torch.cuda.device(stream.device):
+                ev = self._fences[stream.cuda_stream] = torch.cuda.Event()
+        ev.record(stream)
+        if not ev.query():
+            ev.synchronize()

@@ -1,0 +1,193 @@
+"""Jobs -> pieces for the worker's transfer thread (`kvdepot.client.vllm.mover`): this shard's
+chunk keys, registered block ids, the split of a job into pieces of at most a quarter of the
+staging ring, and the ways a store's chunks reach the ring (gathered by the thread after an
+engine event, or by the engine thread on its own stream: `JobPieces.stage_saves`)."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+from kvdepot.client.hashing import shard_keys, shard_mask
+from kvdepot.client.vllm.layout import Registration
+from kvdepot.client.vllm.pieces import Load, Op, Piece
+from kvdepot.client.vllm.plan import LoadJob, StoreJob
+from kvdepot.gpu.kernels import KernelError
+from kvdepot.protocol.errors import ErrorCode, KVDepotError
+
+log = logging.getLogger("kvdepot.vllm")
+
+# errors after which the daemon is treated as down (pinged until it answers) rather than as
+# having refused one request
+DOWN = (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE, ErrorCode.DISCONNECTED, ErrorCode.INTERNAL)
+
+
+class JobPieces:
+    """Mixed into `kvdepot.client.vllm.mover.TransferThread` (its state: ``side``, ``cfg``,
+    ``client``, ``_queue``, ``_ops``, ``_stopped``, ``_masks``, ``_loads``; its ``_pump`` and
+    ``_drop``)."""
+
+    def _keys(self, chain: list[bytes], seed: bytes) -> list[bytes]:
+        mask = self._masks.get(seed)
+        if mask is None:
+            if len(self._masks) > 4096:
+                self._masks.clear()
+            mask = self._masks[seed] = shard_mask(seed, self.side.shard)
+        return shard_keys(chain, [mask])[0]
+
+    def _piece_chunks(self) -> int:
+        """Most chunks per piece: a quarter of the ring, so that several are in flight."""
+        kvreg = self.side.kvreg
+        if kvreg is None or kvreg.staging is None:
+            return 1 << 30
+        return max(1, kvreg.staging.ring.size_bytes // 4 // kvreg.object_bytes)
+
+    def _block_ids(self, reg: Registration, g: int, ids: list[int], null_id: int | None) -> list[int]:
+        """Manager block ids of daemon gid ``g`` -> registered block ids; ``null_id`` -> -1."""
+        r = reg.ratio[g]
+        if null_id is not None and self.side.groups[g].has_null_blocks and null_id in ids:
+            self.side.stats["null_blocks_left_alone"] += 1
+            return [-1 if b == null_id else b * r + i for b in ids for i in range(r)]
+        return reg.expand(g, ids)
+
+    def _load(self, job: LoadJob, ready: bool, null_id: int, event) -> None:
+        side = self.side
+        side.stats["loads"] += 1
+        if not (ready and job.chain and all(job.block_ids)):
+            self._loads.finish(job, 0)
+            return
+        keys = self._keys(job.chain, job.seed)
+        c = self.cfg.chunk_size
+        per = self._piece_chunks()
+        reg = side.reg
+        ids = [self._block_ids(reg, g, b, null_id) for g, b in enumerate(job.block_ids)]
+        bpc = [c // gs.tokens_per_block for gs in reg.groups]
+        starts = list(range(0, len(keys), per))
+        load = Load(job, [None] * len(starts), [min(per, len(keys) - s) for s in starts])
+        now = time.monotonic()
+        for i, s in enumerate(starts):
+            e = s + load.chunks[i]
+            self._queue.append(Piece(job.req_id, "load", keys[s:e], [x[s * n:e * n] for x, n in zip(ids, bpc)],
+                                      skip_tokens=job.skip_tokens if i == 0 else 0, load=load, index=i,
+                                      queued_at=now, after=event))
+
+    def _save(self, jobs: list[StoreJob], event) -> None:
+        side = self.side
+        ready = side.ready()
+        now = time.monotonic()
+        first_new = len(self._queue)
+        for job in jobs:
+            if not ready or job.req_id in self._stopped or not job.chain:
+                side.stats["store_failures"] += 1
+                continue
+            keys = self._keys(job.chain, job.seed)
+            parent = self._keys([job.parent], job.seed)[0] if job.parent else b""
+            for s, e, ids in self._store_pieces(job):
+                self._queue.append(Piece(job.req_id, "store", keys[s:e], ids, parent=parent if s == 0 else keys[s - 1],
+                                          cache_salt=job.cache_salt, queued_at=now, after=event))
+        new = [self._queue[i] for i in range(first_new, len(self._queue))] if not side.stores_may_wait else ()
+        self._pump(stores_now=True)
+        if new and self._queue:
+            # sliding-window models: gathered now or never (a load waiting for ring room ahead
+            # of them held them back; later, the blocks may be another request's)
+            late = {id(p) for p in new}
+            kept = collections.deque()
+            for p in self._queue:
+                if id(p) in late:
+                    side.stats["stores_skipped_ring_full"] += 1
+                    self._stopped.add(p.req_id)
+                else:
+                    kept.append(p)
+            self._queue = kept
+
+    def _store_pieces(self, job: StoreJob) -> list[tuple[int, int, list[list[int]]]]:
+        """A store job's pieces: (first chunk, end chunk, registered block ids per daemon gid)."""
+        reg, n = self.side.reg, len(job.chain)
+        per = self._piece_chunks()
+        ids = [self._block_ids(reg, g, b, None) for g, b in enumerate(job.block_ids)]
+        bpc = [self.cfg.chunk_size // gs.tokens_per_block for gs in reg.groups]
+        return [(s, min(n, s + per), [x[s * k:min(n, s + per) * k] for x, k in zip(ids, bpc)])
+                for s in range(0, n, per)]
+
+    def stage_saves(self, jobs: list[StoreJob], stream) -> tuple | None:
+        """Engine thread, CUDA models with a sliding-window group, fence words in use: gather
+        this step's stores into the staging ring now, on ``stream`` (the engine's), so that no
+        later forward can overwrite their blocks first (stream order: `WorkerSide.bind` waits
+        for nothing). The thread sends them (`_send_staged`). A piece that finds no room now is
+        skipped, and the rest of its request with it (vLLM may hand its blocks to another
+        request in the next step).
+
+        Returns (client generation, registration, per job: None (skipped) or its pieces
+        [(first chunk, end chunk, block ids, region or None)]); None: the ring or its fence
+        words are not in use now (the thread gathers, after an event)."""
+        side, c = self.side, self.client
+        kvreg = side.kvreg
+        if (kvreg is None or kvreg.staging is None or not kvreg.staging.fence_active
+                or side.reg_generation != c.generation):
+            return None
+        out = []
+        for job in jobs:
+            if job.req_id in self._stopped or not job.chain:
+                out.append(None)
+                continue
+            pieces = []
+            for s, e, ids in self._store_pieces(job):
+                try:
+                    region = c.stage_store(kvreg, ids, e - s, stream, wait_for_room=False)
+                except KernelError as exc:
+                    log.warning("kvdepot: gather of request %s's chunks failed: %s", job.req_id, exc)
+                    region = None
+                pieces.append((s, e, ids, region))
+                if region is None:
+                    break  # the rest would have no parent
+            out.append(pieces)
+        return c.generation, kvreg, out
+
+    def _send_staged(self, jobs: list[StoreJob], staged: tuple) -> None:
+        """Send the stores `stage_saves` gathered; give up the regions of those that cannot go
+        (daemon restarted or down, request stopped): free once their gathers ran."""
+        side, c = self.side, self.client
+        generation, kvreg, per_job = staged
+        ok = side.ready() and side.kvreg is kvreg and generation == c.generation and c.up
+        now = time.monotonic()
+        for job, pieces in zip(jobs, per_job):
+            if pieces is None:
+                side.stats["store_failures"] += 1
+                continue
+            keys: list[bytes] = []
+            for s, e, ids, region in pieces:
+                if region is None:
+                    side.stats["stores_skipped_ring_full"] += 1
+                    self._stopped.add(job.req_id)
+                    continue
+                if not ok or job.req_id in self._stopped:
+                    c.abandon_region(kvreg, region)
+                    side.stats["store_failures"] += 1
+                    self._stopped.add(job.req_id)
+                    continue
+                if not keys:
+                    keys = self._keys(job.chain, job.seed)
+                parent = keys[s - 1] if s else (self._keys([job.parent], job.seed)[0] if job.parent else b"")
+                p = Piece(job.req_id, "store", keys[s:e], ids, parent=parent, cache_salt=job.cache_salt,
+                          queued_at=now)
+                try:
+                    pending = c.submit_store(kvreg, p.keys, ids, parent, job.cache_salt, job.req_id, staged=region)
+                except KVDepotError as exc:  # the region was given up
+                    if exc.code in DOWN:
+                        c.mark_down()
+                    ok = False
+                    self._drop(p, str(exc))
+                    continue
+                self._ops.append(Op(p, pending, c.generation, time.monotonic()))
+
+    def _await_unstaged(self, ops: list[Op]) -> None:
+        """Sliding-window models: a store the daemon copies from the blocks itself (CPU engines,
+        or CUDA without engine-side staging) is "gathered" only once the daemon answered it, so
+        that `saves_gathered` means the bytes left the blocks (the next forward may reuse them)."""
+        for op in ops:
+            if op.piece.kind == "store" and op.pending._region is None:
+                try:
+                    op.pending.result(timeout_s=self.cfg.rpc_timeout_s)
+                except KVDepotError:
+                    pass  # `_collect` books the failure

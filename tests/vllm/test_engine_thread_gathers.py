@@ -1,0 +1,157 @@
+"""Sliding-window models on CUDA with fence words: the engine thread gathers a step's stores
+itself in ``wait_for_save``, on its own stream (`JobPieces.stage_saves`), so no later forward
+waits for the transfer thread; the thread only sends them (`JobPieces._send_staged`). Driven
+here with a stand-in client (the gathers need a GPU: tests/gpu/test_vllm_gpu.py runs the real
+ones); what is checked is the bookkeeping: pieces, parents, skipped and given-up regions."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm_harness  # noqa: E402,F401 - imports vLLM the way every test here does (stubs, warnings)
+from kvdepot.client.hashing import shard_keys, shard_mask  # noqa: E402
+from kvdepot.client.staging import StagingRing  # noqa: E402
+from kvdepot.client.vllm.mover import TransferThread  # noqa: E402
+from kvdepot.client.vllm.plan import KVDepotMetadata, StoreJob  # noqa: E402
+from kvdepot.client.vllm.worker import WorkerSide  # noqa: E402
+from kvdepot.protocol.errors import ErrorCode, KVDepotError  # noqa: E402
+
+CHUNK, TPB, OBJECT_BYTES = 64, 16, 256  # 4 blocks per chunk; the ring (16 objects) takes 4 per piece
+
+
+class _Client:
+    def __init__(self, ring: StagingRing) -> None:
+        self.ring = ring
+        self.generation, self.up = 0, True
+        self.staged: list[tuple] = []  # (block ids, chunks, stream)
+        self.sent: list[dict] = []
+        self.abandoned: list = []
+        self.refuse = False
+
+    def stage_store(self, kvreg, block_ids, num_chunks, after=None, wait_for_room=True):
+        region = self.ring.alloc(num_chunks * OBJECT_BYTES, self, wait=wait_for_room, fenced=True)
+        if region is not None:
+            self.staged.append((block_ids, num_chunks, after))
+        return region
+
+    def abandon_region(self, kvreg, region):
+        self.abandoned.append(region)
+        region.release()
+
+    def submit_store(self, kvreg, keys, block_ids, parent=b"", cache_salt="", request="", after=None,
+                     early=False, wait_for_room=True, staged=None):
+        if self.refuse:
+            self.abandon_region(kvreg, staged)
+            raise KVDepotError(ErrorCode.UNAVAILABLE, "daemon gone")
+        self.sent.append(dict(keys=list(keys), block_ids=block_ids, parent=parent, request=request, staged=staged))
+        return types.SimpleNamespace(done=lambda: False)
+
+    def mark_down(self):
+        self.up = False
+
+
+def _thread(ring_objects: int = 16):
+    ring = StagingRing(ring_objects * OBJECT_BYTES)
+    client = _Client(ring)
+    kvreg = types.SimpleNamespace(staging=types.SimpleNamespace(fence_active=True, ring=ring),
+                                  object_bytes=OBJECT_BYTES)
+    reg = types.SimpleNamespace(device="cuda", ratio=[1, 1], groups=[types.SimpleNamespace(tokens_per_block=TPB)] * 2,
+                                expand=lambda g, ids: list(ids))
+    side = types.SimpleNamespace(cfg=types.SimpleNamespace(chunk_size=CHUNK, rpc_timeout_s=1.0), client=client,
+                                 shard="tp0of1", reg=reg, kvreg=kvreg, reg_generation=0, stores_may_wait=False,
+                                 groups=[types.SimpleNamespace(has_null_blocks=False)] * 2,
+                                 stats={"store_failures": 0, "stores_skipped_ring_full": 0})
+    side.ready = lambda: True
+    return TransferThread(side), client, side
+
+
+def _job(req: str, chunks: int, first_block: int, parent: bytes = b"") -> StoreJob:
+    chain = [bytes([i + 1]) * 16 for i in range(chunks)]
+    ids = list(range(first_block, first_block + chunks * CHUNK // TPB))
+    return StoreJob(req_id=req, chain=chain, parent=parent, seed=b"s" * 16, first_chunk=0,
+                    block_ids=[ids, [b + 1000 for b in ids]], cache_salt="")
+
+
+def test_staged_pieces_gather_on_the_given_stream_and_go_out_with_their_parents():
+    mv, client, side = _thread()
+    stream = object()
+    jobs = [_job("a", 6, 0, parent=b"p" * 16), _job("b", 2, 100)]
+    staged = mv.stage_saves(jobs, stream)
+    assert staged is not None
+    # a: pieces of 4 + 2 chunks (a quarter of the ring each at most); b: one piece
+    assert [(n, s is stream) for _, n, s in client.staged] == [(4, True), (2, True), (2, True)]
+    assert client.staged[1][0] == [list(range(16, 24)), list(range(1016, 1024))]
+    mv._send_staged(jobs, staged)
+    mask = shard_mask(b"s" * 16, "tp0of1")
+    keys_a = shard_keys(jobs[0].chain, [mask])[0]
+    parent_a = shard_keys([b"p" * 16], [mask])[0][0]
+    assert [(s["request"], s["keys"], s["parent"]) for s in client.sent[:2]] == [
+        ("a", keys_a[:4], parent_a), ("a", keys_a[4:], keys_a[3])]
+    assert client.sent[2]["parent"] == b"" and len(mv._ops) == 3
+    assert [s["staged"] for s in client.sent] == list(client.ring.live)
+
+
+def test_a_piece_without_ring_room_skips_the_rest_of_its_request():
+    mv, client, side = _thread(ring_objects=9)  # pieces of 2 chunks; room for 9 chunks
+    jobs = [_job("a", 6, 0), _job("b", 5, 100)]
+    staged = mv.stage_saves(jobs, object())
+    # b's second piece found no room: its third (1 chunk, it would fit) is not gathered
+    assert [len(p) for p in staged[2]] == [3, 2]
+    assert staged[2][1][1][3] is None
+    mv._send_staged(jobs, staged)
+    assert [s["request"] for s in client.sent] == ["a", "a", "a", "b"]
+    assert side.stats["stores_skipped_ring_full"] == 1 and "b" in mv._stopped
+
+
+def test_regions_of_a_restarted_daemon_or_a_stopped_request_are_given_up_not_sent():
+    mv, client, side = _thread()
+    jobs = [_job("a", 2, 0), _job("b", 2, 100)]
+    staged = mv.stage_saves(jobs, object())
+    client.generation = 1  # the daemon restarted between the gather and the send
+    mv._send_staged(jobs, staged)
+    assert not client.sent and len(client.abandoned) == 2 and side.stats["store_failures"] == 2
+    mv._stopped.add("c")
+    staged = mv.stage_saves([_job("c", 2, 0)], object())
+    assert staged is None  # the registration is not the live daemon's: the thread's way
+    side.reg_generation = 1
+    staged = mv.stage_saves([_job("c", 2, 0)], object())
+    assert staged[2] == [None]  # its earlier chunks were skipped: not gathered at all
+
+
+def test_a_refused_send_gives_up_its_region_and_stops_the_request():
+    mv, client, side = _thread()
+    jobs = [_job("a", 6, 0)]
+    staged = mv.stage_saves(jobs, object())
+    client.refuse = True
+    mv._send_staged(jobs, staged)
+    assert len(client.abandoned) == 2 and not client.sent and "a" in mv._stopped
+    assert side.stats["store_failures"] == 2
+
+
+def test_without_fence_words_the_thread_gathers_and_the_forward_may_wait():
+    mv, client, side = _thread()
+    side.kvreg.staging.fence_active = False
+    assert mv.stage_saves([_job("a", 2, 0)], object()) is None
+
+
+def test_wait_for_save_of_a_sliding_window_model_posts_gathered_stores_and_leaves_bind_nothing():
+    w = object.__new__(WorkerSide)
+    posted = []
+    stream = object()
+    w.mover = types.SimpleNamespace(started=True, post=posted.append,
+                                    stage_saves=lambda jobs, s: ("staged", jobs, s))
+    w.stores_may_wait, w.reg = False, types.SimpleNamespace(device="cuda")
+    w._saves_posted, w._sliding_saves = 0, []
+    w._current_stream = lambda: stream
+    jobs = [_job("a", 2, 0)]
+    w._meta = KVDepotMetadata(stores=jobs)
+    w.wait_for_save()
+    assert posted == [("save", jobs, None, ("staged", jobs, stream))] and w._sliding_saves == []
+    w.mover.stage_saves = lambda jobs, s: None  # no fence words: the thread's way, bind checks it
+    w._engine_event = lambda: "event"
+    w.wait_for_save()
+    assert posted[-1] == ("save", jobs, "event", None) and [s.seq for s in w._sliding_saves] == [2]
