@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvdepot.client.registration import Registration
-from kvdepot.client.staging import _ALIGN, StagingRegion
 
 
 class StagedStores:
@@ -60,31 +59,6 @@ class StagedStores:
         else:
             self._fence(stream)
         return region
-
-    def stage_stores(self, reg: Registration, pieces: Sequence[tuple[Sequence[Sequence[int]], int]],
-                     after=None, wait_for_room: bool = True) -> list | None:
-        """`stage_store` of several stores at once, ``pieces`` = [(block ids per KV-cache group,
-        chunks)]: one ring region and one gather launch per layer group for all of them (a
-        launch and an allocation cost tens of microseconds of the caller's thread each).
-        Returns one region per piece, each a part of the one region, to pass to its own
-        `submit_store` (``staged``) or `abandon_region`; the ring's region is free once every
-        part is. None as `stage_store` (also when chunk objects are not 256-byte multiples)."""
-        if len(pieces) == 1:
-            one = self.stage_store(reg, pieces[0][0], pieces[0][1], after, wait_for_room)
-            return None if one is None else [one]
-        if reg.staging is None or not pieces or reg.object_bytes % _ALIGN:
-            return None
-        ids = [[b for p in pieces for b in p[0][g]] for g in range(len(pieces[0][0]))]
-        region = self.stage_store(reg, ids, sum(n for _, n in pieces), after, wait_for_room)
-        if region is None:
-            return None
-        parts, offset = [], region.offset
-        for _, n in pieces:
-            parts.append(StagingRegion(offset, n * reg.object_bytes, self, region.seq, region.fenced))
-            offset += n * reg.object_bytes
-        region.is_free = lambda: all(p.is_free() for p in parts)
-        region.reclaim = lambda: all([p.reclaim() for p in parts])  # every part waited for
-        return parts
 
     @staticmethod
     def abandon_region(reg: Registration, region) -> None:

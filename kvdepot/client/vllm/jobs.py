@@ -126,33 +126,22 @@ class JobPieces:
         if (kvreg is None or kvreg.staging is None or not kvreg.staging.fence_active
                 or side.reg_generation != c.generation):
             return None
-        planned = [None if job.req_id in self._stopped or not job.chain else self._store_pieces(job) for job in jobs]
-        every = [p for pieces in planned if pieces for p in pieces]
-        regions = None
-        if len(every) > 1:  # all in one region and one gather, if the ring has room for all
-            try:
-                regions = iter(c.stage_stores(kvreg, [(ids, e - s) for s, e, ids in every], stream,
-                                              wait_for_room=False) or ())
-            except KernelError as exc:
-                log.warning("kvdepot: gather of a step's stores failed: %s", exc)
-                return c.generation, kvreg, [None] * len(jobs)
         out = []
-        for job, pieces in zip(jobs, planned):
-            if pieces is None:
+        for job in jobs:
+            if job.req_id in self._stopped or not job.chain:
                 out.append(None)
                 continue
-            got = []
-            for s, e, ids in pieces:
-                region = next(regions, None) if regions is not None else None
-                if region is None:  # one piece at a time: as many as the ring has room for
-                    try:
-                        region = c.stage_store(kvreg, ids, e - s, stream, wait_for_room=False)
-                    except KernelError as exc:
-                        log.warning("kvdepot: gather of request %s's chunks failed: %s", job.req_id, exc)
-                got.append((s, e, ids, region))
+            pieces = []
+            for s, e, ids in self._store_pieces(job):
+                try:
+                    region = c.stage_store(kvreg, ids, e - s, stream, wait_for_room=False)
+                except KernelError as exc:
+                    log.warning("kvdepot: gather of request %s's chunks failed: %s", job.req_id, exc)
+                    region = None
+                pieces.append((s, e, ids, region))
                 if region is None:
                     break  # the rest would have no parent
-            out.append(got)
+            out.append(pieces)
         return c.generation, kvreg, out
 
     def _send_staged(self, jobs: list[StoreJob], staged: tuple) -> None:
