@@ -32,6 +32,7 @@ from kvdepot.client.vllm.config import EXTRA_CONFIG, ConnectorConfig, check_chun
 from kvdepot.client.vllm.layout import ShmSegments, layout_name, predict_fingerprint, transfer_groups
 from kvdepot.client.vllm.plan import KVDepotMetadata
 from kvdepot.client.vllm.scheduler import SchedulerSide
+from kvdepot.client.vllm.stats import KVDepotPromMetrics, KVDepotStats, StatsTaker
 from kvdepot.client.vllm.worker import WorkerSide
 from kvdepot.protocol.errors import RequestError
 
@@ -100,10 +101,12 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         args = (cfg, vllm_config, kv_cache_config, groups, fingerprint, self.model_id, reason)
+        self._stats: StatsTaker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(*args)
         else:
             self.worker = WorkerSide(*args)
+            self._stats = StatsTaker(self.worker.stats)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -169,6 +172,23 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
+
+    # ------------------------------------------------------------------ metrics (kvdepot.client.vllm.stats)
+
+    def get_kv_connector_stats(self) -> KVDepotStats | None:
+        """Worker: the increases of its counters since the last report, at most once a second
+        (`StatsTaker`); None on the scheduler side and in between."""
+        return self._stats.take() if self._stats is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVDepotStats:
+        return KVDepotStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVDepotPromMetrics:
+        """``vllm:kvdepot_*`` counters on vLLM's ``/metrics`` (`kvdepot.client.vllm.stats.COUNTERS`)."""
+        return KVDepotPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:
