@@ -86,6 +86,9 @@ class SchedulerSide:
         self.client = KVDepotClient(cfg.endpoint, timeout_s=cfg.lookup_timeout_s, name=f"vllm-scheduler-{os.getpid()}",
                                     connect=False, retry_interval_s=cfg.retry_interval_s)
         self._reqs: dict[str, _Req] = {}
+        # requests whose prompt has whole chunks not stored yet (without store_generated, the
+        # only ones a step may store: a decode step then looks at none, however many run)
+        self._unstored: dict[str, _Req] = {}
         self._ineligible: set[str] = set()
         self._pending_loads: list[tuple[str, tuple[list[int], ...], int, int]] = []  # (req, block ids, local, end)
         self._release: list[str] = []
@@ -127,6 +130,8 @@ class SchedulerSide:
         st = _Req(request, salt, cache_salt, [[] for _ in self.shards], [], 0)
         self._hash(st, len(request.prompt_token_ids))
         self._reqs[rid] = st
+        if self.cfg.store and st.keys[0]:
+            self._unstored[rid] = st
         return st
 
     def _hash(self, st: _Req, num_tokens: int) -> None:
@@ -253,10 +258,18 @@ class SchedulerSide:
         self._pending_loads = []
         if self.cfg.store and self.enabled:
             state = getattr(scheduler_output, "kv_connector_block_state", None)
-            for req_id, n in scheduler_output.num_scheduled_tokens.items():
-                job = self._store_job(req_id, n, state)
+            scheduled = scheduler_output.num_scheduled_tokens
+            if self.cfg.store_generated:
+                todo = list(scheduled)
+            else:
+                todo = [rid for rid in self._unstored if rid in scheduled]
+            for req_id in todo:
+                job = self._store_job(req_id, scheduled[req_id], state)
                 if job is not None:
                     meta.stores.append(job)
+                st = self._unstored.get(req_id)
+                if st is not None and (st.store_stopped or st.next_store_chunk >= len(st.keys[0])):
+                    del self._unstored[req_id]  # its prompt's chunks are all stored (or never will be)
         meta.release, self._release = self._release, []
         if self.sliding and self.enabled:
             meta.written_block_ids = written_blocks(scheduler_output, self._null_block_id)
@@ -322,6 +335,7 @@ class SchedulerSide:
         self._ineligible.discard(rid)
         self._loading.pop(rid, None)
         st = self._reqs.pop(rid, None)
+        self._unstored.pop(rid, None)
         if st is None:
             return False, None
         if st.lookup_rid is not None:
@@ -360,6 +374,8 @@ class SchedulerSide:
             self._hash(st, len(st.request.prompt_token_ids))
             st.lookup_rid = st.hit_chunks = None
             st.next_store_chunk = 0
+            if self.cfg.store and st.keys[0] and not st.store_stopped:
+                self._unstored[st.request.request_id] = st  # stored again under the new keys
         try:
             self.client.call(m.Flush(rid=0, model=self.model_id), self.cfg.lookup_timeout_s)
         except Exception as exc:  # noqa: BLE001 - the new namespace already protects correctness

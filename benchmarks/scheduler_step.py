@@ -1,0 +1,81 @@
+"""The scheduler-side connector's time per decode step against vLLM's own scheduler (no GPU).
+
+Runs vLLM 0.33's real scheduler with the kvdepot connector on the CPU test harness
+(`tests/vllm/vllm_harness.py`, a daemon of its own), lets N requests finish their prefill
+(their prompt chunks stored), then times, hot and in a loop, the connector's
+``build_connector_meta`` on a decode step of all N against vLLM's ``Scheduler.schedule`` of the
+same requests (the reference: the connector's cost as a fraction of the scheduler's own).
+
+    python benchmarks/scheduler_step.py [--requests 8,64,256] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "vllm"), str(REPO / "tests")]
+
+import vllm_harness as H  # noqa: E402
+from conftest import Daemon  # noqa: E402  (tests/vllm/conftest.py: a `kvdepot serve` subprocess)
+
+
+def _median_us(fn, calls: int) -> float:
+    ts = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    ts.sort()
+    return 1e6 * ts[len(ts) // 2]
+
+
+def measure(n: int, root: pathlib.Path, calls: int) -> dict:
+    (root / "daemon").mkdir()
+    d = Daemon(root / "daemon").start()
+    cfg = H.make_vllm_config(H.model_dir(root), d.endpoint, chunk_size=64, max_model_len=1024,
+                             extra={"model_id": f"step-{n}"}, max_num_seqs=n, max_num_batched_tokens=max(2048, 80 * n))
+    e = H.Engine(cfg, H.dense_specs(num_layers=1), num_blocks=8 * n + 64)
+    try:
+        for i in range(n):
+            e.add(H.tokens(i, 70), max_tokens=400)
+        so = None
+        for _ in range(40):
+            so = e.step()
+        assert len(so.num_scheduled_tokens) == n and so.total_num_scheduled_tokens == n, "not a decode step of all"
+        conn = e.sched_conn
+        connector_us = _median_us(lambda: conn.build_connector_meta(so), calls)
+        # vLLM's scheduler on the same requests (schedule() alone: no output is fed back, so each
+        # call schedules the same decode step again)
+        schedule_us = _median_us(e.scheduler.schedule, calls)
+        return {"requests": n, "build_connector_meta_us": connector_us, "vllm_schedule_us": schedule_us,
+                "ratio": connector_us / schedule_us}
+    finally:
+        e.close()
+        d.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", default="8,64,256")
+    p.add_argument("--calls", type=int, default=3000)
+    p.add_argument("--out")
+    args = p.parse_args()
+    rows = []
+    for n in (int(x) for x in args.requests.split(",")):
+        with tempfile.TemporaryDirectory() as tmp:
+            r = measure(n, pathlib.Path(tmp), args.calls)
+        rows.append(r)
+        print(f"{n:4} decode requests: build_connector_meta {r['build_connector_meta_us']:6.1f} us, "
+              f"vLLM's schedule() {r['vllm_schedule_us']:7.1f} us  (connector = {100 * r['ratio']:.1f}% of it)")
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
