@@ -4,7 +4,8 @@ Runs vLLM 0.33's real scheduler with the kvdepot connector on the CPU test harne
 (`tests/vllm/vllm_harness.py`, a daemon of its own), lets N requests finish their prefill
 (their prompt chunks stored), then times, hot and in a loop, the connector's
 ``build_connector_meta`` on a decode step of all N against vLLM's ``Scheduler.schedule`` of the
-same requests (the reference: the connector's cost as a fraction of the scheduler's own).
+same requests (the reference: the connector's cost as a fraction of the scheduler's own); and
+its time on a prefill step that stores 16 chunks (4 requests of 4096 tokens, 4 chunks each).
 
     python benchmarks/scheduler_step.py [--requests 8,64,256] [--out results.json]
 """
@@ -60,6 +61,56 @@ def measure(n: int, root: pathlib.Path, calls: int) -> dict:
         d.close()
 
 
+def measure_store(n: int, root: pathlib.Path, calls: int, prompt_tokens: int = 4096) -> dict:
+    """A prefill step of ``n`` requests of ``prompt_tokens`` tokens (256-token chunks, 4 per
+    request per step), taken half-way: ``build_connector_meta`` with each request's store job,
+    its state put back before each call (outside the timer)."""
+    (root / "daemon").mkdir()
+    d = Daemon(root / "daemon").start()
+    cfg = H.make_vllm_config(H.model_dir(root), d.endpoint, chunk_size=256, max_model_len=prompt_tokens + 64,
+                             extra={"model_id": f"store-{n}"}, max_num_seqs=n, max_num_batched_tokens=1024 * n)
+    cfg.scheduler_config.long_prefill_token_threshold = 1024  # chunked prefill, 1024 tokens per request per step
+    e = H.Engine(cfg, H.dense_specs(num_layers=1), num_blocks=n * (prompt_tokens // 16 + 4) + 64)
+    try:
+        for i in range(n):
+            e.add(H.tokens(1000 + i, prompt_tokens), max_tokens=1)
+        half, storing = prompt_tokens // 1024 // 2, 0
+        deadline = time.monotonic() + 60
+        while storing < half and time.monotonic() < deadline:  # the first steps wait for lookups
+            so = e.step()
+            storing += bool(so.kv_connector_metadata.stores)
+            time.sleep(0.001)
+        jobs = so.kv_connector_metadata.stores
+        assert len(jobs) == n and all(len(j.chain) == 4 for j in jobs), "not a step storing 4 chunks per request"
+        side = e.sched_conn.scheduler
+        firsts = {j.req_id: j.first_chunk for j in jobs}
+        computed = {}
+        for rid in firsts:  # back to what the step was scheduled on (its output advanced them)
+            req = side._reqs[rid].request
+            computed[rid] = req.num_computed_tokens
+            req.num_computed_tokens -= so.num_scheduled_tokens[rid]
+        ts = []
+        try:
+            for _ in range(calls):
+                for rid, first in firsts.items():
+                    st = side._reqs[rid]
+                    st.next_store_chunk = first
+                    getattr(side, "_unstored", {})[rid] = st
+                t = time.perf_counter()
+                meta = side.build_connector_meta(so)
+                ts.append(time.perf_counter() - t)
+        finally:
+            for rid, c in computed.items():
+                side._reqs[rid].request.num_computed_tokens = c
+        assert [len(j.chain) for j in meta.stores] == [4] * n
+        ts.sort()
+        return {"requests": n, "prompt_tokens": prompt_tokens, "chunks_stored": 4 * n,
+                "build_connector_meta_us": 1e6 * ts[len(ts) // 2]}
+    finally:
+        e.close()
+        d.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", default="8,64,256")
@@ -73,6 +124,11 @@ def main() -> None:
         rows.append(r)
         print(f"{n:4} decode requests: build_connector_meta {r['build_connector_meta_us']:6.1f} us, "
               f"vLLM's schedule() {r['vllm_schedule_us']:7.1f} us  (connector = {100 * r['ratio']:.1f}% of it)")
+    with tempfile.TemporaryDirectory() as tmp:
+        r = measure_store(4, pathlib.Path(tmp), args.calls)
+    rows.append(r)
+    print(f"store step, 4 requests of {r['prompt_tokens']} tokens, {r['chunks_stored']} chunks of 256 tokens "
+          f"stored: build_connector_meta {r['build_connector_meta_us']:.1f} us")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
 

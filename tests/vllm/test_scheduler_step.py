@@ -60,3 +60,42 @@ def test_requests_running_through_a_cache_reset_store_their_prompt_again(daemon,
         assert w.stats["stored_chunks"] == 4  # the same 2 chunks under the fresh namespace
     finally:
         a.close()
+
+
+def test_store_jobs_take_the_same_block_ids_from_vllms_block_lists_as_from_its_id_tables(daemon, tmp_path):
+    """`_store_job` reads only the stored chunks' blocks (vLLM's ``KVCacheCoordinator.get_blocks``);
+    where that call is missing it slices vLLM's whole id table: both give the same ids, for a
+    hybrid model (two KV-cache groups) in the middle of a chunked prefill."""
+    cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, chunk_size=64, max_num_batched_tokens=96,
+                             max_model_len=512, extra={"model_id": "ids"})
+    a = H.Engine(cfg, H.hybrid_specs(sliding_window=16), num_blocks=80)
+    try:
+        side = a.sched_conn.scheduler
+        jobs_seen = []
+        build = side.build_connector_meta
+
+        def spy(so):
+            snapshot = {rid: (st.next_store_chunk, st.store_stopped) for rid, st in side._reqs.items()}
+            meta = build(so)
+            for job in meta.stores:  # the same job again, through vLLM's id tables
+                st = side._reqs[job.req_id]
+                after = st.next_store_chunk
+                st.next_store_chunk, st.store_stopped = snapshot[job.req_id]
+                blocks_of, side._blocks_of = side._blocks_of, lambda rid: None
+                try:
+                    again = side._store_job(job.req_id, so.num_scheduled_tokens[job.req_id],
+                                            so.kv_connector_block_state)
+                finally:
+                    side._blocks_of = blocks_of
+                assert again is not None and st.next_store_chunk == after
+                assert again.block_ids == job.block_ids and again.first_chunk == job.first_chunk
+                jobs_seen.append(job)
+            return meta
+
+        side.build_connector_meta = spy
+        for i in range(2):
+            a.add(H.tokens(60 + i, 300), max_tokens=2)
+        a.run()
+        assert len(jobs_seen) >= 4 and any(job.first_chunk > 0 for job in jobs_seen)
+    finally:
+        a.close()

@@ -310,14 +310,23 @@ class SchedulerSide:
         first = st.next_store_chunk
         if end_chunk <= first:
             return None
-        table = block_state.get_block_ids(req_id) if block_state is not None else None
-        if table is None and self._kv_cache_manager is not None:
-            table = self._kv_cache_manager.get_block_ids(req_id)
-        if table is None:
-            return None
+        blocks = self._blocks_of(req_id)
+        if blocks is not None:  # vLLM's KVCacheBlock lists: ids of the chunks' blocks only
+            table = None
+        else:
+            table = block_state.get_block_ids(req_id) if block_state is not None else None
+            if table is None and self._kv_cache_manager is not None:
+                table = self._kv_cache_manager.get_block_ids(req_id)
+            if table is None:
+                return None
         ids = []
         for g in self.groups:
-            got = chunk_block_ids(table[g.vllm_gid], g.block_size, c, first, end_chunk)
+            if blocks is not None:
+                per = c // g.block_size
+                held = blocks[g.vllm_gid]
+                got = [b.block_id for b in held[first * per:end_chunk * per]] if end_chunk * per <= len(held) else None
+            else:
+                got = chunk_block_ids(table[g.vllm_gid], g.block_size, c, first, end_chunk)
             if got is None or (not g.has_null_blocks and self._null_block_id in got):
                 log.warning("kvdepot: request %s: no blocks for chunks %d..%d of KV-cache group %d; "
                             "its later chunks are not stored", req_id, first, end_chunk - 1, g.vllm_gid)
@@ -329,6 +338,15 @@ class SchedulerSide:
         return StoreJob(req_id=req_id, chain=st.chain[first:end_chunk], parent=st.chain[first - 1] if first else b"",
                         seed=st.seed, first_chunk=first,
                         block_ids=ids, cache_salt=st.cache_salt)
+
+    def _blocks_of(self, req_id: str):
+        """The request's blocks per vLLM gid (``KVCacheBlock`` lists, vLLM's
+        ``KVCacheCoordinator.get_blocks``): a long request's table as ids would be built whole
+        (``KVCacheManager.get_block_ids``) to take a few chunks' blocks. None where this vLLM
+        has no such call (the caller then takes the ids)."""
+        coordinator = getattr(self._kv_cache_manager, "coordinator", None)
+        get_blocks = getattr(coordinator, "get_blocks", None)
+        return get_blocks(req_id) if get_blocks is not None else None
 
     def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
