@@ -3,7 +3,8 @@ schema; the Prometheus Operator's kinds are checked here against the pod they wa
 yamllint on every YAML file, and the PrometheusRule kept equal to the plain rules file.
 
 ``python tests/deploy/test_manifests.py --write-prometheusrule`` regenerates
-deploy/kubernetes/prometheusrule.yaml from deploy/prometheus/kvdepot-rules.yml.
+deploy/kubernetes/prometheusrule.yaml from deploy/prometheus/kvdepot-rules.yml and
+kvdepot-vllm-rules.yml.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "kubernetes"
 RULES = DEPLOY / "prometheus" / "kvdepot-rules.yml"
+VLLM_RULES = DEPLOY / "prometheus" / "kvdepot-vllm-rules.yml"  # alerts on the connector's series in vLLM's /metrics
 PROMETHEUSRULE = K8S / "prometheusrule.yaml"
 OPERATOR_KINDS = {"PodMonitor", "PrometheusRule"}  # CRDs: no schema in kubernetes-validate
 
@@ -35,10 +37,14 @@ def _tool(name: str) -> str:
 
 
 def prometheusrule_text() -> str:
-    """The PrometheusRule: kvdepot-rules.yml's groups, comments and all, under ``spec``."""
+    """The PrometheusRule: kvdepot-rules.yml's groups, then kvdepot-vllm-rules.yml's, comments
+    and all, under ``spec``."""
     text = RULES.read_text()
     body = text[text.index("\ngroups:") + 1:]
-    return ("# The rules of deploy/prometheus/kvdepot-rules.yml as a Prometheus Operator PrometheusRule.\n"
+    more = VLLM_RULES.read_text()
+    body = body.rstrip("\n") + "\n\n" + more[more.index("\ngroups:\n") + len("\ngroups:\n"):]
+    return ("# The rules of deploy/prometheus/kvdepot-rules.yml and kvdepot-vllm-rules.yml as a\n"
+            "# Prometheus Operator PrometheusRule.\n"
             "# Generated: edit the rules file, then run\n"
             "#   python tests/deploy/test_manifests.py --write-prometheusrule\n"
             "---\napiVersion: monitoring.coreos.com/v1\nkind: PrometheusRule\nmetadata:\n  name: kvdepot\n"
@@ -99,21 +105,25 @@ def test_pod_shape():
     assert "ipc:///run/kvdepot/kvdepot.sock" in kv and '"kvdepot.client.vllm"' in kv
 
 
-def test_podmonitor_selects_the_pod_and_its_port():
+def test_podmonitor_selects_the_pod_and_its_ports():
     (dep,) = [d for d in manifests() if d["kind"] == "Deployment"]
     (pm,) = [d for d in manifests() if d["kind"] == "PodMonitor"]
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    ports = {p["name"] for c in dep["spec"]["template"]["spec"]["initContainers"] for p in c.get("ports", [])}
-    (ep,) = pm["spec"]["podMetricsEndpoints"]
-    assert ep["port"] in ports and ep["path"] == "/metrics"
+    spec = dep["spec"]["template"]["spec"]
+    sidecar_ports = {p["name"] for c in spec["initContainers"] for p in c.get("ports", [])}
+    vllm_ports = {p["name"] for c in spec["containers"] for p in c.get("ports", [])}
+    daemon, vllm = pm["spec"]["podMetricsEndpoints"]  # the daemon's metrics; vLLM's (with vllm:kvdepot_*)
+    assert daemon["port"] in sidecar_ports and daemon["path"] == "/metrics"
+    assert vllm["port"] in vllm_ports and vllm["path"] == "/metrics"
 
 
 def test_prometheusrule_matches_rules_file():
     assert PROMETHEUSRULE.read_text() == prometheusrule_text(), \
         "stale: run python tests/deploy/test_manifests.py --write-prometheusrule"
     rule = yaml.safe_load(PROMETHEUSRULE.read_text())
-    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+    assert rule["spec"]["groups"] == (yaml.safe_load(RULES.read_text())["groups"]
+                                      + yaml.safe_load(VLLM_RULES.read_text())["groups"])
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write-prometheusrule"]:
