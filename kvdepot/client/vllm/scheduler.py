@@ -96,11 +96,15 @@ class SchedulerSide:
         self._null_block_id = 0
         self._epoch = 0
         self._kv_cache_manager = None
+        self._get_blocks = None
 
     # ------------------------------------------------------------------ helpers
 
     def bind_kv_cache_manager(self, manager) -> None:
         self._kv_cache_manager = manager
+        # vLLM's KVCacheCoordinator.get_blocks: a request's KVCacheBlock lists per vLLM gid
+        # (None where this vLLM has no such call: store jobs then take vLLM's id tables)
+        self._get_blocks = getattr(getattr(manager, "coordinator", None), "get_blocks", None)
         null = getattr(getattr(manager, "block_pool", None), "null_block", None)
         if null is not None:
             self._null_block_id = null.block_id
@@ -344,9 +348,7 @@ class SchedulerSide:
         ``KVCacheCoordinator.get_blocks``): a long request's table as ids would be built whole
         (``KVCacheManager.get_block_ids``) to take a few chunks' blocks. None where this vLLM
         has no such call (the caller then takes the ids)."""
-        coordinator = getattr(self._kv_cache_manager, "coordinator", None)
-        get_blocks = getattr(coordinator, "get_blocks", None)
-        return get_blocks(req_id) if get_blocks is not None else None
+        return self._get_blocks(req_id) if self._get_blocks is not None else None
 
     def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
