@@ -37,7 +37,6 @@ log = logging.getLogger("kvdepot.kernels")
 ENV_SO = "KVDEPOT_KERNELS_SO"
 ENV_NO_JIT = "KVDEPOT_NO_JIT"
 # "1": the engine side's kernel launches keep the GIL (`Kernels`); anything else: they drop it
-ENV_LAUNCH_HOLDS_GIL = "KVDEPOT_LAUNCH_HOLDS_GIL"
 # built at install (setup.py) for `build.INSTALL_ARCHS` when nvcc was there
 PACKAGED_SO = Path(__file__).parent / "_lib" / "libkvdepot_kernels.so"
 ABI_VERSION = 8
@@ -118,18 +117,6 @@ class Kernels:
         self.ipc_handle_bytes = lib.kvd_ipc_handle_bytes()
         self.ipc_event_handle_bytes = lib.kvd_ipc_event_handle_bytes()
         self.lib = lib
-        # The engine side's launches (gather, scatter, fence write: microseconds each) through
-        # ctypes.CDLL drop the GIL, and another thread of the engine's process (the vLLM
-        # connector's transfer thread) may then hold it for a whole pass before the caller runs
-        # again: on the dev VM a GIL-dropping ctypes call had a p99 of 113 us beside a busy
-        # thread, 1.1 us through PyDLL, which keeps the GIL. Through PyDLL with
-        # $KVDEPOT_LAUNCH_HOLDS_GIL=1 (the same library, loaded once): not yet measured on a GPU.
-        self.launch_holds_gil = os.environ.get(ENV_LAUNCH_HOLDS_GIL) == "1"
-        launch = ctypes.PyDLL(path) if self.launch_holds_gil else lib
-        launch.kvd_engine_gather.argtypes = lib.kvd_engine_gather.argtypes
-        launch.kvd_engine_scatter.argtypes = lib.kvd_engine_scatter.argtypes
-        launch.kvd_engine_signal.argtypes = lib.kvd_engine_signal.argtypes
-        self._launch = launch
 
     def _check(self, rc: int, what: str) -> None:
         if rc != KVD_OK:
@@ -240,7 +227,7 @@ class Kernels:
         Raises:
             KernelError: bad arguments, misaligned ``dst_ptr``, or the CUDA launch error.
         """
-        self._check(self._launch.kvd_engine_gather(engine, flat_ids.buffer_info()[0], total_chunks, dst_ptr, stream),
+        self._check(self.lib.kvd_engine_gather(engine, flat_ids.buffer_info()[0], total_chunks, dst_ptr, stream),
                     "kvd_engine_gather")
 
     def engine_scatter(self, engine: int, flat_ids, total_chunks: int, nchunks: int, src_ptr: int,
@@ -248,7 +235,7 @@ class Kernels:
         """Engine side: scatter the request's leading ``nchunks`` chunk objects at ``src_ptr``
         into the engine's blocks on ``stream``, leaving the blocks of the first ``skip_tokens``
         tokens untouched. Raises KernelError as `engine_gather`."""
-        self._check(self._launch.kvd_engine_scatter(engine, flat_ids.buffer_info()[0], total_chunks, nchunks, src_ptr,
+        self._check(self.lib.kvd_engine_scatter(engine, flat_ids.buffer_info()[0], total_chunks, nchunks, src_ptr,
                                                 skip_tokens, stream), "kvd_engine_scatter")
 
     def event_create_ipc(self, device: int) -> tuple[int, bytes]:
@@ -281,7 +268,7 @@ class Kernels:
         Raises:
             KernelError: misaligned pointer, or the launch failed.
         """
-        self._check(self._launch.kvd_engine_signal(word_dev_ptr, value, stream), "kvd_engine_signal")
+        self._check(self.lib.kvd_engine_signal(word_dev_ptr, value, stream), "kvd_engine_signal")
 
     def host_register_mapped(self, ptr: int, size_bytes: int) -> int:
         """Page-lock ``[ptr, ptr + size_bytes)`` of host memory and map it for the GPU to write
