@@ -408,7 +408,7 @@ def roofline(nbytes: int) -> dict:
 
 
 def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int, requests: int,
-                device: str = "cuda", staging_bytes: int = 256 << 20) -> dict:
+                device: str = "cuda", staging_bytes: int = 0) -> dict:
     tokens = CHUNKS_PER_STEP * chunk
     block_bytes = sum(s.page_size_bytes for s in specs.values())
     num_blocks = (requests + 4) * tokens // 16 + 64
@@ -430,6 +430,8 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
         a.add(H.tokens(8, 1000), max_tokens=1)  # connect, register, first kernels: not measured
         a.run(timeout_s=60)
         store = drive(a, prompts, "stores")
+        staging_bytes = a.worker_conn.worker.staging_bytes()  # the ring used (0 above: the connector's auto size)
+        res["staging_bytes"] = staging_bytes
         res.update(decode_steps(a))
     finally:
         a.close()
@@ -517,8 +519,8 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=24, help="prompts of 16 chunks per shape (default 24)")
     p.add_argument("--shapes", default="", help="comma-separated subset of the shape names")
     p.add_argument("--l1-bytes", default="24g")
-    p.add_argument("--staging-bytes", type=int, default=256 << 20,
-                   help="the connector's staging ring (its staging_bytes setting; default 256 MiB, its default)")
+    p.add_argument("--staging-bytes", type=int, default=0,
+                   help="the connector's staging ring (its staging_bytes setting; default 0: its auto size)")
     p.add_argument("--out", default="", help="write the results as JSON here")
     p.add_argument("--profile", default="",
                    help="write a cProfile of the whole run (all shapes, both engines; on Python >= 3.12 every "

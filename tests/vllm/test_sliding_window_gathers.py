@@ -6,6 +6,7 @@ of those, on the GPU if the transfer thread queued them already, on the CPU if n
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -175,5 +176,28 @@ def test_cpu_sliding_window_save_counts_as_gathered_only_once_the_daemon_copied_
         e.run(timeout_s=60)
         assert len(checked) >= 3 and all(checked), checked
         assert e.worker_conn.worker.stats["stored_chunks"] >= 6
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_worker_sizes_its_staging_ring_from_its_chunk_bytes_and_step_budget(daemon, tmp_path, monkeypatch, hybrid):
+    """``staging_bytes`` 0 (the default): a sliding-window model's ring holds two steps' stores
+    (vLLM's ``max_num_batched_tokens``), in chunk bytes of this worker's own layout, which are
+    those the daemon computed for its registration; a dense model's stays at the floor. A set
+    value is used as given. (The floor is lowered here: these test models' chunks are small.)"""
+    import kvdepot.client.vllm.config as config
+
+    monkeypatch.setattr(config, "STAGING_MIN_BYTES", 4096)
+    specs = H.hybrid_specs(sliding_window=16) if hybrid else H.dense_specs()
+    cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, chunk_size=CHUNK, max_num_batched_tokens=1000,
+                             max_model_len=256, extra={"model_id": f"ring-{hybrid}"})
+    e = H.Engine(cfg, specs, num_blocks=40)
+    try:
+        w = e.worker_conn.worker
+        step_chunks = 16  # ceil(1000 / 64)
+        assert w.staging_bytes() == (2 * step_chunks * w.kvreg.object_bytes if hybrid else 4096)
+        w.cfg = dataclasses.replace(w.cfg, staging_bytes=3 << 20)
+        assert w.staging_bytes() == 3 << 20
     finally:
         e.close()

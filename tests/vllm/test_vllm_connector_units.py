@@ -12,7 +12,7 @@ pytest.importorskip("vllm")
 
 import vllm_harness as H  # noqa: E402
 from kvdepot.client import KVDepotClient  # noqa: E402
-from kvdepot.client.vllm.config import ConnectorConfig, check_chunk_size  # noqa: E402
+from kvdepot.client.vllm.config import ConnectorConfig, auto_staging_bytes, check_chunk_size  # noqa: E402
 from kvdepot.client.vllm.layout import (  # noqa: E402
     ShmSegments,
     build_registration,
@@ -51,6 +51,20 @@ def test_extra_config_defaults_and_validation(monkeypatch):
         ConnectorConfig.from_extra({"endpoint": "/run/kvd.sock"})
     with pytest.raises(ValueError, match="rpc_timeout_s: must be > 0"):
         ConnectorConfig.from_extra({"rpc_timeout_s": 0})
+    assert cfg.staging_bytes == 0  # auto
+    assert ConnectorConfig.from_extra({"staging_bytes": 1 << 20}).staging_bytes == 1 << 20
+    with pytest.raises(ValueError, match="staging_bytes: 4096 must be 0 \\(auto\\) or >= 1 MiB"):
+        ConnectorConfig.from_extra({"staging_bytes": 4096})
+
+
+def test_auto_staging_ring_holds_two_steps_of_stores_for_sliding_window_models():
+    mib = 1 << 20
+    # gpt-oss-20b, one shard: 12 MiB per 256-token chunk; 4096 tokens per step -> 16 chunks x 2
+    assert auto_staging_bytes(12 * mib, 256, 4096, sliding_window=True) == 384 * mib
+    assert auto_staging_bytes(12 * mib, 256, 4097, sliding_window=True) == 408 * mib  # a 17th chunk
+    assert auto_staging_bytes(12 * mib, 256, 4096, sliding_window=False) == 256 * mib  # stores wait for room
+    assert auto_staging_bytes(1 * mib, 256, 2048, sliding_window=True) == 256 * mib  # at least
+    assert auto_staging_bytes(32 * mib, 256, 1 << 20, sliding_window=True) == 4096 * mib  # at most
 
 
 def test_chunk_size_must_be_a_multiple_of_every_groups_block_size():

@@ -22,8 +22,9 @@ key                     default      meaning
                                      answers again
 ``hold_max_s``          30.0         worker: longest time a request's blocks are kept after a store or
                                      retrieve timed out, waiting for the daemon's late answer
-``staging_bytes``       268435456    CUDA worker: bytes of the device staging ring (GPU memory beside
-                                     vLLM's KV cache); stores and loads move through it in pieces
+``staging_bytes``       0 (auto)     CUDA worker: bytes of the device staging ring (GPU memory beside
+                                     vLLM's KV cache); stores and loads move through it in pieces.
+                                     0: `auto_staging_bytes` (256 MiB; more for sliding-window models)
 ======================  ===========  ==================================================================
 """
 
@@ -53,7 +54,7 @@ class ConnectorConfig:
     rpc_timeout_s: float = 5.0
     retry_interval_s: float = 1.0
     hold_max_s: float = 30.0
-    staging_bytes: int = 256 << 20
+    staging_bytes: int = 0  # 0: auto_staging_bytes
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -92,8 +93,9 @@ class ConnectorConfig:
                              "(the address `kvdepot serve --endpoint` binds)")
         if cfg.chunk_size <= 0:
             raise ValueError(f"{EXTRA_CONFIG}.chunk_size: {cfg.chunk_size} must be > 0")
-        if cfg.staging_bytes < (1 << 20):
-            raise ValueError(f"{EXTRA_CONFIG}.staging_bytes: {cfg.staging_bytes} must be >= 1 MiB (1048576)")
+        if cfg.staging_bytes and cfg.staging_bytes < (1 << 20):
+            raise ValueError(f"{EXTRA_CONFIG}.staging_bytes: {cfg.staging_bytes} must be 0 (auto) or >= 1 MiB "
+                             "(1048576)")
         for name in ("lookup_timeout_s", "rpc_timeout_s", "retry_interval_s", "hold_max_s"):
             if getattr(cfg, name) <= 0:
                 raise ValueError(f"{EXTRA_CONFIG}.{name}: must be > 0")
@@ -117,3 +119,30 @@ def check_chunk_size(chunk_size: int, block_sizes: Sequence[int]) -> None:
             f"{EXTRA_CONFIG}.chunk_size={chunk_size} is not a multiple of {lcm}, the least common multiple of "
             f"the KV-cache groups' tokens per block {sorted(set(block_sizes))}; set "
             f"\"chunk_size\": {options} in --kv-transfer-config's {EXTRA_CONFIG}")
+
+
+STAGING_MIN_BYTES = 256 << 20
+STAGING_MAX_BYTES = 4 << 30
+
+
+def auto_staging_bytes(chunk_bytes: int, chunk_size: int, max_step_tokens: int, sliding_window: bool) -> int:
+    """The staging ring's size when ``staging_bytes`` is 0: 256 MiB, or for a model with a
+    sliding-window KV-cache group room for two steps' stores, between 256 MiB and 4 GiB.
+
+    Why two steps: with a sliding-window group vLLM hands a running request's blocks that left
+    the window to other requests at once, so a step's stores are gathered into the ring in that
+    step or skipped (`stores_skipped_ring_full`); they leave it once the daemon copied them, and
+    the engine's CPU runs up to a step ahead of its GPU. Full-attention models' stores wait for
+    room instead (their blocks stay with the request), so the ring only sets how much of a
+    step's KV goes out during the next forward.
+
+    Args:
+        chunk_bytes: bytes of one chunk of this worker's KV (every layer, one TP shard).
+        chunk_size: tokens per chunk.
+        max_step_tokens: vLLM's ``scheduler_config.max_num_batched_tokens``.
+        sliding_window: whether any KV-cache group frees blocks of running requests.
+    """
+    if not sliding_window:
+        return STAGING_MIN_BYTES
+    step_chunks = -(-max_step_tokens // chunk_size)
+    return max(STAGING_MIN_BYTES, min(STAGING_MAX_BYTES, 2 * step_chunks * chunk_bytes))

@@ -37,10 +37,11 @@ import torch
 
 from kvdepot.client.client import KVDepotClient
 from kvdepot.client.hashing import shard_name
-from kvdepot.client.vllm.config import ConnectorConfig
+from kvdepot.client.vllm.config import STAGING_MIN_BYTES, ConnectorConfig, auto_staging_bytes
 from kvdepot.client.vllm.layout import Registration, TransferGroup, build_registration
 from kvdepot.client.vllm.mover import DOWN, TransferThread
 from kvdepot.client.vllm.plan import KVDepotMetadata
+from kvdepot.gpu.layout import group_layers
 from kvdepot.protocol.errors import KVDepotError
 
 log = logging.getLogger("kvdepot.vllm")
@@ -60,6 +61,7 @@ class WorkerSide:
         self.single_group = len(kv_cache_config.kv_cache_groups) == 1
         # a store may wait for ring room only where vLLM never frees a running request's blocks
         self.stores_may_wait = not any(g.has_null_blocks for g in groups)
+        self.max_step_tokens = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0)
         tp = vllm_config.parallel_config.tensor_parallel_size
         self.tp_rank = _tp_rank(tp)
         self.shard = shard_name(self.tp_rank, tp)
@@ -116,7 +118,7 @@ class WorkerSide:
             else:
                 new = c.register(self.model_id, self.shard, self.cfg.chunk_size, reg.storages, reg.layers, reg.groups,
                                  device=reg.device, local_storages=reg.local if reg.device == "cuda" else None,
-                                 staging_bytes=self.cfg.staging_bytes, storage_fds=reg.storage_fds)
+                                 staging_bytes=self.staging_bytes(), storage_fds=reg.storage_fds)
         except KVDepotError as exc:
             if exc.code in DOWN:
                 log.warning("kvdepot: registration failed (%s); retrying while the daemon is reachable", exc)
@@ -133,6 +135,17 @@ class WorkerSide:
         log.info("kvdepot: registered %d layers as %s (%d bytes per chunk%s)", len(reg.layers), new.id,
                  new.object_bytes, ", engine-side staging" if new.staging is not None else "")
         return True
+
+    def staging_bytes(self) -> int:
+        """The staging ring's bytes: ``staging_bytes`` of the config, or where that is 0
+        `auto_staging_bytes` for this worker's chunk bytes (from the registration's layout)."""
+        if self.cfg.staging_bytes or self.reg is None:
+            return self.cfg.staging_bytes or STAGING_MIN_BYTES
+        reg = self.reg
+        sizes = [s.size_bytes for s in reg.storages]
+        chunk_bytes = group_layers(reg.layers, reg.groups, self.cfg.chunk_size, sizes).object_bytes
+        return auto_staging_bytes(chunk_bytes, self.cfg.chunk_size, self.max_step_tokens or self.cfg.chunk_size,
+                                  not self.stores_may_wait)
 
     def ready(self) -> bool:
         """Registered with a live daemon (registers again after a restart); transfer thread only."""
