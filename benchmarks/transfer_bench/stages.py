@@ -2,7 +2,8 @@
 
 The daemon records ``(rid, stage, perf_counter_ns)`` at named points of each request when
 ``KVDEPOT_TRACE_FILE`` is set (`kvdepot.trace`; written when it stops), and so does the client
-in this process (``c_gathered`` after a store's gather and fence write were enqueued, ``c_sent``
+in this process (``c_gathered`` once a store's ring region was taken, and without fence words
+its gather ran; with them the gather is enqueued after the send, beside the daemon's work; ``c_sent``
 after the request left, ``c_reply`` when its reply was decoded). The lone-request loop of
 `transfer_bench.point` adds ``b_call`` (before the client call), ``b_replied`` (a retrieve's
 ``result`` returned: reply in, scatter enqueued) and ``b_end`` (the op is over: a store's reply,
@@ -28,7 +29,7 @@ ORDER = {
                  "b_end"),
 }
 MEANING = {  # what the time between a point and the one before it is
-    "c_gathered": "client: ring alloc + gather + fence launch",
+    "c_gathered": "client: ring alloc (+ gather where no fence words)",
     "c_sent": "client: encode + send",
     "start": "ipc + daemon wakeup + decode",
     "enqueue": "daemon: index / plan",

@@ -493,8 +493,15 @@ class KVDepotClient(StagedStores):
         fence = 0
         region = staged
         staging = reg.staging
+        gather_after_send = False
         if region is None and staging is not None and keys:
-            region = self.stage_store(reg, block_ids, len(keys), after, wait_for_room)
+            if staging.fence_active:
+                # the store goes out first and the gather is enqueued while it travels: the
+                # daemon copies once the GPU wrote the region's fence word either way
+                region = staging.ring.alloc(len(keys) * reg.object_bytes, self, wait=wait_for_room, fenced=True)
+                gather_after_send = region is not None
+            else:
+                region = self.stage_store(reg, block_ids, len(keys), after, wait_for_room)
             if region is None:
                 if not wait_for_room:
                     return None
@@ -511,10 +518,24 @@ class KVDepotClient(StagedStores):
                                       request=request, staging_offset=offset, fence=fence,
                                       staging_seq=region.seq if region is not None else 0))
         except BaseException:
-            if region is not None:
+            if gather_after_send:
+                region.fenced = False
+                region.release()  # nothing was sent nor gathered
+            elif region is not None:
                 self.abandon_region(reg, region)  # nothing was sent: no copy reads it
             raise
         trace.point_at(rid, "c_gathered", gathered_ns)
+        if gather_after_send:
+            try:
+                self._gather(reg, region, block_ids, len(keys), after)
+            except BaseException:
+                # nothing of the region is pending on the GPU: the word tells the daemon to copy
+                # nothing (its reply, an error, is dropped), and the region is free at once
+                staging.fence.abandon(region.seq)
+                self.forget(rid)
+                region.fenced = False
+                region.release()
+                raise
         return PendingStore(self, rid, region, len(keys), staging.fence if fence else None, reg)
 
     def retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],

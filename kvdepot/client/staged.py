@@ -39,26 +39,37 @@ class StagedStores:
         region = staging.ring.alloc(num_chunks * reg.object_bytes, self, wait=wait_for_room, fenced=fenced)
         if region is None:
             return None
-        import torch
-
-        stream = after if after is not None else torch.cuda.current_stream(staging.device)
         try:
-            staging.gather(block_ids, num_chunks, region.offset, stream)
+            self._gather(reg, region, block_ids, num_chunks, after)
         except BaseException:
-            region.fenced = False
+            region.fenced = False  # nothing of it is pending on the GPU (`_gather`)
             region.release()
             raise
-        if fenced:
+        return region
+
+    def _gather(self, reg: Registration, region, block_ids: Sequence[Sequence[int]], num_chunks: int,
+                after=None) -> None:
+        """Enqueue on ``after`` (default: the current stream) the gather into ``region``, then
+        its fence word's write (``region.fenced``), or wait until the gather ran (not fenced).
+
+        Raises:
+            KernelError: the gather or the fence write could not be enqueued; nothing of the
+                region is pending on the GPU then (a gather enqueued before a failed fence
+                write was waited for).
+        """
+        import torch
+
+        staging = reg.staging
+        stream = after if after is not None else torch.cuda.current_stream(staging.device)
+        staging.gather(block_ids, num_chunks, region.offset, stream)
+        if region.fenced:
             try:
                 staging.fence.signal(region.seq, stream)
             except BaseException:
-                region.fenced = False  # no word will come: free once the gather ran
-                self._fence(stream)
-                region.release()
+                self._fence(stream)  # no word will come: wait until the gather ran
                 raise
         else:
             self._fence(stream)
-        return region
 
     @staticmethod
     def abandon_region(reg: Registration, region) -> None:

@@ -48,6 +48,7 @@ from kvdepot.protocol.messages import StorageSpec
 log = logging.getLogger("kvdepot.client")
 
 DEFAULT_STAGING_BYTES = 256 << 20
+FENCE_ABANDONED_BIT = 1 << 63  # a fence word's value | this: the region's gather was given up
 FENCE_WORDS = 4096  # at most FENCE_WORDS - 1 ring regions live at once (one word per region)
 _ALIGN = 256
 
@@ -197,8 +198,15 @@ class FenceWords:
         self.kernels.engine_signal(self.dev_ptr + (seq % self.words) * 8, seq, stream.cuda_stream)
 
     def holds(self, seq: int) -> bool:
-        """Whether the GPU has written ``seq`` (its gather ran)."""
-        return self._view[seq % self.words] == seq
+        """Whether no GPU write of region ``seq`` is pending: the GPU wrote ``seq`` (its gather
+        ran), or the engine gave the region up (`abandon`)."""
+        return self._view[seq % self.words] in (seq, seq | FENCE_ABANDONED_BIT)
+
+    def abandon(self, seq: int) -> None:
+        """Tell the daemon from the CPU that region ``seq``'s gather will never run (its launch
+        failed after the store was sent): the daemon copies nothing of it and fails the store
+        (kvd_dma in the kernel library). Call only when no GPU write of the word is enqueued."""
+        self._view[seq % self.words] = seq | FENCE_ABANDONED_BIT
 
     def close(self) -> None:
         self._finalizer()

@@ -107,7 +107,8 @@ class CompletionPipe:
             elif token & _NOT_COPIED_BIT:
                 token &= ~_NOT_COPIED_BIT
                 err = RequestError(ErrorCode.ENGINE_MEMORY, "the engine's fence word was not written (its gather did "
-                                                            "not run within 30 s, or it unregistered): nothing copied")
+                                                            "not run within 30 s, the engine gave it up, or it "
+                                                            "unregistered): nothing copied")
             cb = self._callbacks.pop(token, None)
             if cb is not None:
                 try:

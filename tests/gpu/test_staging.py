@@ -179,6 +179,49 @@ def test_unregistering_fails_a_store_still_waiting_for_its_gather(daemon):
         c2.close()
 
 
+def test_a_gather_given_up_after_its_store_was_sent_copies_nothing(daemon):
+    """A fenced store goes out before its gather is enqueued; when that launch fails, the
+    engine writes the abandon value into the fence word from the CPU: the daemon's issuer fails
+    the store at once (ENGINE_MEMORY, not after its 30 s wait), copies nothing (the key is not
+    stored), the region is free, and the next store works."""
+    from kvdepot.gpu.kernels import KernelError
+    from kvdepot.protocol.errors import ErrorCode, KVDepotError
+
+    c, cache, groups, reg = _engine(daemon, 8 << 20)
+    try:
+        assert reg.staging.fence_active
+        rng = random.Random(11)
+        keys = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
+        sent, submit, forget, gather = [], c.submit, c.forget, reg.staging.gather
+
+        def record(req):
+            sent.append(submit(req))
+            return sent[-1]
+
+        def broken(*args, **kwargs):
+            raise KernelError("kvd_engine_gather: injected")
+
+        c.submit, c.forget, reg.staging.gather = record, lambda rid: None, broken
+        try:
+            with pytest.raises(KernelError, match="injected"):
+                c.submit_store(reg, keys, _ids(rng, groups, 1), after=torch.cuda.current_stream())
+        finally:
+            c.submit, c.forget, reg.staging.gather = submit, forget, gather
+        with pytest.raises(KVDepotError) as e:
+            c.wait(sent[-1], timeout_s=5)  # the daemon's answer, kept here for the test
+        assert e.value.code == ErrorCode.ENGINE_MEMORY
+        assert c.lookup(keys, CHUNK) == 0
+        whole = reg.staging.ring.alloc(8 << 20, wait=False)
+        assert whole is not None  # nothing of the ring stayed taken
+        whole.release()
+        keys2 = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
+        assert c.store(reg, keys2, _ids(rng, groups, 1), after=torch.cuda.current_stream()).stored == 1
+        assert c.lookup(keys2, CHUNK) == 1
+    finally:
+        c.unregister(reg)
+        c.close()
+
+
 def test_bad_staging_offsets_get_typed_errors(daemon):
     from kvdepot.protocol import messages as m
     from kvdepot.protocol.errors import ErrorCode, KVDepotError

@@ -202,3 +202,81 @@ def test_an_abandoned_store_region_frees_once_its_gather_ran():
     assert ring.alloc(512, wait=False) is None  # the oldest (fenced) still blocks the ring
     words.written.add(fenced.seq)
     assert fenced.is_free() and ring.alloc(1024, wait=False) is not None
+
+
+def _fence_words(n: int = 8):
+    """A `FenceWords` over plain host memory (no GPU: nothing registers it; ``signal`` unused)."""
+    import ctypes
+
+    from kvdepot.client.staging import FenceWords
+
+    f = FenceWords.__new__(FenceWords)
+    f.words = n
+    f._view = (ctypes.c_uint64 * n)()
+    return f
+
+
+def _staged_client(gather_fails: bool):
+    """A client whose sends and gathers are recorded in ``calls`` (no daemon, no GPU)."""
+    import types
+
+    from kvdepot.client.client import KVDepotClient
+    from kvdepot.gpu.kernels import KernelError
+    from kvdepot.protocol import messages as m
+
+    c = KVDepotClient("ipc:///nonexistent/kvd.sock", connect=False)
+    calls = []
+
+    def submit(req):
+        calls.append(("send", req.fence, req.staging_offset) if isinstance(req, m.Store) else ("other",))
+        c._outstanding.add(41)
+        return 41
+
+    def gather(block_ids, num_chunks, offset, stream):
+        calls.append(("gather", offset))
+        if gather_fails:
+            raise KernelError("kvd_engine_gather: an out-of-range block id")
+
+    fence = _fence_words()
+    fence.signal = lambda seq, stream: calls.append(("signal", seq))
+    staging = types.SimpleNamespace(fence_active=True, fence=fence, ring=StagingRing(4096), gather=gather,
+                                    device=None)
+    reg = types.SimpleNamespace(staging=staging, object_bytes=1024, id="r1")
+    c.submit = submit
+    return c, reg, calls
+
+
+def test_a_fenced_store_is_sent_before_its_gather_is_enqueued():
+    """With fence words the store travels while the gather is enqueued: the daemon copies only
+    once the GPU wrote the word, so the gather's launch no longer comes before the send."""
+    c, reg, calls = _staged_client(gather_fails=False)
+    try:
+        pend = c.submit_store(reg, [b"k" * 16, b"j" * 16], [[1, 2]], after=object())
+        region = reg.staging.ring.live[-1]
+        assert calls == [("send", region.seq, region.offset), ("gather", region.offset), ("signal", region.seq)]
+        assert pend.rid == 41 and not region.is_free()
+    finally:
+        c.close()
+
+
+def test_a_gather_that_fails_after_the_send_is_given_up_through_its_fence_word():
+    """The launch fails after the store went out: the word tells the daemon to copy nothing
+    (value | FENCE_ABANDONED_BIT, which the daemon's issuer drops), the reply is not awaited,
+    the region is free at once, and the caller gets the KernelError."""
+    import pytest
+
+    from kvdepot.client.staging import FENCE_ABANDONED_BIT
+    from kvdepot.gpu.kernels import KernelError
+
+    c, reg, calls = _staged_client(gather_fails=True)
+    try:
+        with pytest.raises(KernelError):
+            c.submit_store(reg, [b"k" * 16], [[1]], after=object())
+    finally:
+        c.close()
+    (seq,) = [fence for op, fence, *_ in calls if op == "send"]
+    fence = reg.staging.fence
+    assert fence._view[seq % fence.words] == seq | FENCE_ABANDONED_BIT and fence.holds(seq)
+    assert 41 not in c._outstanding  # a late (error) reply is dropped
+    assert reg.staging.ring.alloc(4096, wait=False) is not None  # nothing of the ring stays taken
+    assert not fence.holds(seq + 1)

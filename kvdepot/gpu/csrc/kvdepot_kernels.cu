@@ -472,14 +472,20 @@ static int dma_issue(KvdLane* lane, const uint64_t* srcs, const uint64_t* dsts, 
 #define KVD_DEFER_SPIN_NS 300000LL           // spin this long on a fresh deferred request first
 #define KVD_NOT_COPIED_BIT (1ULL << 62)      // token bit: failed before any copy (cancelled / timed out)
 
+#define KVD_FENCE_ABANDONED_BIT (1ULL << 63)  // word = value | this: the engine gave the gather up (copy nothing)
+
 static bool word_holds(const KvdDeferred& d) { return __atomic_load_n(d.word, __ATOMIC_ACQUIRE) == d.value; }
+static bool word_abandoned(const KvdDeferred& d) {
+  return __atomic_load_n(d.word, __ATOMIC_ACQUIRE) == (d.value | KVD_FENCE_ABANDONED_BIT);
+}
 
 // The issuer thread: polls the fence words of the deferred requests from the CPU and issues
 // every request whose word holds its value (in arrival order among those ready: one engine's
 // late gather never holds up another engine's copies). It spins while the youngest request
 // has waited less than KVD_DEFER_SPIN_NS (an engine's gather of a large chunk, 32 MiB, takes
 // ~25 us with its launch, and a nap costs tens of microseconds of wake-up on a VM), then naps
-// 2 us, 20 us after 1 ms, 200 us after 100 ms. A request cancelled (kvd_lane_cancel), older
+// 2 us, 20 us after 1 ms, 200 us after 100 ms. A request cancelled (kvd_lane_cancel), given up
+// by its engine (its word holds value | KVD_FENCE_ABANDONED_BIT), older
 // than KVD_DEFER_TIMEOUT_NS or still queued at shutdown copies nothing and is reported with
 // bit 62 set; a failed enqueue with bit 63.
 static void issuer_main(KvdLane* lane) {
@@ -495,7 +501,8 @@ static void issuer_main(KvdLane* lane) {
     for (size_t i = 0; i < lane->deferred.size();) {
       KvdDeferred& d = lane->deferred[i];
       const bool ready = !d.cancelled && word_holds(d);
-      const bool dropped = !ready && (d.cancelled || lane->issue_stop || now - d.since_ns > KVD_DEFER_TIMEOUT_NS);
+      const bool dropped = !ready && (d.cancelled || lane->issue_stop || word_abandoned(d) ||
+                                      now - d.since_ns > KVD_DEFER_TIMEOUT_NS);
       if (!ready && !dropped) {
         if (now - d.since_ns < youngest) youngest = now - d.since_ns;
         ++i;
