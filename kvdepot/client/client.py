@@ -32,7 +32,7 @@ import msgspec.structs
 import zmq
 
 from kvdepot import trace
-from kvdepot.client.pending import PendingRetrieve, PendingStore
+from kvdepot.client.pending import LinkPace, PendingRetrieve, PendingStore
 from kvdepot.client.registration import Registration, engine_staging
 from kvdepot.client.staged import StagedStores
 from kvdepot.protocol import codec
@@ -104,9 +104,10 @@ class KVDepotClient(StagedStores):
         self._drains: dict = {}  # id(staging ring) -> (rid, through_seq) of its Drain in flight
         self._submit_thread = threading.get_ident()
         self.drains_answered = 0  # Drains that settled lost staging regions (`kvdepot.client.pending.drain_settles`)
-        # fastest staged store seen (submit to reply, seconds per byte, stores >= 4 MiB): a
-        # staged store's wait sleeps until shortly before such a reply could come, then spins
-        self._staged_store_s_per_byte: float | None = None
+        # fastest staged store / retrieve seen: their waits sleep until shortly before such a
+        # reply could come, then spin
+        self.store_pace = LinkPace()
+        self.retrieve_pace = LinkPace()
         self.boot_id: str | None = None
         self.generation = 0  # daemon boots seen after the first (a restart bumps it)
         self.retry_interval_s = retry_interval_s

@@ -72,11 +72,37 @@ def _settle_lost(pending) -> bool:
     return free
 
 
+class LinkPace:
+    """The fastest staged request of one direction a client has seen, submit to reply, in
+    seconds per byte (requests of at least ``LEARN_BYTES``): a wait for such a reply sleeps
+    until shortly before it could come, then spins (`KVDepotClient.wait`'s ``spin_from``), so
+    a lone request is not answered into a blocked ``poll`` (tens of microseconds to wake)."""
+
+    LEARN_BYTES = 4 << 20
+    SPIN_LEAD_S = 30e-6  # spin from this long before the fastest reply seen could come
+
+    __slots__ = ("s_per_byte",)
+
+    def __init__(self) -> None:
+        self.s_per_byte: float | None = None
+
+    def spin_from(self, sent_at: float, size_bytes: int) -> float:
+        """``time.monotonic()`` seconds from which to spin for a request of ``size_bytes`` sent
+        at ``sent_at`` (0.0: nothing learnt yet, spin at once)."""
+        if self.s_per_byte is None:
+            return 0.0
+        return sent_at + size_bytes * self.s_per_byte - self.SPIN_LEAD_S
+
+    def learn(self, sent_at: float, size_bytes: int) -> None:
+        """A whole request of ``size_bytes`` sent at ``sent_at`` was answered just now."""
+        if size_bytes >= self.LEARN_BYTES:
+            pace = (time.monotonic() - sent_at) / size_bytes
+            if self.s_per_byte is None or pace < self.s_per_byte:
+                self.s_per_byte = pace
+
+
 class PendingStore:
     """A submitted STORE (`KVDepotClient.submit_store`)."""
-
-    _LEARN_BYTES = 4 << 20  # staged stores at least this large teach the client the link's pace
-    _SPIN_LEAD_S = 30e-6  # spin from this long before the fastest reply seen could come
 
     def __init__(self, client: KVDepotClient, rid: int, region=None, num_chunks: int = 0, fence=None,
                  reg: Registration | None = None) -> None:
@@ -102,20 +128,15 @@ class PendingStore:
 
     def _await(self, timeout_s: float | None = None) -> m.StoreReply:
         if self._reply is None and self._error is None:
-            c = self.client
-            spin_from = 0.0
-            if self._region is not None and c._staged_store_s_per_byte is not None:
-                spin_from = self._sent_at + self._region.size_bytes * c._staged_store_s_per_byte - self._SPIN_LEAD_S
+            region, pace = self._region, self.client.store_pace
+            spin_from = pace.spin_from(self._sent_at, region.size_bytes) if region is not None else 0.0
             try:
-                self._reply = c.wait(self.rid, timeout_s, spin_from)
+                self._reply = self.client.wait(self.rid, timeout_s, spin_from)
             except KVDepotError as exc:
                 self._error = exc
             else:
-                if (self._region is not None and self._region.size_bytes >= self._LEARN_BYTES
-                        and self._reply.stored == self._num_chunks):
-                    pace = (time.monotonic() - self._sent_at) / self._region.size_bytes
-                    if c._staged_store_s_per_byte is None or pace < c._staged_store_s_per_byte:
-                        c._staged_store_s_per_byte = pace
+                if region is not None and self._reply.stored == self._num_chunks:
+                    pace.learn(self._sent_at, region.size_bytes)
         if self._error is not None:
             raise self._error
         return self._reply
@@ -162,6 +183,7 @@ class PendingRetrieve:
 
     def __init__(self, client: KVDepotClient, rid: int) -> None:
         self.client, self.rid = client, rid
+        self._sent_at = time.monotonic()
         self._region = None
         self._retrieved: int | None = None
         self._error: BaseException | None = None
@@ -240,11 +262,14 @@ class PendingRetrieve:
 
         r = self._reply
         if r is None:
+            pace = self.client.retrieve_pace
             try:
-                r = self.client.wait(self.rid, timeout_s)
+                r = self.client.wait(self.rid, timeout_s, pace.spin_from(self._sent_at, self._region.size_bytes))
             except KVDepotError as exc:
                 self._error = exc
                 raise
+            if r.retrieved == self._num_chunks:
+                pace.learn(self._sent_at, self._region.size_bytes)
         staging = self._reg.staging
         stream = before if before is not None else torch.cuda.current_stream(staging.device)
         # the reply comes once the daemon's copies into the ring completed: scatter at once

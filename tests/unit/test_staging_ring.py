@@ -105,7 +105,7 @@ def test_live_regions_have_distinct_fence_words_and_numbers_are_never_reused():
 def test_a_fenced_store_region_is_free_only_once_its_gather_ran():
     """After the reply (or an error reply) the region stays taken until the fence word holds
     its number: the gather may still be queued on the engine's stream."""
-    from kvdepot.client.pending import PendingStore
+    from kvdepot.client.pending import LinkPace, PendingStore
     from kvdepot.protocol import messages as m
     from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
@@ -117,7 +117,7 @@ def test_a_fenced_store_region_is_free_only_once_its_gather_ran():
 
     class Client:
         timeout_s = 0.05
-        _staged_store_s_per_byte = None
+        store_pace = LinkPace()
 
         def __init__(self, reply):
             self.reply = reply
@@ -280,3 +280,56 @@ def test_a_gather_that_fails_after_the_send_is_given_up_through_its_fence_word()
     assert 41 not in c._outstanding  # a late (error) reply is dropped
     assert reg.staging.ring.alloc(4096, wait=False) is not None  # nothing of the ring stays taken
     assert not fence.holds(seq + 1)
+
+
+def test_link_pace_learns_the_fastest_large_request_and_waits_spin_shortly_before_it():
+    """`LinkPace`: only requests of at least 4 MiB teach it; it keeps the fastest; a wait then
+    spins from 30 us before a request of that size sent then could be answered."""
+    import time
+
+    from kvdepot.client.pending import LinkPace
+
+    pace = LinkPace()
+    assert pace.spin_from(100.0, 32 << 20) == 0.0  # nothing learnt: spin at once
+    now = time.monotonic()
+    pace.learn(now - 1.0, 1 << 20)  # too small to teach
+    assert pace.s_per_byte is None
+    pace.learn(now - 0.002, 32 << 20)
+    slow = pace.s_per_byte
+    assert 0.002 / (32 << 20) <= slow < 0.1 / (32 << 20)
+    pace.learn(time.monotonic() - 0.5, 32 << 20)  # slower: the fastest stays
+    assert pace.s_per_byte == slow
+    assert abs(pace.spin_from(100.0, 64 << 20) - (100.0 + (64 << 20) * slow - 30e-6)) < 1e-9
+
+
+def test_a_staged_retrieve_waits_with_its_link_pace_and_teaches_it():
+    """A staged retrieve's wait gets ``spin_from`` from the client's retrieve pace (as a store's
+    from its store pace), and a whole reply teaches it."""
+    import types
+
+    from kvdepot.client.pending import LinkPace, PendingRetrieve
+    from kvdepot.protocol import messages as m
+
+    seen = []
+
+    class Client:
+        retrieve_pace = LinkPace()
+        last_retrieve_event = None
+
+        def wait(self, rid, timeout_s=None, spin_from=0.0):
+            seen.append(spin_from)
+            return m.RetrieveReply(rid=rid, retrieved=0)  # nothing to scatter (no GPU here)
+
+    c = Client()
+    ring = StagingRing(64 << 20)
+    learnt = []
+    for _ in range(2):
+        learnt.append(c.retrieve_pace.s_per_byte)
+        p = PendingRetrieve(c, 1)
+        region = ring.alloc(2 * (8 << 20))
+        p._staged(types.SimpleNamespace(staging=None), region, [[0]], 2, 0)
+        p._num_chunks = 0  # a whole reply (0 of 0 chunks) for the test
+        assert p.result(before=types.SimpleNamespace()) == 0  # a stream stand-in: nothing is enqueued
+        region.release()
+    assert seen[0] == 0.0 and learnt[1] is not None
+    assert abs(seen[1] - (p._sent_at + (16 << 20) * learnt[1] - 30e-6)) < 1e-9
