@@ -35,6 +35,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvdepot.client.staging import DEFAULT_STAGING_BYTES
 from kvdepot.protocol.transport import default_endpoint
 
 EXTRA_CONFIG = "kv_connector_extra_config"  # where these keys live in --kv-transfer-config
@@ -121,7 +122,7 @@ def check_chunk_size(chunk_size: int, block_sizes: Sequence[int]) -> None:
             f"\"chunk_size\": {options} in --kv-transfer-config's {EXTRA_CONFIG}")
 
 
-STAGING_MIN_BYTES = 256 << 20
+STAGING_MIN_BYTES = DEFAULT_STAGING_BYTES  # the client's default ring, 256 MiB
 STAGING_MAX_BYTES = 4 << 30
 
 
