@@ -170,6 +170,75 @@ def _less_probe(work: dict[str, float], calls: dict[str, int]) -> dict[str, floa
 LayerProbe.in_situ_us = []  # per step: the probe's cost per call beyond the tight-loop figure
 
 
+class Timeline:
+    """``--timeline``: when the worker's stores / retrieves were sent and answered, and when the
+    engine's steps ran, during one `drive`; `take` splits the wall time into the lead-in (first
+    step until the first transfer is sent), the time with at least one transfer at the daemon
+    (sent, not answered: the link can be busy), the time with none between the first send and
+    the last answer (the link idles because of the client), and the tail (last answer until
+    vLLM freed every request). ``busy_gbps``: the bytes / the time with one or more at the daemon."""
+
+    enabled = False
+
+    def __init__(self, engine: H.Engine, t0: float) -> None:
+        self.t0, self.sent, self.answered, self.steps = t0, {}, {}, []
+        if not self.enabled:
+            return
+        worker = engine.worker_conn.worker
+        client, mover = worker.client, worker.mover
+        submit, on_reply, post = client.submit, client._on_reply, mover.post
+        self._undo = (client, submit, on_reply, mover, post)
+        self.posted = []  # (perf_counter, command) the engine thread posted to the transfer thread
+
+        def timed_post(cmd):
+            self.posted.append((time.perf_counter(), cmd[0]))
+            return post(cmd)
+
+        def timed_submit(req):
+            rid = submit(req)
+            if type(req).__name__ in ("Store", "Retrieve"):
+                self.sent[rid] = (time.perf_counter(), len(req.keys))
+            return rid
+
+        def timed_reply(got):
+            self.answered.setdefault(got.rid, time.perf_counter())
+            return on_reply(got)
+
+        client.submit, client._on_reply, mover.post = timed_submit, timed_reply, timed_post
+
+    def step(self, start_s: float, end_s: float, forward: bool) -> None:
+        if self.enabled:
+            self.steps.append((start_s, end_s, forward))
+
+    def take(self, end_s: float, chunk_bytes: int) -> dict | None:
+        if not self.enabled:
+            return None
+        client, submit, on_reply, mover, post = self._undo
+        client.submit, client._on_reply, mover.post = submit, on_reply, post
+        spans = sorted((t, self.answered.get(rid, end_s), n) for rid, (t, n) in self.sent.items())
+        if not spans:
+            return None
+        busy_s, reach = 0.0, spans[0][0]
+        for a, b, _ in spans:  # the union of the [sent, answered] spans
+            if b > reach:
+                busy_s += b - max(a, reach)
+                reach = b
+        first, last = spans[0][0], max(b for _, b, _ in spans)
+        # the lead-in: steps before the one whose command led to the first send, that step until
+        # it posted the command, the transfer thread until it sent
+        post_s = max((t for t, kind in self.posted if kind in ("load", "save") and t <= first), default=first)
+        step_s = max((a for a, _, _ in self.steps if a <= post_s), default=self.t0)
+        depth = [sum(1 for a, b, _ in spans if a <= t < b) for t, _, _ in spans]
+        return {"lead_in_ms": 1e3 * (first - self.t0), "lead_in_steps_before_ms": 1e3 * (step_s - self.t0),
+                "lead_in_step_to_post_ms": 1e3 * (post_s - step_s), "lead_in_post_to_send_ms": 1e3 * (first - post_s),
+                "busy_ms": 1e3 * busy_s,
+                "client_idle_ms": 1e3 * (last - first - busy_s), "tail_ms": 1e3 * (end_s - last),
+                "busy_gbps": sum(n for *_, n in spans) * chunk_bytes / busy_s / 1e9 if busy_s else None,
+                "requests": len(spans), "depth_at_send_median": statistics.median(depth),
+                "forward_steps_ms": 1e3 * sum(e - s for s, e, f in self.steps if f),
+                "idle_steps": sum(1 for *_, f in self.steps if not f)}
+
+
 class FillEngine(H.Engine):
     rank_worker_class = FillForward
 
@@ -240,7 +309,10 @@ def _pct(xs, q):
 
 
 STAGE_CALLS = {  # --stages: the parts of the worker's transfer path, timed per call
-    "mover": ("_keys", "_block_ids", "_pump", "_collect", "_publish", "_handle"),
+    "mover": ("_keys", "_block_ids", "_pump", "_collect", "_publish", "_handle", "post", "take"),
+    "worker": ("_engine_event", "_current_stream"),
+    "scheduler": ("_state", "_lookup_answer", "_load_job", "_store_job", "_blocks_of"),
+    "scheduler_client": ("poll", "wait", "done", "submit"),
     "client": ("submit_store", "submit_retrieve", "submit", "poll", "_fence", "wait"),
     "staging": ("gather", "scatter", "flat_ids"),
     "ring": ("alloc",),
@@ -261,7 +333,9 @@ class StageTimers:
         if not self.enabled:
             return
         w = engine.worker_conn.worker
-        objs = {"mover": w.mover, "client": w.client}
+        sched = engine.sched_conn.scheduler
+        objs = {"mover": w.mover, "client": w.client, "worker": w, "scheduler": sched,
+                "scheduler_client": sched.client}
         if w.kvreg is not None and w.kvreg.staging is not None:
             objs["staging"], objs["ring"] = w.kvreg.staging, w.kvreg.staging.ring
         for kind, obj in objs.items():
@@ -281,7 +355,7 @@ class StageTimers:
         return out
 
 
-def drive(engine: H.Engine, prompts: list[list[int]], kind: str, timeout_s: float = 300.0) -> dict:
+def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: int, timeout_s: float = 300.0) -> dict:
     """Add every prompt, step until vLLM freed them all; the connector's CPU time in the steps
     whose connector metadata carried ``kind`` jobs ("stores" or "loads"): in total, scheduler
     side, worker side, and per method (median over those steps)."""
@@ -294,6 +368,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, timeout_s: floa
     _sync()
     added = sched_t.take()  # on_new_request (keys hashed, lookup sent) at add time, not a step's
     steps, t0 = [], time.perf_counter()
+    timeline = Timeline(engine, t0)
     forward_steps = 0
     engine_s = 0.0  # the engine's own time (its steps that ran a forward, less the connector's)
     deadline = time.monotonic() + timeout_s
@@ -301,6 +376,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, timeout_s: floa
         ts = time.perf_counter()
         so = engine.step()
         step_s = time.perf_counter() - ts
+        timeline.step(ts, ts + step_s, bool(so.total_num_scheduled_tokens))
         calls = dict(work_t.calls)
         sched, work = sched_t.take(), _less_probe(work_t.take(), calls)
         if getattr(so.kv_connector_metadata, kind, None):
@@ -312,13 +388,15 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, timeout_s: floa
             time.sleep(0.0002)
         assert time.monotonic() < deadline, "engine did not finish"
     _sync()
+    end_s = time.perf_counter()
     total = [1e6 * (sum(a.values()) + sum(b.values())) for a, b in steps]
     names = sorted({n for a, b in steps for n in (*a, *b)})
     per_call = {n: statistics.median([1e6 * (a.get(n, 0.0) + b.get(n, 0.0)) for a, b in steps]) for n in names}
     med = statistics.median
     stats = {k: v - before.get(k, 0) for k, v in engine.worker_conn.worker.stats.items()}
     return {"thread_cpu_us_per_step": 1e6 * stats["thread_cpu_s"] / max(1, forward_steps), "forward_steps": forward_steps,
-            "wall_s": time.perf_counter() - t0, "engine_s": engine_s, "steps_measured": len(steps),
+            "wall_s": end_s - t0, "timeline": timeline.take(end_s, chunk_bytes), "engine_s": engine_s,
+            "steps_measured": len(steps),
             "step_us_median": med(total) if total else None, "step_us_p99": _pct(total, 0.99),
             "sched_us_median": med([1e6 * sum(a.values()) for a, _ in steps]) if steps else None,
             "worker_us_median": med([1e6 * sum(b.values()) for _, b in steps]) if steps else None,
@@ -429,7 +507,7 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
     try:
         a.add(H.tokens(8, 1000), max_tokens=1)  # connect, register, first kernels: not measured
         a.run(timeout_s=60)
-        store = drive(a, prompts, "stores")
+        store = drive(a, prompts, "stores", res["chunk_bytes"])
         staging_bytes = a.worker_conn.worker.staging_bytes()  # the ring used (0 above: the connector's auto size)
         res["staging_bytes"] = staging_bytes
         res.update(decode_steps(a))
@@ -439,7 +517,7 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
     try:
         b.add(H.tokens(7, 160), max_tokens=1)  # other block ids than A's
         b.run(timeout_s=60)
-        load = drive(b, prompts, "loads")
+        load = drive(b, prompts, "loads", res["chunk_bytes"])
         if device == "cpu":  # B's shared-memory segments go with close()
             res.update(direct(b.worker_conn.worker.reg, num_blocks, endpoint, chunk, requests, res["chunk_bytes"],
                               device, staging_bytes))
@@ -456,7 +534,7 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
         res[f"{op}_wall_s"], res[f"{op}_engine_s"] = d["wall_s"], d["engine_s"]
     for op, d in (("store", store), ("load", load)):
         for k in ("step_us_median", "step_us_p99", "sched_us_median", "worker_us_median", "per_call_us_median",
-                  "steps_measured", "on_new_request_us_per_request", "stages", "thread_cpu_us_per_step"):
+                  "steps_measured", "on_new_request_us_per_request", "stages", "thread_cpu_us_per_step", "timeline"):
             res[f"{op}_{k}"] = d[k]
     res["store_stats"], res["load_stats"] = store["stats"], load["stats"]
     res["timer_overhead_us_per_call"] = 1e6 * CallTimer.overhead_s()
@@ -502,7 +580,19 @@ def report(r: dict) -> str:
             f"  on_new_request (keys of {CHUNKS_PER_STEP * r['chunk_tokens']} tokens, lookup sent) "
             f"{r['load_on_new_request_us_per_request']:.0f} us per request;"
             f" chunks stored {r['stored_chunks']}, loaded {r['loaded_chunks']}, direct {r['direct_store_chunks']}/"
-            f"{r['direct_retrieve_chunks']}" + "".join(_stages_line(r, op) for op in ("store", "load")))
+            f"{r['direct_retrieve_chunks']}" + "".join(_stages_line(r, op) + _timeline_line(r, op)
+                                                        for op in ("store", "load")))
+
+
+def _timeline_line(r: dict, op: str) -> str:
+    t = r.get(f"{op}_timeline")
+    if not t:
+        return ""
+    return (f"\n  {op} timeline: lead-in {t['lead_in_ms']:.1f} ms (earlier steps {t['lead_in_steps_before_ms']:.1f},"
+            f" the step until its post {t['lead_in_step_to_post_ms']:.1f}, post to send {t['lead_in_post_to_send_ms']:.1f}), >= 1 at the daemon {t['busy_ms']:.1f} ms"
+            f" ({t['busy_gbps']:.1f} GB/s), none at the daemon {t['client_idle_ms']:.1f} ms, tail {t['tail_ms']:.1f} ms;"
+            f" {t['requests']} requests, {t['depth_at_send_median']:.0f} at the daemon at a send (median);"
+            f" forward steps {t['forward_steps_ms']:.1f} ms, {t['idle_steps']} steps without a forward")
 
 
 def _stages_line(r: dict, op: str) -> str:
@@ -529,6 +619,12 @@ def main(argv=None) -> int:
     p.add_argument("--stages", action="store_true",
                    help="also time the worker's internal calls (ring, gather, event, send, poll...) per call; "
                         "the per-step figures then include those timers' own cost")
+    p.add_argument("--timeline", action="store_true",
+                   help="also split each phase's wall time: lead-in, time with transfers at the daemon, time "
+                        "with none (the client idles the link), tail")
+    p.add_argument("--switch-interval-us", type=float, default=0.0,
+                   help="diagnosis: sys.setswitchinterval for this process (default: Python's 5000 us), to see "
+                        "how much the engine and transfer threads' sharing of the GIL costs")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke run of the same steps with shared-memory KV caches (no roofline)")
     args = p.parse_args(argv)
@@ -537,6 +633,9 @@ def main(argv=None) -> int:
         return 2
     results = []
     StageTimers.enabled = args.stages
+    Timeline.enabled = args.timeline
+    if args.switch_interval_us:
+        sys.setswitchinterval(args.switch_interval_us * 1e-6)
     prof = cProfile.Profile() if args.profile else None
     if prof is not None:
         prof.enable()  # Python >= 3.12: every thread (the workers' transfer threads too)

@@ -245,9 +245,9 @@ class TransferThread(JobPieces):
         elif kind == "load":
             _, jobs, null_id, event = cmd
             ready = self.side.ready()
-            for job in jobs:
+            for job in jobs:  # each job's first pieces go out before the next job is planned
                 self._load(job, ready, null_id, event)
-            self._pump()
+                self._pump()
         elif kind == "save":
             _, jobs, event, staged = cmd
             seq = self._saves_gathered + 1

@@ -92,7 +92,7 @@ class SchedulerSide:
         self._ineligible: set[str] = set()
         self._pending_loads: list[tuple[str, tuple[list[int], ...], int, int]] = []  # (req, block ids, local, end)
         self._release: list[str] = []
-        self._loading: dict[str, set[int]] = {}  # request -> block ids of its load in flight
+        self._loading: dict[str, tuple] = {}  # request -> its block ids per vLLM gid, while its load runs
         self._null_block_id = 0
         self._epoch = 0
         self._kv_cache_manager = None
@@ -292,7 +292,7 @@ class SchedulerSide:
             ids.append(got if got is not None else [])
             fail_ids.append(blocks_covering(table, g.block_size, local, end) if self.single_group else [])
         st.had_ops = True
-        self._loading[req_id] = {b for table in block_ids for b in table}
+        self._loading[req_id] = block_ids  # as a set only when a worker reports invalid blocks
         return LoadJob(req_id=req_id, chain=st.chain[p.first_chunk:p.first_chunk + p.num_chunks], seed=st.seed,
                        first_chunk=p.first_chunk, skip_tokens=p.skip_tokens, block_ids=ids, local_tokens=local,
                        end_tokens=end, fail_block_ids=fail_ids)
@@ -372,9 +372,10 @@ class SchedulerSide:
 
     def update_connector_output(self, connector_output) -> None:
         failed = set(connector_output.failed_recving or ())
-        invalid = connector_output.invalid_block_ids or set()
+        invalid = set(connector_output.invalid_block_ids or ())
         if invalid:
-            failed.update(rid for rid, blocks in self._loading.items() if not blocks.isdisjoint(invalid))
+            failed.update(rid for rid, tables in self._loading.items()
+                          if any(not invalid.isdisjoint(table) for table in tables))
         for rid in failed:
             st = self._reqs.get(rid)
             if st is not None:  # vLLM recomputes it; offering the same hit again would loop
