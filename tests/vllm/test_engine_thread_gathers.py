@@ -155,3 +155,24 @@ def test_wait_for_save_of_a_sliding_window_model_posts_gathered_stores_and_leave
     w._engine_event = lambda: "event"
     w.wait_for_save()
     assert posted[-1] == ("save", jobs, "event", None) and [s.seq for s in w._sliding_saves] == [2]
+
+
+def test_wait_for_save_of_a_dense_model_leaves_the_event_to_the_transfer_thread():
+    """Blocks of a model without sliding-window groups stay with the request until its stores
+    ended: wait_for_save posts the engine's stream, and the thread records the event on it when
+    it takes the save (no CUDA call on the engine thread)."""
+    w = object.__new__(WorkerSide)
+    posted = []
+    stream = object()
+    w.mover = types.SimpleNamespace(started=True, post=posted.append)
+    w.stores_may_wait, w.reg = True, types.SimpleNamespace(device="cuda")
+    w._saves_posted, w._sliding_saves = 0, []
+    w._current_stream = lambda: stream
+    w._engine_event = lambda: pytest.fail("an event was made on the engine thread")
+    jobs = [_job("a", 2, 0)]
+    w._meta = KVDepotMetadata(stores=jobs)
+    w.wait_for_save()
+    assert posted == [("save", jobs, stream, None)] and w._sliding_saves == []
+    w.reg = types.SimpleNamespace(device="cpu")  # CPU engines: nothing to order on a stream
+    w.wait_for_save()
+    assert posted[-1] == ("save", jobs, None, None)

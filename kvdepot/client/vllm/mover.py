@@ -6,11 +6,13 @@ piece in flight.
 Ordering with the engine's CUDA stream (the thread gathers and scatters on a stream of its own,
 the *side stream*):
 
-* a store's gather waits (GPU-side) on an event the engine thread recorded after the forward
-  that wrote the blocks (``wait_for_save``); the blocks stay the request's until its store
-  ended (vLLM's ``delay_free_blocks``), so the gather may run any time later. Models with a
-  sliding-window group are the exception (vLLM frees blocks that leave the window while the
-  request runs): their stores are gathered now or never. CUDA with fence words: the engine
+* a store's gather waits (GPU-side) on an event this thread records on the engine's stream
+  when it takes the step's save, after the forward that wrote the blocks (``wait_for_save``
+  posts it); the blocks stay the request's until its store ended (vLLM's
+  ``delay_free_blocks``), so the gather may run any time later, after later forwards too.
+  Models with a sliding-window group are the exception (vLLM frees blocks that leave the
+  window while the request runs): their stores are gathered now or never, after an event the
+  engine thread records. CUDA with fence words: the engine
   thread gathers them itself in ``wait_for_save``, on its own stream (`JobPieces.stage_saves`;
   stream order keeps every later forward behind the gathers), and this thread only sends
   them. Otherwise a later forward that may write one of their blocks (the scheduler's
@@ -100,7 +102,9 @@ class TransferThread(JobPieces):
 
     def post(self, cmd: tuple) -> None:
         """Queue one command: ("load", jobs, null_id, event), ("save", jobs, event, staged)
-        (``staged``: what `stage_saves` returned, or None: the thread gathers after ``event``),
+        (``staged``: what `stage_saves` returned, or None: the thread gathers after ``event``;
+        ``event`` may be the engine's stream instead, on which the thread records one when it
+        takes the command: models whose blocks stay with their request until its stores ended),
         ("release", req_ids) (after the step's save: finished requests, reported in
         ``sending`` once their transfers ended)."""
         self._inbox.put(cmd)
@@ -250,6 +254,9 @@ class TransferThread(JobPieces):
                 self._pump()
         elif kind == "save":
             _, jobs, event, staged = cmd
+            if isinstance(event, torch.cuda.Stream):  # models without sliding-window groups (`WorkerSide.wait_for_save`)
+                stream, event = event, torch.cuda.Event()
+                event.record(stream)
             seq = self._saves_gathered + 1
             try:
                 sliding = not self.side.stores_may_wait
