@@ -34,7 +34,11 @@ on the current stream. Per shape:
   so with 16 chunks per step its steps can take longer than the link needs for their bytes,
   and then no connector could finish sooner.
 
-    python benchmarks/vllm_connector.py --out result.json [--chunk 256] [--requests 24]
+* ``--timeline``: each phase's wall time split into its lead-in (first step until the first
+  transfer is sent), the time with one or more transfers at the daemon (and their GB/s), the
+  time with none, and the tail (last answer until vLLM freed every request); see `Timeline`.
+
+    python benchmarks/vllm_connector.py --out result.json [--chunk 256] [--requests 24] [--timeline]
 
 Needs a CUDA GPU, the kernel library (``kvdepot build-kernels``) and vLLM's Python files.
 """
