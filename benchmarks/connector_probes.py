@@ -1,0 +1,228 @@
+"""Timers of `vllm_connector.py` (the vLLM connector benchmark): `CallTimer` around the
+connector's methods, `LayerProbe` for the per-layer calls' share of the timer's cost,
+`StageTimers` (``--stages``: the worker's internal calls) and `Timeline` (``--timeline``: when
+the worker's transfers were sent and answered, and the engine's steps ran)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+class LayerProbe:
+    """A method that does nothing, wrapped by a `CallTimer` and called once per layer beside
+    the connector's per-layer calls: what the timer costs per call there (interleaved with the
+    forward's tensor work it costs more than in `CallTimer.overhead_s`'s tight loop), taken off
+    the per-layer calls' figures (``has_connector_metadata``, ``wait_for_layer_load``,
+    ``save_kv_layer``)."""
+
+    _one = None
+
+    @classmethod
+    def get(cls) -> LayerProbe:
+        if cls._one is None:
+            cls._one = cls()
+            cls._one.timer = CallTimer(cls._one, ["noop"])
+        return cls._one
+
+    def noop(self) -> None:
+        return None
+
+    def take_per_call_s(self) -> float | None:
+        """Seconds per probe call since the last take (beyond `CallTimer.overhead_s`, which
+        every figure has taken off already); None if no forward ran."""
+        calls = self.timer.calls.get("noop", 0)
+        spent = self.timer.take().get("noop", 0.0)
+        return spent / calls if calls else None
+
+
+PER_LAYER_CALLS = ("has_connector_metadata", "wait_for_layer_load", "save_kv_layer")
+
+
+def less_probe(work: dict[str, float], calls: dict[str, int]) -> dict[str, float]:
+    """``work`` (a worker `CallTimer.take`) less the probe's in-place timer cost per
+    per-layer call (``calls``: the timer's call counts before the take)."""
+    per = LayerProbe.get().take_per_call_s()
+    if not per:
+        return work
+    LayerProbe.in_situ_us.append(1e6 * per)
+    return {n: max(0.0, v - per * calls.get(n, 0)) if n in PER_LAYER_CALLS else v for n, v in work.items()}
+
+
+LayerProbe.in_situ_us = []  # per step: the probe's cost per call beyond the tight-loop figure
+
+
+class Timeline:
+    """``--timeline``: when the worker's stores / retrieves were sent and answered, and when the
+    engine's steps ran, during one `drive`; `take` splits the wall time into the lead-in (first
+    step until the first transfer is sent), the time with at least one transfer at the daemon
+    (sent, not answered: the link can be busy), the time with none between the first send and
+    the last answer (the link idles because of the client), and the tail (last answer until
+    vLLM freed every request). ``busy_gbps``: the bytes / the time with one or more at the daemon."""
+
+    enabled = False
+
+    def __init__(self, engine, t0: float) -> None:
+        self.t0, self.sent, self.answered, self.steps = t0, {}, {}, []
+        if not self.enabled:
+            return
+        worker = engine.worker_conn.worker
+        client, mover = worker.client, worker.mover
+        submit, on_reply, post = client.submit, client._on_reply, mover.post
+        self._undo = (client, submit, on_reply, mover, post)
+        self.posted = []  # (perf_counter, command) the engine thread posted to the transfer thread
+
+        def timed_post(cmd):
+            self.posted.append((time.perf_counter(), cmd[0]))
+            return post(cmd)
+
+        def timed_submit(req):
+            rid = submit(req)
+            if type(req).__name__ in ("Store", "Retrieve"):
+                self.sent[rid] = (time.perf_counter(), len(req.keys))
+            return rid
+
+        def timed_reply(got):
+            self.answered.setdefault(got.rid, time.perf_counter())
+            return on_reply(got)
+
+        client.submit, client._on_reply, mover.post = timed_submit, timed_reply, timed_post
+
+    def step(self, start_s: float, end_s: float, forward: bool) -> None:
+        if self.enabled:
+            self.steps.append((start_s, end_s, forward))
+
+    def take(self, end_s: float, chunk_bytes: int) -> dict | None:
+        if not self.enabled:
+            return None
+        client, submit, on_reply, mover, post = self._undo
+        client.submit, client._on_reply, mover.post = submit, on_reply, post
+        spans = sorted((t, self.answered.get(rid, end_s), n) for rid, (t, n) in self.sent.items())
+        if not spans:
+            return None
+        busy_s, reach = 0.0, spans[0][0]
+        for a, b, _ in spans:  # the union of the [sent, answered] spans
+            if b > reach:
+                busy_s += b - max(a, reach)
+                reach = b
+        first, last = spans[0][0], max(b for _, b, _ in spans)
+        # the lead-in: steps before the one whose command led to the first send, that step until
+        # it posted the command, the transfer thread until it sent
+        post_s = max((t for t, kind in self.posted if kind in ("load", "save") and t <= first), default=first)
+        step_s = max((a for a, _, _ in self.steps if a <= post_s), default=self.t0)
+        depth = [sum(1 for a, b, _ in spans if a <= t < b) for t, _, _ in spans]
+        return {"lead_in_ms": 1e3 * (first - self.t0), "lead_in_steps_before_ms": 1e3 * (step_s - self.t0),
+                "lead_in_step_to_post_ms": 1e3 * (post_s - step_s), "lead_in_post_to_send_ms": 1e3 * (first - post_s),
+                "busy_ms": 1e3 * busy_s,
+                "client_idle_ms": 1e3 * (last - first - busy_s), "tail_ms": 1e3 * (end_s - last),
+                "busy_gbps": sum(n for *_, n in spans) * chunk_bytes / busy_s / 1e9 if busy_s else None,
+                "requests": len(spans), "depth_at_send_median": statistics.median(depth),
+                "forward_steps_ms": 1e3 * sum(e - s for s, e, f in self.steps if f),
+                "idle_steps": sum(1 for *_, f in self.steps if not f)}
+
+
+class CallTimer:
+    """Wraps the named methods of a connector instance; ``take()`` returns and resets the
+    seconds spent inside each since the last call, less the timer's own cost (`overhead_s`,
+    measured once per process: the same wrapper around a method that does nothing) per call.
+    """
+
+    _overhead_s: float | None = None
+
+    def __init__(self, obj, names) -> None:
+        self.spent_s: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        for name in names:
+            if hasattr(obj, name):
+                fn = getattr(obj, name)
+                # a method an earlier timer wrapped is wrapped afresh, not once more: nested
+                # wrappers would count the inner one's cost as the connector's
+                setattr(obj, name, self._wrap(name, getattr(fn, "timed_fn", fn)))
+
+    def _wrap(self, name, fn):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.spent_s[name] = self.spent_s.get(name, 0.0) + time.perf_counter() - t0
+                self.calls[name] = self.calls.get(name, 0) + 1
+        timed.timed_fn = fn
+        return timed
+
+    @classmethod
+    def overhead_s(cls) -> float:
+        """What the wrapper itself adds to one call, as measured around a method that returns at
+        once (the median of 5 rounds of 20000 calls each, minus the bare calls)."""
+        if cls._overhead_s is None:
+            class Nothing:
+                def noop(self, *a):
+                    return None
+
+            bare, wrapped = Nothing(), Nothing()
+            cls(wrapped, ["noop"])  # wraps wrapped.noop
+            rounds = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(20000):
+                    bare.noop(1)
+                t1 = time.perf_counter()
+                for _ in range(20000):
+                    wrapped.noop(1)
+                t2 = time.perf_counter()
+                rounds.append(((t2 - t1) - (t1 - t0)) / 20000)
+            cls._overhead_s = max(0.0, statistics.median(rounds))
+        return cls._overhead_s
+
+    def take(self) -> dict[str, float]:
+        per = self.overhead_s()
+        s = {n: max(0.0, v - per * self.calls.get(n, 0)) for n, v in self.spent_s.items()}
+        self.spent_s, self.calls = {}, {}
+        return s
+
+
+STAGE_CALLS = {  # --stages: the parts of the worker's transfer path, timed per call
+    "mover": ("_keys", "_block_ids", "_pump", "_collect", "_publish", "_handle", "post", "take"),
+    "worker": ("_engine_event", "_current_stream"),
+    "scheduler": ("_state", "_lookup_answer", "_load_job", "_store_job", "_blocks_of"),
+    "scheduler_client": ("poll", "wait", "done", "submit"),
+    "client": ("submit_store", "submit_retrieve", "submit", "poll", "_fence", "wait"),
+    "staging": ("gather", "scatter", "flat_ids"),
+    "ring": ("alloc",),
+    "pending": ("done", "result"),
+}
+
+
+class StageTimers:
+    """--stages: `CallTimer` around the worker's internal calls (`STAGE_CALLS`), for the figures
+    of one `drive`. Nested inside the connector's methods, each adds its own timer's cost to
+    the per-step figures (about a microsecond per call): those are not comparable with a run
+    without ``--stages``."""
+
+    enabled = False
+
+    def __init__(self, engine) -> None:
+        self.timers = []
+        if not self.enabled:
+            return
+        w = engine.worker_conn.worker
+        sched = engine.sched_conn.scheduler
+        objs = {"mover": w.mover, "client": w.client, "worker": w, "scheduler": sched,
+                "scheduler_client": sched.client}
+        if w.kvreg is not None and w.kvreg.staging is not None:
+            objs["staging"], objs["ring"] = w.kvreg.staging, w.kvreg.staging.ring
+        for kind, obj in objs.items():
+            self.timers.append((kind, CallTimer(obj, STAGE_CALLS[kind])))
+        import kvdepot.client.pending as pending_mod
+
+        # handles are made per request: time their methods on the classes
+        for cls in (pending_mod.PendingStore, pending_mod.PendingRetrieve):
+            self.timers.append((cls.__name__, CallTimer(cls, STAGE_CALLS["pending"])))
+
+    def take(self) -> dict[str, dict]:
+        out = {}
+        for kind, t in self.timers:
+            calls = dict(t.calls)
+            for name, spent in t.take().items():
+                out[f"{kind}.{name}"] = {"calls": calls[name], "us_per_call": 1e6 * spent / calls[name]}
+        return out
