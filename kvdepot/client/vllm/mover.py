@@ -254,7 +254,7 @@ class TransferThread(JobPieces):
                 self._pump()
         elif kind == "save":
             _, jobs, event, staged = cmd
-            if isinstance(event, torch.cuda.Stream):  # models without sliding-window groups (`WorkerSide.wait_for_save`)
+            if isinstance(event, torch.cuda.Stream):  # no sliding-window group: `WorkerSide.wait_for_save`
                 stream, event = event, torch.cuda.Event()
                 event.record(stream)
             seq = self._saves_gathered + 1

@@ -226,10 +226,11 @@ class WorkerSide:
 
     def _engine_event(self):
         """CUDA: an event recorded on the engine's current stream now (None on CPU)."""
-        if self.reg is None or self.reg.device != "cuda":
+        stream = self._stream_now()
+        if stream is None:
             return None
         ev = torch.cuda.Event()
-        ev.record(self._current_stream())
+        ev.record(stream)
         return ev
 
     def _stream_now(self):
