@@ -182,13 +182,15 @@ class CallTimer:
 
 
 STAGE_CALLS = {  # --stages: the parts of the worker's transfer path, timed per call
-    "mover": ("_keys", "_block_ids", "_pump", "_collect", "_publish", "_handle", "post", "take"),
+    "mover": ("_keys", "_block_ids", "_pump", "_collect", "_publish", "_handle", "post", "take", "stage_saves",
+              "_store_pieces", "_send_staged"),
     "worker": ("_engine_event", "_current_stream"),
     "scheduler": ("_state", "_lookup_answer", "_load_job", "_store_job", "_blocks_of"),
     "scheduler_client": ("poll", "wait", "done", "submit"),
-    "client": ("submit_store", "submit_retrieve", "submit", "poll", "_fence", "wait"),
+    "client": ("submit_store", "submit_retrieve", "submit", "poll", "_fence", "wait", "stage_store"),
     "staging": ("gather", "scatter", "flat_ids"),
     "ring": ("alloc",),
+    "fence": ("signal",),
     "pending": ("done", "result"),
 }
 
@@ -211,6 +213,8 @@ class StageTimers:
                 "scheduler_client": sched.client}
         if w.kvreg is not None and w.kvreg.staging is not None:
             objs["staging"], objs["ring"] = w.kvreg.staging, w.kvreg.staging.ring
+            if w.kvreg.staging.fence is not None:
+                objs["fence"] = w.kvreg.staging.fence
         for kind, obj in objs.items():
             self.timers.append((kind, CallTimer(obj, STAGE_CALLS[kind])))
         import kvdepot.client.pending as pending_mod

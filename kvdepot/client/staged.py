@@ -50,25 +50,27 @@ class StagedStores:
     def _gather(self, reg: Registration, region, block_ids: Sequence[Sequence[int]], num_chunks: int,
                 after=None) -> None:
         """Enqueue on ``after`` (default: the current stream) the gather into ``region``, then
-        its fence word's write (``region.fenced``), or wait until the gather ran (not fenced).
+        its fence word's write (``region.fenced``; one call), or wait until the gather ran (not
+        fenced).
 
         Raises:
             KernelError: the gather or the fence write could not be enqueued; nothing of the
-                region is pending on the GPU then (a gather enqueued before a failed fence
-                write was waited for).
+                region is pending on the GPU then (what was enqueued before the error was
+                waited for).
         """
         import torch
 
         staging = reg.staging
         stream = after if after is not None else torch.cuda.current_stream(staging.device)
-        staging.gather(block_ids, num_chunks, region.offset, stream)
-        if region.fenced:
+        try:
+            staging.gather(block_ids, num_chunks, region.offset, stream, region.seq if region.fenced else None)
+        except BaseException:
             try:
-                staging.fence.signal(region.seq, stream)
-            except BaseException:
-                self._fence(stream)  # no word will come: wait until the gather ran
-                raise
-        else:
+                self._fence(stream)  # no word will come: wait until what was enqueued ran
+            except Exception:  # noqa: BLE001 - a context that fails this runs nothing more
+                pass
+            raise
+        if not region.fenced:
             self._fence(stream)
 
     @staticmethod

@@ -18,8 +18,8 @@ for the oldest region; one larger than the ring goes the daemon-gathers way inst
 
 Fence words (`FenceWords`): the store is sent as soon as its gather is enqueued, and the
 engine's GPU writes the region's sequence number into a word of host memory shared with the
-daemon once the gather has run (`Kernels.engine_signal`); the daemon polls the word from the
-CPU and copies the region after it. So a store never waits for the engine's stream (a vLLM
+daemon once the gather has run (enqueued in the gather's own call, `Kernels.engine_gather`);
+the daemon polls the word from the CPU and copies the region after it. So a store never waits for the engine's stream (a vLLM
 step's forward may still be running on it). An interprocess CUDA event, the earlier design,
 was seen to report its record complete before the gather ran (14 engine processes time-
 slicing one GPU): the daemon copied the region too early, ~1 wrong chunk in 1,000.
@@ -193,9 +193,13 @@ class FenceWords:
         # registration left behind makes the next mapping at that address unregistrable
         self._finalizer = weakref.finalize(self, _release_fence, kernels, self.host_ptr, self.fd, mem)
 
+    def word_ptr(self, seq: int) -> int:
+        """The device address of region ``seq``'s word (`Kernels.engine_gather` writes ``seq`` there)."""
+        return self.dev_ptr + (seq % self.words) * 8
+
     def signal(self, seq: int, stream) -> None:
         """Enqueue on ``stream`` the GPU's write of ``seq`` into its word, after the work so far."""
-        self.kernels.engine_signal(self.dev_ptr + (seq % self.words) * 8, seq, stream.cuda_stream)
+        self.kernels.engine_signal(self.word_ptr(seq), seq, stream.cuda_stream)
 
     def holds(self, seq: int) -> bool:
         """Whether no GPU write of region ``seq`` is pending: the GPU wrote ``seq`` (its gather
@@ -283,11 +287,19 @@ class EngineStaging:
                 out.extend(ids)
         return out
 
-    def gather(self, block_ids: Sequence[Sequence[int]], num_chunks: int, offset: int, stream) -> None:
+    def gather(self, block_ids: Sequence[Sequence[int]], num_chunks: int, offset: int, stream,
+               fence_seq: int | None = None) -> None:
         """Enqueue on ``stream`` (a ``torch.cuda.Stream``) the gather of ``num_chunks`` chunks
-        into the ring at ``offset``."""
+        into the ring at ``offset``, then (``fence_seq`` given) the write of ``fence_seq`` into
+        its fence word, in one call (`Kernels.engine_gather`).
+
+        Raises:
+            KernelError: as `Kernels.engine_gather` (a gather enqueued before the error may
+                still run; no word is written).
+        """
+        word = 0 if fence_seq is None else self.fence.word_ptr(fence_seq)
         self.kernels.engine_gather(self.handle, self.flat_ids(block_ids), num_chunks, self.base_ptr + offset,
-                                   stream.cuda_stream)
+                                   stream.cuda_stream, word, fence_seq or 0)
 
     def scatter(self, block_ids: Sequence[Sequence[int]], num_chunks: int, retrieved: int, offset: int,
                 skip_tokens: int, stream) -> None:

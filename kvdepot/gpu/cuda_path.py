@@ -136,7 +136,7 @@ class CudaOpenedStorage:
 class FenceWords:
     """An engine's fence words mapped in the daemon: ``words`` uint64 words of a sealed memfd
     the engine passed (`Register.fence`), which its GPU writes after each staged store's
-    gather (`kvd_engine_signal`); word ``value % words`` must hold ``value`` before the
+    gather (`kvd_engine_gather` / `kvd_engine_signal`); word ``value % words`` must hold ``value`` before the
     daemon copies the store's ring region (`Store.fence`).
 
     Raises:

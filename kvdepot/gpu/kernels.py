@@ -39,7 +39,7 @@ ENV_NO_JIT = "KVDEPOT_NO_JIT"
 # "1": the engine side's kernel launches keep the GIL (`Kernels`); anything else: they drop it
 # built at install (setup.py) for `build.INSTALL_ARCHS` when nvcc was there
 PACKAGED_SO = Path(__file__).parent / "_lib" / "libkvdepot_kernels.so"
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 KVD_OK, KVD_EINVAL, KVD_EALIGN, KVD_ECUDA = 0, 1, 2, 3
 
@@ -104,7 +104,7 @@ class Kernels:
         # hot path: pointers go in as plain ints
         lib.kvd_store.argtypes = [vp, vp, vp, i64, vp, i64, vp, i32, ctypes.c_uint64, vp]
         lib.kvd_retrieve.argtypes = [vp, vp, vp, i64, i64, vp, i64, vp, i32, ctypes.c_uint64, vp]
-        lib.kvd_engine_gather.argtypes = [vp, vp, i64, vp, vp]
+        lib.kvd_engine_gather.argtypes = [vp, vp, i64, vp, vp, ctypes.c_uint64, vp]
         lib.kvd_engine_scatter.argtypes = [vp, vp, i64, i64, vp, i64, vp]
         lib.kvd_dma.argtypes = [vp, vp, ctypes.c_uint64, vp, vp, ctypes.c_uint64, i64, i32, vp, i32, ctypes.c_uint64,
                                 vp]
@@ -218,17 +218,21 @@ class Kernels:
         self._check(self.lib.kvd_engine_set_piece_bytes(engine, piece_bytes), "kvd_engine_set_piece_bytes")
         return self.lib.kvd_engine_pieces(engine)
 
-    def engine_gather(self, engine: int, flat_ids, total_chunks: int, dst_ptr: int, stream: int) -> None:
+    def engine_gather(self, engine: int, flat_ids, total_chunks: int, dst_ptr: int, stream: int,
+                      fence_word_ptr: int = 0, fence_value: int = 0) -> None:
         """Engine side: gather the request's ``total_chunks`` chunks (``flat_ids``: an int32
         ``array.array``, per layer group in order, as `kvd_store` takes them) into device memory
         at ``dst_ptr`` (256-byte aligned; chunk j at ``dst_ptr + j * object_bytes``, canonical
-        object format) on ``stream`` (a ``cudaStream_t`` as int).
+        object format) on ``stream`` (a ``cudaStream_t`` as int); then, if ``fence_word_ptr``
+        is not 0, the GPU's write of ``fence_value`` into that fence word (`engine_signal`),
+        in the same call.
 
         Raises:
-            KernelError: bad arguments, misaligned ``dst_ptr``, or the CUDA launch error.
+            KernelError: bad arguments, misaligned ``dst_ptr`` or word, or the CUDA launch error
+                (a group's gather enqueued before the error may still run).
         """
-        self._check(self.lib.kvd_engine_gather(engine, flat_ids.buffer_info()[0], total_chunks, dst_ptr, stream),
-                    "kvd_engine_gather")
+        self._check(self.lib.kvd_engine_gather(engine, flat_ids.buffer_info()[0], total_chunks, dst_ptr,
+                                               fence_word_ptr, fence_value, stream), "kvd_engine_gather")
 
     def engine_scatter(self, engine: int, flat_ids, total_chunks: int, nchunks: int, src_ptr: int,
                        skip_tokens: int, stream: int) -> None:
@@ -263,7 +267,9 @@ class Kernels:
     def engine_signal(self, word_dev_ptr: int, value: int, stream: int) -> None:
         """Engine side: enqueue on ``stream`` the GPU's write of ``value`` (uint64) into the fence
         word at ``word_dev_ptr`` (the device address of host memory mapped by
-        `host_register_mapped`, 8-byte aligned), after the work enqueued there so far.
+        `host_register_mapped`, 8-byte aligned), after the work enqueued there so far: the
+        driver's ``cuStreamWriteValue64`` (memory barrier first) where it is available, else a
+        one-thread kernel (``$KVDEPOT_FENCE_KERNEL`` set: always the kernel).
 
         Raises:
             KernelError: misaligned pointer, or the launch failed.

@@ -362,3 +362,40 @@ def test_regions_of_lost_replies_are_drained_and_the_ring_keeps_working(lossy_da
         except KVDepotError as exc:  # an earlier try ran, and its reply was the one dropped
             assert exc.code == ErrorCode.UNKNOWN_REGISTRATION, exc
         c.close()
+
+
+_FENCE_CHECK = """
+import torch
+from kvdepot.client.staging import FenceWords
+from kvdepot.gpu.kernels import load_kernels
+
+k = load_kernels()
+fence = FenceWords(k, 16)
+s = torch.cuda.Stream()
+with torch.cuda.stream(s):
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the write
+k.engine_signal(fence.word_ptr(21), 21, s.cuda_stream)
+early = fence.holds(21)
+s.synchronize()
+print("early", early, "after", fence.holds(21), "other", fence.holds(22))
+fence.close()
+"""
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["stream-memop", "kernel"])
+def test_a_fence_word_is_written_only_after_the_work_before_it(kernel):
+    """The fence word's write (the driver's stream memory operation, or with
+    $KVDEPOT_FENCE_KERNEL the one-thread kernel) waits for the work enqueued before it on the
+    stream, and writes exactly its word; each in a process of its own (the library picks its
+    way once per process)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("KVDEPOT_FENCE_KERNEL", None)
+    if kernel:
+        env["KVDEPOT_FENCE_KERNEL"] = "1"
+    out = subprocess.run([sys.executable, "-c", _FENCE_CHECK], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "early False after True other False" in out.stdout

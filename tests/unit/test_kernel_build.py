@@ -65,3 +65,7 @@ def test_engine_launches_check_their_arguments(built):
         k.engine_signal(12, 1, 0)  # a fence word must be 8-byte aligned
     with pytest.raises(KernelError, match="kvd_engine_gather"):
         k.engine_gather(0, array.array("i", [0]), 1, 256, 0)  # no engine
+    # the fence word written in the gather's call must be 8-byte aligned too (checked before the
+    # engine is read: the handle here is never dereferenced)
+    ids = array.array("i", [0])
+    assert k.lib.kvd_engine_gather(8, ids.buffer_info()[0], 1, 256, 12, 1, 0) == 2  # KVD_EALIGN

@@ -232,8 +232,8 @@ def _staged_client(gather_fails: bool):
         c._outstanding.add(41)
         return 41
 
-    def gather(block_ids, num_chunks, offset, stream):
-        calls.append(("gather", offset))
+    def gather(block_ids, num_chunks, offset, stream, fence_seq=None):
+        calls.append(("gather", offset, fence_seq))
         if gather_fails:
             raise KernelError("kvd_engine_gather: an out-of-range block id")
 
@@ -253,7 +253,8 @@ def test_a_fenced_store_is_sent_before_its_gather_is_enqueued():
     try:
         pend = c.submit_store(reg, [b"k" * 16, b"j" * 16], [[1, 2]], after=object())
         region = reg.staging.ring.live[-1]
-        assert calls == [("send", region.seq, region.offset), ("gather", region.offset), ("signal", region.seq)]
+        # the fence word's write goes with the gather, in one call (no separate signal)
+        assert calls == [("send", region.seq, region.offset), ("gather", region.offset, region.seq)]
         assert pend.rid == 41 and not region.is_free()
     finally:
         c.close()
