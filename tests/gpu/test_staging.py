@@ -372,6 +372,11 @@ from kvdepot.gpu.kernels import load_kernels
 k = load_kernels()
 fence = FenceWords(k, 16)
 s = torch.cuda.Stream()
+# the first launch of a kernel of the library loads it (CUDA's lazy loading), which may wait for
+# the device: done once before the check
+k.engine_signal(fence.word_ptr(3), 3, s.cuda_stream)
+s.synchronize()
+assert fence.holds(3)
 with torch.cuda.stream(s):
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the write
 k.engine_signal(fence.word_ptr(21), 21, s.cuda_stream)
