@@ -61,27 +61,32 @@ def measure(n: int, root: pathlib.Path, calls: int) -> dict:
         d.close()
 
 
-def measure_store(n: int, root: pathlib.Path, calls: int, prompt_tokens: int = 4096) -> dict:
-    """A prefill step of ``n`` requests of ``prompt_tokens`` tokens (256-token chunks, 4 per
-    request per step), taken half-way: ``build_connector_meta`` with each request's store job,
-    its state put back before each call (outside the timer)."""
+def measure_store(n: int, root: pathlib.Path, calls: int, prompt_tokens: int = 4096, step_tokens: int = 1024) -> dict:
+    """A prefill step of ``n`` requests of ``prompt_tokens`` tokens (256-token chunks,
+    ``step_tokens`` per request per step: 1024, chunked prefill, taken half-way, when the
+    requests are vLLM's "cached" ones; or ``prompt_tokens``, the whole prompt in the step of a
+    new request, as in `benchmarks/vllm_connector.py`): ``build_connector_meta`` with each
+    request's store job, its state put back before each call (outside the timer)."""
     (root / "daemon").mkdir()
     d = Daemon(root / "daemon").start()
     cfg = H.make_vllm_config(H.model_dir(root), d.endpoint, chunk_size=256, max_model_len=prompt_tokens + 64,
-                             extra={"model_id": f"store-{n}"}, max_num_seqs=n, max_num_batched_tokens=1024 * n)
-    cfg.scheduler_config.long_prefill_token_threshold = 1024  # chunked prefill, 1024 tokens per request per step
+                             extra={"model_id": f"store-{n}"}, max_num_seqs=n,
+                             max_num_batched_tokens=step_tokens * n)
+    if step_tokens < prompt_tokens:
+        cfg.scheduler_config.long_prefill_token_threshold = step_tokens  # chunked prefill
     e = H.Engine(cfg, H.dense_specs(num_layers=1), num_blocks=n * (prompt_tokens // 16 + 4) + 64)
+    per_step = step_tokens // 256
     try:
         for i in range(n):
-            e.add(H.tokens(1000 + i, prompt_tokens), max_tokens=1)
-        half, storing = prompt_tokens // 1024 // 2, 0
+            e.add(H.tokens(1000 + i, prompt_tokens), max_tokens=2)  # still running after the step
+        half, storing = max(1, prompt_tokens // step_tokens // 2), 0
         deadline = time.monotonic() + 60
         while storing < half and time.monotonic() < deadline:  # the first steps wait for lookups
             so = e.step()
             storing += bool(so.kv_connector_metadata.stores)
             time.sleep(0.001)
         jobs = so.kv_connector_metadata.stores
-        assert len(jobs) == n and all(len(j.chain) == 4 for j in jobs), "not a step storing 4 chunks per request"
+        assert len(jobs) == n and all(len(j.chain) == per_step for j in jobs), "not the step wanted"
         side = e.sched_conn.scheduler
         firsts = {j.req_id: j.first_chunk for j in jobs}
         computed = {}
@@ -102,9 +107,10 @@ def measure_store(n: int, root: pathlib.Path, calls: int, prompt_tokens: int = 4
         finally:
             for rid, c in computed.items():
                 side._reqs[rid].request.num_computed_tokens = c
-        assert [len(j.chain) for j in meta.stores] == [4] * n
+        assert [len(j.chain) for j in meta.stores] == [per_step] * n
         ts.sort()
-        return {"requests": n, "prompt_tokens": prompt_tokens, "chunks_stored": 4 * n,
+        return {"requests": n, "prompt_tokens": prompt_tokens, "chunks_stored": per_step * n,
+                "new_requests": len(so.scheduled_new_reqs),
                 "build_connector_meta_us": 1e6 * ts[len(ts) // 2]}
     finally:
         e.close()
@@ -124,11 +130,13 @@ def main() -> None:
         rows.append(r)
         print(f"{n:4} decode requests: build_connector_meta {r['build_connector_meta_us']:6.1f} us, "
               f"vLLM's schedule() {r['vllm_schedule_us']:7.1f} us  (connector = {100 * r['ratio']:.1f}% of it)")
-    with tempfile.TemporaryDirectory() as tmp:
-        r = measure_store(4, pathlib.Path(tmp), args.calls)
-    rows.append(r)
-    print(f"store step, 4 requests of {r['prompt_tokens']} tokens, {r['chunks_stored']} chunks of 256 tokens "
-          f"stored: build_connector_meta {r['build_connector_meta_us']:.1f} us")
+    for n, step_tokens in ((4, 1024), (1, 4096)):
+        with tempfile.TemporaryDirectory() as tmp:
+            r = measure_store(n, pathlib.Path(tmp), args.calls, step_tokens=step_tokens)
+        rows.append(r)
+        print(f"store step, {n} request(s) of {r['prompt_tokens']} tokens ({r['new_requests']} new in the step), "
+              f"{r['chunks_stored']} chunks of 256 tokens stored: build_connector_meta "
+              f"{r['build_connector_meta_us']:.1f} us")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
 

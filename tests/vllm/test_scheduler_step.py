@@ -23,9 +23,9 @@ def test_decode_steps_look_at_no_request_once_prompts_are_stored(daemon, tmp_pat
         looked: list[str] = []
         store_job = sched._store_job
 
-        def spy(req_id, n, state):
+        def spy(req_id, n, state, new_table=None):
             looked.append(req_id)
-            return store_job(req_id, n, state)
+            return store_job(req_id, n, state, new_table)
 
         sched._store_job = spy
         ids = [a.add(H.tokens(40 + i, 140), max_tokens=12) for i in range(4)]  # 2 whole chunks each
@@ -63,32 +63,43 @@ def test_requests_running_through_a_cache_reset_store_their_prompt_again(daemon,
 
 
 def test_store_jobs_take_the_same_block_ids_from_vllms_block_lists_as_from_its_id_tables(daemon, tmp_path):
-    """`_store_job` reads only the stored chunks' blocks (vLLM's ``KVCacheCoordinator.get_blocks``);
-    where that call is missing it slices vLLM's whole id table: both give the same ids, for a
-    hybrid model (two KV-cache groups) in the middle of a chunked prefill."""
+    """`_store_job` takes a request new in the step from the id table vLLM built for it
+    (``NewRequestData.block_ids``), a running one from only the stored chunks' blocks (vLLM's
+    ``KVCacheCoordinator.get_blocks``); where that call is missing it slices vLLM's whole id
+    table: all three give the same ids, for a hybrid model (two KV-cache groups, one of them
+    sliding-window) in the middle of a chunked prefill."""
     cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, chunk_size=64, max_num_batched_tokens=96,
                              max_model_len=512, extra={"model_id": "ids"})
     a = H.Engine(cfg, H.hybrid_specs(sliding_window=16), num_blocks=80)
     try:
         side = a.sched_conn.scheduler
-        jobs_seen = []
+        jobs_seen, new_seen = [], 0
         build = side.build_connector_meta
 
+        def again(so, job, snapshot, *, blocks: bool):
+            st = side._reqs[job.req_id]
+            after = st.next_store_chunk
+            st.next_store_chunk, st.store_stopped = snapshot[job.req_id]
+            blocks_of = side._blocks_of
+            if not blocks:
+                side._blocks_of = lambda rid: None
+            try:
+                got = side._store_job(job.req_id, so.num_scheduled_tokens[job.req_id], so.kv_connector_block_state)
+            finally:
+                side._blocks_of = blocks_of
+            assert got is not None and st.next_store_chunk == after
+            return got
+
         def spy(so):
+            nonlocal new_seen
             snapshot = {rid: (st.next_store_chunk, st.store_stopped) for rid, st in side._reqs.items()}
             meta = build(so)
-            for job in meta.stores:  # the same job again, through vLLM's id tables
-                st = side._reqs[job.req_id]
-                after = st.next_store_chunk
-                st.next_store_chunk, st.store_stopped = snapshot[job.req_id]
-                blocks_of, side._blocks_of = side._blocks_of, lambda rid: None
-                try:
-                    again = side._store_job(job.req_id, so.num_scheduled_tokens[job.req_id],
-                                            so.kv_connector_block_state)
-                finally:
-                    side._blocks_of = blocks_of
-                assert again is not None and st.next_store_chunk == after
-                assert again.block_ids == job.block_ids and again.first_chunk == job.first_chunk
+            new = {r.req_id for r in so.scheduled_new_reqs}
+            for job in meta.stores:  # the same job again, through vLLM's live blocks and its id tables
+                new_seen += job.req_id in new
+                for blocks in (True, False):
+                    got = again(so, job, snapshot, blocks=blocks)
+                    assert got.block_ids == job.block_ids and got.first_chunk == job.first_chunk
                 jobs_seen.append(job)
             return meta
 
@@ -97,5 +108,6 @@ def test_store_jobs_take_the_same_block_ids_from_vllms_block_lists_as_from_its_i
             a.add(H.tokens(60 + i, 300), max_tokens=2)
         a.run()
         assert len(jobs_seen) >= 4 and any(job.first_chunk > 0 for job in jobs_seen)
+        assert 0 < new_seen < len(jobs_seen)  # both kinds of request were compared
     finally:
         a.close()

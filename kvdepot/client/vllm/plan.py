@@ -42,7 +42,8 @@ def chunk_block_ids(block_ids: Sequence[int], block_size: int, chunk_size: int, 
     lo, hi = first_chunk * per, end_chunk * per
     if hi > len(block_ids):
         return None
-    return list(block_ids[lo:hi])
+    got = block_ids[lo:hi]
+    return got if type(got) is list else list(got)
 
 
 def blocks_covering(block_ids: Sequence[int], block_size: int, start_token: int, end_token: int) -> list[int]:

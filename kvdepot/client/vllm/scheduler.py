@@ -267,8 +267,11 @@ class SchedulerSide:
                 todo = list(scheduled)
             else:
                 todo = [rid for rid in self._unstored if rid in scheduled]
+            # the tables of requests new in this step, as vLLM already built them (id lists):
+            # taken by slicing, where the live blocks would be read one KVCacheBlock at a time
+            new_tables = {r.req_id: r.block_ids for r in scheduler_output.scheduled_new_reqs} if todo else {}
             for req_id in todo:
-                job = self._store_job(req_id, scheduled[req_id], state)
+                job = self._store_job(req_id, scheduled[req_id], state, new_tables.get(req_id))
                 if job is not None:
                     meta.stores.append(job)
                 st = self._unstored.get(req_id)
@@ -297,7 +300,11 @@ class SchedulerSide:
                        first_chunk=p.first_chunk, skip_tokens=p.skip_tokens, block_ids=ids, local_tokens=local,
                        end_tokens=end, fail_block_ids=fail_ids)
 
-    def _store_job(self, req_id: str, num_scheduled: int, block_state) -> StoreJob | None:
+    def _store_job(self, req_id: str, num_scheduled: int, block_state, new_table=None) -> StoreJob | None:
+        """The store of the whole chunks this step's forward completes (None: nothing to
+        store). ``new_table``: the request's block ids per vLLM gid where it is new in this
+        step (``NewRequestData.block_ids``, its whole table as of this step's allocation);
+        else its live blocks are read (`_blocks_of`)."""
         st = self._reqs.get(req_id)
         if st is None or st.store_stopped:
             return None
@@ -314,10 +321,10 @@ class SchedulerSide:
         first = st.next_store_chunk
         if end_chunk <= first:
             return None
-        blocks = self._blocks_of(req_id)
-        if blocks is not None:  # vLLM's KVCacheBlock lists: ids of the chunks' blocks only
-            table = None
-        else:
+        table = new_table
+        # else vLLM's KVCacheBlock lists (ids of the chunks' blocks only), else its id tables
+        blocks = self._blocks_of(req_id) if table is None else None
+        if table is None and blocks is None:
             table = block_state.get_block_ids(req_id) if block_state is not None else None
             if table is None and self._kv_cache_manager is not None:
                 table = self._kv_cache_manager.get_block_ids(req_id)
