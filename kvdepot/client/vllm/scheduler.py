@@ -265,8 +265,10 @@ class SchedulerSide:
             scheduled = scheduler_output.num_scheduled_tokens
             if self.cfg.store_generated:
                 todo = list(scheduled)
-            else:
-                todo = [rid for rid in self._unstored if rid in scheduled]
+            else:  # by the shorter of the two: many requests may wait with their prompts unstored
+                unstored = self._unstored
+                todo = ([rid for rid in unstored if rid in scheduled] if len(unstored) <= len(scheduled)
+                        else [rid for rid in scheduled if rid in unstored])
             # the tables of requests new in this step, as vLLM already built them (id lists):
             # taken by slicing, where the live blocks would be read one KVCacheBlock at a time
             new_tables = {r.req_id: r.block_ids for r in scheduler_output.scheduled_new_reqs} if todo else {}
