@@ -5,7 +5,8 @@ use with the same flags.
 
 The library links the CUDA runtime statically and exposes a C ABI only (no libtorch), so one
 build serves every torch version. It is stamped with the first 16 hex digits of the SHA-256 of
-its source (``kvd_source_hash()``); the loader refuses a library built from other source.
+its source files (``kvd_source_hash()``, `source_hash`); the loader refuses a library built
+from other source.
 """
 
 from __future__ import annotations
@@ -17,15 +18,25 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-SRC = Path(__file__).parent / "csrc" / "kvdepot_kernels.cu"
+SRC = Path(__file__).parent / "csrc" / "kvdepot_kernels.cu"  # the translation unit nvcc compiles
+PARTS = ("kvd_lanes.cuh", "kvd_requests.cuh", "kvd_engine_side.cuh")  # what it includes, in order
 # what an install ships: every data-centre and workstation GPU arch nvcc 13 builds for, plus
 # PTX of the newest so later GPUs can JIT it
 INSTALL_ARCHS = ("80", "86", "89", "90", "100", "120")
 
 
+def sources() -> list[Path]:
+    """The kernel library's source files: `SRC` and the parts it includes (`PARTS`)."""
+    return [SRC, *(SRC.parent / p for p in PARTS)]
+
+
 def source_hash() -> str:
-    """First 16 hex digits of the SHA-256 of the kernel source (what a library must be built from)."""
-    return hashlib.sha256(SRC.read_bytes()).hexdigest()[:16]
+    """First 16 hex digits of the SHA-256 of the kernel source, every file of `sources` in
+    order (what a library must be built from)."""
+    h = hashlib.sha256()
+    for path in sources():
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def find_nvcc() -> str | None:

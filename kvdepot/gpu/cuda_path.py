@@ -1,7 +1,7 @@
 """The daemon's CUDA data path: open engines' memory by IPC handle, and move chunks between
 engine blocks and pinned L1 objects through device staging, without blocking the event loop.
 
-Per device and direction there is a *lane* (``KvdLane`` in ``csrc/kvdepot_kernels.cu``): a
+Per device and direction there is a *lane* (``KvdLane`` in ``csrc/kvd_lanes.cuh``): a
 kernel stream, a DMA stream, two device staging slots and a completion watcher thread. STORE, per batch of
 chunks::
 

@@ -1,5 +1,5 @@
-"""Typed wrapper of the CUDA transfer kernels (``csrc/kvdepot_kernels.cu``) and their torch
-reference.
+"""Typed wrapper of the CUDA transfer kernels (``csrc/kvdepot_kernels.cu`` and the parts it
+includes) and their torch reference.
 
 The kernels live in a shared library that links only the CUDA runtime and is called through
 ctypes with raw device pointers and a ``cudaStream_t``. Where the library comes from, first

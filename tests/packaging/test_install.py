@@ -24,12 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from kvdepot.gpu.build import find_nvcc
+from kvdepot.gpu.build import PARTS, find_nvcc
 
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_NVCC = find_nvcc() is not None
 SO = "kvdepot/gpu/_lib/libkvdepot_kernels.so"
 CU = "kvdepot/gpu/csrc/kvdepot_kernels.cu"
+CU_ALL = {CU, *(f"kvdepot/gpu/csrc/{p}" for p in PARTS)}  # the translation unit and what it includes
 
 
 def _run(cmd: list[str], cwd: Path, env: dict | None = None, timeout_s: float = 600) -> str:
@@ -73,7 +74,7 @@ def artifacts(tmp_path_factory) -> dict[str, Path]:
 def test_sdist_carries_sources_and_no_binary(artifacts):
     with tarfile.open(artifacts["sdist"]) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    assert {CU, "setup.py", "pyproject.toml", "LICENSE", "README.md", "MANIFEST.in"} <= names
+    assert {*CU_ALL, "setup.py", "pyproject.toml", "LICENSE", "README.md", "MANIFEST.in"} <= names
     assert not [n for n in names if n.endswith(".so")]
 
 
@@ -82,7 +83,7 @@ def test_wheels_carry_the_cuda_source_and_say_what_they_are(artifacts):
         names = set(z.namelist())
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
         wheel_info = z.read(next(n for n in names if n.endswith(".dist-info/WHEEL"))).decode()
-    assert CU in names
+    assert CU_ALL <= names
     assert "License-Expression: Apache-2.0" in meta
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     if HAVE_NVCC:  # a prebuilt library: tagged for its platform, in the wheel's root
@@ -93,7 +94,7 @@ def test_wheels_carry_the_cuda_source_and_say_what_they_are(artifacts):
         assert SO not in names and artifacts["wheel"].name.endswith("-py3-none-any.whl")
     with zipfile.ZipFile(artifacts["pure_wheel"]) as z:
         pure = set(z.namelist())
-    assert CU in pure and SO not in pure and artifacts["pure_wheel"].name.endswith("-py3-none-any.whl")
+    assert CU_ALL <= pure and SO not in pure and artifacts["pure_wheel"].name.endswith("-py3-none-any.whl")
 
 
 def _platform_tag() -> str:

@@ -69,3 +69,22 @@ def test_engine_launches_check_their_arguments(built):
     # engine is read: the handle here is never dereferenced)
     ids = array.array("i", [0])
     assert k.lib.kvd_engine_gather(8, ids.buffer_info()[0], 1, 256, 12, 1, 0) == 2  # KVD_EALIGN
+
+
+def test_the_source_stamp_covers_every_file_of_the_translation_unit(tmp_path, monkeypatch):
+    """A change in any file the .cu includes changes the stamp (a library built before it is
+    refused), and the .cu includes exactly the parts the stamp hashes."""
+    import shutil
+
+    src_dir = tmp_path / "csrc"
+    shutil.copytree(build.SRC.parent, src_dir)
+    monkeypatch.setattr(build, "SRC", src_dir / build.SRC.name)
+    text = build.SRC.read_text()
+    assert [line.split('"')[1] for line in text.splitlines() if line.startswith('#include "')] == list(build.PARTS)
+    before = build.source_hash()
+    for part in build.PARTS:
+        p = src_dir / part
+        p.write_text(p.read_text() + "\n// changed\n")
+        after = build.source_hash()
+        assert after != before
+        before = after
