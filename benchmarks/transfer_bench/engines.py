@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
-import os
 import queue
 import time
 
 import torch
 
+from transfer_bench.procs import process_cpu_s
 from transfer_bench.shapes import SHAPES
 
 PHASES = ("store", "retrieve", "mixed")
@@ -94,13 +94,6 @@ def _engine_main(job: EngineJob, barrier, results) -> None:
     finally:
         client.close()
         cache.close()
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat``)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def roofline_gbps(total_bytes: int, device: str, iters: int) -> dict:

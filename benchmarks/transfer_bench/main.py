@@ -112,7 +112,7 @@ def main(argv=None) -> int:
         else:
             doc["daemon"] = {"endpoint": endpoint, "external": True}
         if not args.only_engines:
-            run_points(args, endpoint, dev, zmq_rtt["median_us"], doc)
+            run_points(args, endpoint, dev, zmq_rtt["median_us"], doc, daemon.proc.pid if daemon is not None else None)
         targets = evaluate_targets(doc["results"])
         if args.engines:
             say(f"\n{args.engines} engine processes against one daemon:")
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
                 say(f"daemon exit code {rc}; log {daemon.log_path}:\n" + "\n".join(bad[-20:] or tail.splitlines()[-20:]))
 
 
-def run_points(args, endpoint: str, dev: torch.device, zmq_us: float, doc: dict) -> None:
+def run_points(args, endpoint: str, dev: torch.device, zmq_us: float, doc: dict, daemon_pid: int | None = None) -> None:
     """Every (shape, chunk size) point (`transfer_bench.point.bench_point`); rows go into
     ``doc["results"]`` (errors into ``doc["errors"]``), the JSON is rewritten after each."""
     shapes = SHAPES
@@ -162,7 +162,7 @@ def run_points(args, endpoint: str, dev: torch.device, zmq_us: float, doc: dict)
         max_bytes = max(chunks_for(s, cs, args.bytes_per_point, k) * s.token_bytes * cs for s, cs in points)
         host = [torch.empty(max_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         devbuf = [torch.randint(0, 256, (max_bytes,), dtype=torch.uint8, device=dev) for _ in range(2)]
-        ctx = Ctx(args, dev, clients, streams, host, devbuf, zmq_us)
+        ctx = Ctx(args, dev, clients, streams, host, devbuf, zmq_us, daemon_pid)
         say(f"device {doc['device']}, torch {torch.__version__}; {k} requests outstanding per direction; "
             f"up to {max_bytes / 1e9:.2f} GB per measurement")
         say(HEADER)

@@ -15,6 +15,7 @@ from kvdepot import trace
 from kvdepot.client import KVDepotClient
 from kvdepot.client.kvcache import ShmKVCache
 from transfer_bench.baselines import Blocks, Pages, dma_baseline, torch_baseline
+from transfer_bench.procs import process_cpu_s
 from transfer_bench.report import p10_p90
 from transfer_bench.shapes import Shape, chunks_for, say
 from transfer_bench.timing import timed
@@ -31,6 +32,36 @@ class Ctx:
     host: list[torch.Tensor]  # two pinned buffers of max_bytes
     devbuf: list[torch.Tensor]  # two device buffers of max_bytes
     zmq_us: float
+    daemon_pid: int | None = None  # the daemon started here (None: --endpoint), for its CPU time
+
+
+class CpuMeter:
+    """CPU cores (CPU seconds / wall seconds) of this process (the engine: every client thread)
+    and of the daemon over timed runs, per phase (median over its runs): which process a phase
+    saturates. A Python process's threads share one GIL: near 1 core of Python it cannot go
+    faster, whatever the link could do."""
+
+    def __init__(self, daemon_pid: int | None) -> None:
+        self.daemon_pid = daemon_pid
+        self.runs: dict[str, list[tuple[float, float | None]]] = {}
+
+    def run(self, phase: str, tasks) -> float:
+        """`run_parallel` of ``tasks``, metered; returns its wall seconds."""
+        d0 = process_cpu_s(self.daemon_pid) if self.daemon_pid else 0.0
+        c0 = time.process_time()
+        dt = run_parallel(tasks)
+        own = (time.process_time() - c0) / dt
+        daemon = (process_cpu_s(self.daemon_pid) - d0) / dt if self.daemon_pid else None
+        self.runs.setdefault(phase, []).append((own, daemon))
+        return dt
+
+    def cores(self) -> dict[str, dict[str, float | None]]:
+        out = {}
+        for phase, xs in self.runs.items():
+            daemon = [d for _, d in xs if d is not None]
+            out[phase] = {"engine": statistics.median(o for o, _ in xs),
+                          "daemon": statistics.median(daemon) if daemon else None}
+        return out
 
 
 def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks: Blocks, pages: Pages,
@@ -115,13 +146,15 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
                 return [retrieve_pipelined(rt_clients[0], reg, rt_streams[0], w, k)]
             return [retrieve_task(c, reg, s, w) for c, s in zip(rt_clients, rt_streams)]
 
-        def store_run(keys) -> tuple[float, int]:
-            w = _Work(zip(keys, src))
-            return run_parallel(store_tasks(w)), w.done
+        meter = CpuMeter(ctx.daemon_pid)
 
-        def retrieve_run(keys) -> tuple[float, int]:
+        def store_run(keys, phase: str = "") -> tuple[float, int]:
+            w = _Work(zip(keys, src))
+            return (meter.run(phase, store_tasks(w)) if phase else run_parallel(store_tasks(w))), w.done
+
+        def retrieve_run(keys, phase: str = "") -> tuple[float, int]:
             w = _Work(zip(keys, dst))
-            return run_parallel(retrieve_tasks(w)), w.done
+            return (meter.run(phase, retrieve_tasks(w)) if phase else run_parallel(retrieve_tasks(w))), w.done
 
         warm = fresh_keys(reg, min(n, 2 * k), chunk_size)
         store_run(warm)
@@ -131,7 +164,7 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
         for _ in range(a.iters):
             main.flush()  # outside the clock; every rep stores n new chunks
             keys = fresh_keys(reg, n, chunk_size)
-            dt, done = store_run(keys)
+            dt, done = store_run(keys, "store")
             store_ts.append(dt)
             stored.append(done)
         res["store_gbps_runs"] = [total / t / 1e9 for t in store_ts]
@@ -139,7 +172,7 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
         res["store_chunks_stored"] = stored
         retr_ts, retrieved = [], []
         for _ in range(a.iters):
-            dt, done = retrieve_run(keys)
+            dt, done = retrieve_run(keys, "retrieve")
             retr_ts.append(dt)
             retrieved.append(done)
         res["retrieve_gbps_runs"] = [total / t / 1e9 for t in retr_ts]
@@ -164,10 +197,11 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
         for _ in range(a.iters):
             new = fresh_keys(reg, n, chunk_size)
             ws, wr = _Work(zip(new, src)), _Work(zip(keys, dst))
-            dt = run_parallel(store_tasks(ws) + retrieve_tasks(wr))
+            dt = meter.run("both", store_tasks(ws) + retrieve_tasks(wr))
             both_ts.append((ws.done + wr.done) * ob / dt / 1e9)
         res["bidir_gbps_runs"] = both_ts
         res["bidir_gbps"] = statistics.median(both_ts)
+        res["cpu_cores"] = meter.cores()
 
         # lone requests (nothing else in flight)
         c, s = ctx.clients[0], ctx.streams[0]

@@ -17,6 +17,13 @@ import zmq
 
 REPO = Path(__file__).resolve().parents[2]
 
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
 _ECHO_SERVER = r"""
 import sys, zmq
 ctx = zmq.Context()

@@ -38,6 +38,18 @@ def format_row(r: dict) -> str:
             f"{st:<36} | {rt:<36} | {both:<17} | {lone}{flag}")
 
 
+def _cores(cores: dict | None) -> str:
+    """'; CPU cores engine/daemon: store 0.93/0.41, ...' (`transfer_bench.point.CpuMeter`)."""
+    if not cores:
+        return ""
+
+    def fmt(x):
+        return "n/a" if x is None else f"{x:.2f}"
+
+    return "; CPU cores engine/daemon: " + ", ".join(f"{p} {fmt(c['engine'])}/{fmt(c['daemon'])}"
+                                                     for p, c in cores.items())
+
+
 def baseline_line(r: dict) -> str:
     parts = []
     for name in ("batched_dma", "torch_per_layer"):
@@ -57,6 +69,7 @@ def baseline_line(r: dict) -> str:
                f"{r['lone_retrieve_us_p10_p90'][1] - r['link_h2d_us']:+.0f} us over the link"
                if "lone_store_us_p10_p90" in r else "")
             + f"; lone retrieve call returned after {r.get('lone_retrieve_reply_us', 0):.0f} us"
+            + _cores(r.get("cpu_cores"))
             + f"; point {r.get('point_s', 0):.1f} s")
 
 
