@@ -16,6 +16,7 @@ pytest.importorskip("vllm")
 import vllm_harness as H  # noqa: E402
 from kvdepot.client.vllm.plan import KVDepotMetadata, StoreJob  # noqa: E402
 from kvdepot.client.vllm.scheduler import written_blocks  # noqa: E402
+from kvdepot.client.vllm.worker import written_set  # noqa: E402
 from kvdepot.client.vllm.worker import WorkerSide, _SlidingSave  # noqa: E402
 
 CHUNK = 64
@@ -25,7 +26,7 @@ def test_written_block_ids_cover_every_block_a_step_gives_a_request(daemon, tmp_
     """Through vLLM's real scheduler (chunked prefill of a hybrid model, so requests run over
     several steps while the sliding-window group gives blocks back): every block a request
     holds after a step's scheduling and did not hold before is in that step's
-    ``written_block_ids``; vLLM's null block never is."""
+    ``written_block_ids``; vLLM's null block is never in the set a worker makes of them."""
     cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, chunk_size=CHUNK,
                              max_num_batched_tokens=48, max_model_len=256, extra={"model_id": "sliding-written"})
     e = H.Engine(cfg, H.hybrid_specs(sliding_window=16), num_blocks=40)
@@ -41,8 +42,9 @@ def test_written_block_ids_cover_every_block_a_step_gives_a_request(daemon, tmp_
             now = {rid: {b for ids in sched.kv_cache_manager.get_block_ids(rid) for b in ids}
                    for rid in sched.requests}
             new = set().union(*(now[r] - held.get(r, set()) for r in now)) - {null}
-            assert meta.written_block_ids is not None and new <= meta.written_block_ids, (new, meta)
-            assert null not in meta.written_block_ids
+            written = written_set(meta.written_block_ids, meta.null_block_id)
+            assert written is not None and new <= written, (new, meta)
+            assert null not in written
             checked["steps"] += 1
             checked["new_blocks"] += len(new)
             checked["freed_blocks"] += sum(len(held[r] - now.get(r, set()) - {null}) for r in held)
@@ -66,7 +68,9 @@ def test_written_blocks_reads_every_field_of_the_scheduler_output():
         scheduled_new_reqs=[types.SimpleNamespace(block_ids=([1, 2], [0, 3]))],
         scheduled_cached_reqs=types.SimpleNamespace(new_block_ids=[([4], [5]), None]),
         new_block_ids_to_zero=[6], kv_cache_block_copies=[types.SimpleNamespace(src_block_id=9, dst_block_id=7)])
-    assert written_blocks(so, null_block_id=0) == {1, 2, 3, 4, 5, 6, 7}
+    got = written_blocks(so)
+    assert isinstance(got, list) and sorted(got) == [0, 1, 2, 3, 4, 5, 6, 7]  # a flat list, null block and all
+    assert written_set(got, 0) == {1, 2, 3, 4, 5, 6, 7} and written_set(None, 0) is None
 
 
 class _Event:

@@ -181,12 +181,14 @@ class WorkerSide:
         saves the engine thread gathered itself, `wait_for_save`)."""
         self._meta = meta
         if self._sliding_saves and self._active:
-            self._order_after_gathers(meta.written_block_ids if isinstance(meta, KVDepotMetadata) else None)
+            ours = isinstance(meta, KVDepotMetadata)
+            self._order_after_gathers(written_set(meta.written_block_ids if ours else None,
+                                                  meta.null_block_id if ours else None))
 
     def _order_after_gathers(self, written: set[int] | None) -> None:
         """Make the engine's stream wait for the gathers of every earlier store that reads a
         block of ``written`` (blocks this step may write that their request did not hold: the
-        scheduler's ``written_block_ids``; None: all of them). A store the transfer thread has
+        scheduler's ``written_block_ids``, `written_set`; None: all of them). A store the transfer thread has
         not gathered yet is waited for on the CPU, one already queued on the GPU only; stores
         whose gathers ran, or whose blocks this step leaves alone, cost no wait (the check
         comes again next step for those not gathered yet)."""
@@ -319,6 +321,17 @@ class _SlidingSave:
         if self._blocks is None:
             self._blocks = {b for job in self.stores for ids in job.block_ids for b in ids}
         return self._blocks
+
+
+def written_set(written: list[int] | None, null_block_id: int | None) -> set[int] | None:
+    """The scheduler's ``written_block_ids`` (a flat list, `kvdepot.client.vllm.scheduler.written_blocks`)
+    as a set without vLLM's null block (never written, and sliding-window stores read it as
+    "no block"); None stays None (every earlier store is waited for)."""
+    if written is None:
+        return None
+    out = set(written)
+    out.discard(null_block_id)
+    return out
 
 
 def _tp_rank(tp_size: int) -> int:
