@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="JSON results")
     args = p.parse_args(argv)
 
-    from transfer import zmq_echo_rtt_us  # same directory: the bare round trip of transfer.py
+    from transfer_bench.procs import zmq_echo_rtt_us  # the bare round trip of transfer.py
 
     rtt = zmq_echo_rtt_us()
     print(f"bare ZMQ ipc round trip: median {rtt['median_us']:.1f} us (p10 {rtt['p10_us']:.1f}, "
