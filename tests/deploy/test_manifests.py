@@ -116,6 +116,14 @@ def test_podmonitor_selects_the_pod_and_its_ports():
     daemon, vllm = pm["spec"]["podMetricsEndpoints"]  # the daemon's metrics; vLLM's (with vllm:kvdepot_*)
     assert daemon["port"] in sidecar_ports and daemon["path"] == "/metrics"
     assert vllm["port"] in vllm_ports and vllm["path"] == "/metrics"
+    # the same renaming of vllm_kvdepot_* back to vllm:kvdepot_* as the example scrape config's
+    # (prometheus_client 0.26 and a Prometheus 2.x scrape; tests/vllm/test_grafana_vllm_dashboard.py)
+    scrape = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    (job,) = [j for j in scrape["scrape_configs"] if j["job_name"] == "vllm"]
+    (want,) = job["metric_relabel_configs"]
+    (got,) = vllm["metricRelabelings"]
+    assert (got["sourceLabels"], got["regex"], got["targetLabel"], got["replacement"]) == \
+        (want["source_labels"], want["regex"], want["target_label"], want["replacement"])
 
 
 def test_prometheusrule_matches_rules_file():
