@@ -13,44 +13,22 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
-import subprocess
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
 import kv_engine as ke
-from daemon_proc import free_port
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import KVDepotError
+from prometheus_server import query, running_prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "kvdepot-rules.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvdepot.json"
 RATE_WINDOW = "1m"  # stands for Grafana's $__rate_interval
-
-
-def _prometheus() -> str:
-    exe = shutil.which("prometheus")
-    if exe is None:
-        if os.environ.get("KVDEPOT_REQUIRE_TOOLS") == "1":
-            pytest.fail("prometheus is not installed (apt-get install prometheus)")
-        pytest.skip("prometheus is not installed (apt-get install prometheus)")
-    return exe
-
-
-def query(port: int, expr: str) -> list[dict]:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        body = json.load(resp)
-    assert body["status"] == "success", (expr, body)
-    return body["data"]["result"]
 
 
 def as_bool(expr: str) -> str:
@@ -70,34 +48,12 @@ def test_as_bool():
 
 @pytest.fixture
 def prometheus(tmp_path, daemon):
-    exe = _prometheus()
-    port = free_port()
     cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
            "rule_files": [str(RULES)],
            "scrape_configs": [{"job_name": "kvdepot",
                                "static_configs": [{"targets": [f"127.0.0.1:{daemon.metrics_port}"]}]}]}
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-    log = open(tmp_path / "prometheus.log", "wb")
-    proc = subprocess.Popen([exe, f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()
-            assert time.monotonic() < deadline, "prometheus did not become ready"
-            time.sleep(0.2)
+    with running_prometheus(tmp_path, cfg) as port:
         yield port
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
 
 
 def _load(e: ke.Engine, seconds: float) -> dict:

@@ -7,7 +7,7 @@ every ``vllm:kvdepot_*`` counter the connector has (`kvdepot.client.vllm.stats.C
 nothing else of ours.
 
 Without a ``prometheus`` binary the live part is skipped, unless ``KVDEPOT_REQUIRE_TOOLS=1``
-(CI's ``.ci/run`` installs the package and sets it), where it fails.
+(tests/prometheus_server.py).
 """
 
 from __future__ import annotations
@@ -15,14 +15,9 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import re
-import shutil
-import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -42,6 +37,7 @@ SCRAPE = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 RATE_WINDOW = "1m"  # stands for Grafana's $__rate_interval
 sys.path.insert(0, str(ROOT / "tests"))
 from daemon_proc import free_port  # noqa: E402
+from prometheus_server import query, running_prometheus  # noqa: E402
 
 
 def _panels() -> list[tuple[str, str]]:
@@ -60,25 +56,7 @@ def test_the_dashboard_shows_every_connector_counter_and_no_other():
     assert len(ids) == len(set(ids))
 
 
-def _prometheus() -> str:
-    exe = shutil.which("prometheus")
-    if exe is None:
-        if os.environ.get("KVDEPOT_REQUIRE_TOOLS") == "1":
-            pytest.fail("prometheus is not installed (apt-get install prometheus)")
-        pytest.skip("prometheus is not installed (apt-get install prometheus)")
-    return exe
-
-
-def _query(port: int, expr: str) -> list[dict]:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        body = json.load(resp)
-    assert body["status"] == "success", (expr, body)
-    return body["data"]["result"]
-
-
 def test_every_panel_has_data_from_the_connectors_counters_in_vllms_collector(tmp_path):
-    exe = _prometheus()
     registry = CollectorRegistry()
 
     class Prom(KVConnectorProm):  # vLLM's, registering into a registry of this test's own
@@ -97,49 +75,40 @@ def test_every_panel_has_data_from_the_connectors_counters_in_vllms_collector(tm
     prom.observe(step, 0)
     prom.observe(step, 1)
 
-    metrics_port, port = free_port(), free_port()
+    metrics_port = free_port()
     server, _thread = start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
     # the shipped scrape job of vLLM, relabeling and all (prometheus_client 0.26 writes vllm:* as
     # vllm_* for this Prometheus 2.x; without the relabeling no panel would find its series)
     (job,) = [j for j in yaml.safe_load(SCRAPE.read_text())["scrape_configs"] if j["job_name"] == "vllm"]
     job["static_configs"] = [{"targets": [f"127.0.0.1:{metrics_port}"]}]
     conf = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "scrape_configs": [job]}
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(conf))
-    log = open(tmp_path / "prometheus.log", "wb")
-    proc = subprocess.Popen([exe, f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if _query(port, 'count_over_time(up{job="vllm"}[1m]) >= 3'):
-                    break
-            except OSError:
-                pass
-            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()
-            assert time.monotonic() < deadline, "prometheus did not scrape the collector"
-            time.sleep(0.3)
-        for _ in range(6):  # the counters grow while Prometheus scrapes: every rate is positive
-            prom.observe(step, 0)
-            prom.observe(step, 1)
-            time.sleep(0.7)
-        time.sleep(1.5)
-        empty, bad = [], []
-        for title, expr in _panels():
-            got = _query(port, expr.replace('model_name=~"$model_name"', 'model_name=~".*"')
-                         .replace("$__rate_interval", RATE_WINDOW))
-            if not got:
-                empty.append(title)
-            for series in got:
-                value = float(series["value"][1])
-                if not math.isfinite(value) or value <= 0:
-                    bad.append((title, series))
-        assert not empty, f"panels without data: {empty}"
-        assert not bad, f"panels with non-positive or non-finite values: {bad}"
+        with running_prometheus(tmp_path, conf) as port:
+            _check_panels(port, prom, step)
     finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
         server.shutdown()
         server.server_close()
+
+
+def _check_panels(port: int, prom, step: dict) -> None:
+    deadline = time.monotonic() + 60
+    while not query(port, 'count_over_time(up{job="vllm"}[1m]) >= 3'):
+        assert time.monotonic() < deadline, "prometheus did not scrape the collector"
+        time.sleep(0.3)
+    for _ in range(6):  # the counters grow while Prometheus scrapes: every rate is positive
+        prom.observe(step, 0)
+        prom.observe(step, 1)
+        time.sleep(0.7)
+    time.sleep(1.5)
+    empty, bad = [], []
+    for title, expr in _panels():
+        got = query(port, expr.replace('model_name=~"$model_name"', 'model_name=~".*"')
+                     .replace("$__rate_interval", RATE_WINDOW))
+        if not got:
+            empty.append(title)
+        for series in got:
+            value = float(series["value"][1])
+            if not math.isfinite(value) or value <= 0:
+                bad.append((title, series))
+    assert not empty, f"panels without data: {empty}"
+    assert not bad, f"panels with non-positive or non-finite values: {bad}"
