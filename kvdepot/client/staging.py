@@ -19,10 +19,11 @@ for the oldest region; one larger than the ring goes the daemon-gathers way inst
 Fence words (`FenceWords`): the store is sent as soon as its gather is enqueued, and the
 engine's GPU writes the region's sequence number into a word of host memory shared with the
 daemon once the gather has run (enqueued in the gather's own call, `Kernels.engine_gather`);
-the daemon polls the word from the CPU and copies the region after it. So a store never waits for the engine's stream (a vLLM
-step's forward may still be running on it). An interprocess CUDA event, the earlier design,
-was seen to report its record complete before the gather ran (14 engine processes time-
-slicing one GPU): the daemon copied the region too early, ~1 wrong chunk in 1,000.
+the daemon polls the word from the CPU and copies the region after it. So a store never waits
+for the engine's stream (a vLLM step's forward may still be running on it). An interprocess
+CUDA event, the earlier design, was seen to report its record complete before the gather ran
+(14 engine processes time-slicing one GPU): the daemon copied the region too early, ~1 wrong
+chunk in 1,000.
 """
 
 from __future__ import annotations

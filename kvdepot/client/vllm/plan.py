@@ -142,7 +142,8 @@ class KVDepotMetadata(KVConnectorMetadata):
     written_block_ids: models with a sliding-window group only (else None): every block this
         step's forward or vLLM's own block preparation may write that its request did not
         hold before the step (newly allocated, zeroed, copy-on-write destinations); a flat
-        list that may repeat ids and hold the null block (`kvdepot.client.vllm.scheduler.written_blocks`). vLLM frees
+        list that may repeat ids and hold the null block
+        (`kvdepot.client.vllm.scheduler.written_blocks`). vLLM frees
         blocks leaving the window while their request runs; a store gathered later than a
         forward that writes one of its blocks would read the new owner's KV, so a worker makes
         the forward wait for the gathers of the stores that read one of these
