@@ -100,3 +100,60 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
         if d.proc is not None and d.proc.poll() is None:
             d.resume()
         d.close()
+
+
+# ---------------------------------------------------------------------- the connector's end-to-end tests
+# (test_vllm_connector.py, test_vllm_connector_faults.py; vllm_harness imported in each fixture:
+# this file is loaded without vLLM too)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    """A model directory of the toy model (vllm_harness.model_dir), one per module."""
+    import vllm_harness as H
+
+    return H.model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def shared_daemon(tmp_path_factory):
+    """One daemon for the tests that never stop or pause it (each test has its own model id)."""
+    d = Daemon(tmp_path_factory.mktemp("daemon")).start()
+    yield d
+    d.close()
+
+
+@pytest.fixture
+def cfg(request, model):
+    """``cfg(endpoint, **make_vllm_config kwargs)`` with this test's own model id (chunk keys of
+    different tests never meet in a shared daemon), `connector_testing.CHUNK` tokens per chunk
+    unless given."""
+    import vllm_harness as H
+    from connector_testing import CHUNK
+
+    model_id = request.node.name
+
+    def make(endpoint: str, extra: dict | None = None, **kw):
+        kw.setdefault("chunk_size", CHUNK)
+        return H.make_vllm_config(model, endpoint, extra={"model_id": model_id, **(extra or {})}, **kw)
+
+    return make
+
+
+@pytest.fixture
+def engines():
+    """``engines(cfg, specs=None, **kw)``: a `vllm_harness.Engine` (dense model by default),
+    closed after the test."""
+    import vllm_harness as H
+
+    made: list = []
+
+    def make(cfg, specs=None, **kw):
+        e = H.Engine(cfg, specs if specs is not None else H.dense_specs(), **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+

@@ -1,6 +1,7 @@
 """The kvdepot vLLM connector against vLLM 0.33's real scheduler, KV-cache planning, connector
 factory and worker-side call sequence, with real bytes moving through a `kvdepot serve`
-daemon over shared memory (see ``vllm_harness`` for which parts are vLLM's code).
+daemon over shared memory (see ``vllm_harness`` for which parts are vLLM's code); the daemon's
+failures are `test_vllm_connector_faults.py`'s.
 
 Every forward pass of the toy model checks each KV byte it attends to against the KV the toy
 model defines for that prefix, and its sampled token depends on those bytes: a wrong load fails
@@ -16,71 +17,8 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm_harness as H  # noqa: E402
-from kvdepot.client import KVDepotClient  # noqa: E402
+from connector_testing import CHUNK, first_output, stored_chunks  # noqa: E402
 from kvdepot.protocol import messages as m  # noqa: E402
-
-CHUNK = 64
-FAST = {"rpc_timeout_s": 0.5, "hold_max_s": 1.0}  # failure tests: short timeouts
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return H.model_dir(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture(scope="module")
-def shared_daemon(tmp_path_factory):
-    """One daemon for the tests that never stop or pause it (each test has its own model id)."""
-    from conftest import Daemon
-
-    d = Daemon(tmp_path_factory.mktemp("daemon")).start()
-    yield d
-    d.close()
-
-
-@pytest.fixture
-def cfg(request, model):
-    """``cfg(endpoint, **make_vllm_config kwargs)`` with this test's own model id (chunk keys of
-    different tests never meet in a shared daemon)."""
-    model_id = request.node.name
-
-    def make(endpoint: str, extra: dict | None = None, **kw):
-        kw.setdefault("chunk_size", CHUNK)
-        return H.make_vllm_config(model, endpoint, extra={"model_id": model_id, **(extra or {})}, **kw)
-
-    return make
-
-
-@pytest.fixture
-def engines():
-    made: list[H.Engine] = []
-
-    def make(cfg, specs=None, **kw) -> H.Engine:
-        e = H.Engine(cfg, specs if specs is not None else H.dense_specs(), **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-
-
-def stored_chunks(endpoint: str, engine: H.Engine, rank: int = 0) -> int:
-    """Chunks the daemon stored for the registration of ``engine``'s TP rank ``rank``."""
-    reg = engine.registration_id(rank)
-    with KVDepotClient(endpoint, timeout_s=5) as c:
-        return next(e.stored_chunks for e in c.describe().engines if e.registration == reg)
-
-
-def first_output(engine: H.Engine, req_id: str, max_steps: int = 200) -> None:
-    """Step until ``req_id`` has sampled its first token."""
-    for _ in range(max_steps):
-        so = engine.step()
-        if engine.runs[req_id].outputs:
-            return
-        if not so.total_num_scheduled_tokens:
-            time.sleep(0.002)
-    raise AssertionError(f"{req_id} produced nothing in {max_steps} steps")
 
 
 # ---------------------------------------------------------------------- (a) + (b)
@@ -223,36 +161,6 @@ def test_hybrid_model_two_groups_of_different_block_sizes(shared_daemon, cfg, en
     assert all(null_after[k].equal(v) for k, v in null_before.items()), "a load wrote vLLM's null block"
 
 
-def test_hybrid_load_failure_is_recomputed(daemon, cfg, engines):
-    """Hybrid models report a failed load per request (failed_recving); vLLM recomputes."""
-    specs = H.hybrid_specs(sliding_window=16)
-    a = engines(cfg(daemon.endpoint, extra=FAST), specs)
-    prompt = H.tokens(6, 200)
-    ra = a.add(prompt, max_tokens=2)
-    a.run()
-    b = engines(cfg(daemon.endpoint, extra=FAST), specs)
-    rb = b.add(prompt, max_tokens=2)
-    _wait_for_lookup_answer(b, rb)
-    daemon.stop()  # the lookup said "hit"; the retrieve finds no daemon
-    t0 = time.monotonic()
-    b.run()
-    assert time.monotonic() - t0 < 10
-    assert b.runs[rb].outputs == a.runs[ra].outputs
-    assert b.runs[rb].computed == 200 + 1  # everything recomputed
-    assert b.worker_conn.worker.stats["load_failures"] == 1
-
-
-def _wait_for_lookup_answer(engine: H.Engine, req_id: str) -> None:
-    st = engine.sched_conn.scheduler._reqs[req_id]
-    client = engine.sched_conn.scheduler.client
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        client.poll(0.01)
-        if st.lookup_rid is not None and client.done(st.lookup_rid):
-            return
-    raise AssertionError("no lookup answer")
-
-
 # ---------------------------------------------------------------------- (d) vLLM's own prefix cache
 
 
@@ -300,139 +208,6 @@ def test_prefix_partly_in_vllms_prefix_cache_is_not_overwritten(shared_daemon, c
     b.run()
     assert b.runs[rb].computed == 230 - 3 * CHUNK + 1
     assert b.runs[rb].outputs == a.runs[ra].outputs
-
-
-# ---------------------------------------------------------------------- (e) daemon down, slow, restarted
-
-
-def test_daemon_down_then_restarted(daemon, cfg, engines):
-    e = engines(cfg(daemon.endpoint, extra=FAST))
-    w = e.worker_conn.worker
-    first_reg = w.registration_id
-    assert first_reg
-    prompt = H.tokens(9, 200)
-    r0 = e.add(prompt, max_tokens=2)
-    e.run()
-    expected = e.runs[r0].outputs
-
-    daemon.stop()
-    # a fresh instance (empty prefix cache) keeps serving by recomputing, without hanging
-    f = engines(cfg(daemon.endpoint, extra=FAST))
-    t0 = time.monotonic()
-    r1 = f.add(prompt, max_tokens=2)
-    f.run()
-    assert time.monotonic() - t0 < 5
-    assert f.runs[r1].outputs == expected and f.runs[r1].computed == 200 + 1
-    assert f.worker_conn.worker.registration_id is None  # registration failed: nothing stored or loaded
-
-    daemon.start()  # same endpoint, new boot id, empty cache
-    for _ in range(400):  # idle engine steps: the worker probes the daemon and registers
-        f.step()
-        if f.worker_conn.worker.registration_id:
-            break
-        time.sleep(0.005)
-    r2 = f.add(H.tokens(10, 3) + prompt, max_tokens=2)  # new prefix: not in vLLM's prefix cache
-    f.run()
-    assert f.worker_conn.worker.registration_id, "the worker must register with the restarted daemon"
-    assert f.worker_conn.worker.stats["stored_chunks"] >= 3
-    # the first instance notices the restart (its connection closed, a new boot id) and
-    # registers again, idle (its transfer thread looks every 50 ms)
-    for _ in range(400):
-        e.step()
-        if w.registration_id not in (None, first_reg):
-            break
-        time.sleep(0.005)
-    r3 = e.add(H.tokens(10, 3) + prompt, max_tokens=2)
-    e.run()
-    assert w.registration_id and w.registration_id != first_reg
-    assert e.runs[r3].computed == 203 - 3 * CHUNK + 1, "a chunk stored by the other instance must load"
-    assert e.runs[r3].outputs == f.runs[r2].outputs
-
-
-def test_failed_load_is_reported_as_failed_blocks_and_recomputed(daemon, cfg, engines):
-    a = engines(cfg(daemon.endpoint, extra=FAST))
-    prompt = H.tokens(11, 250)
-    ra = a.add(prompt, max_tokens=2)
-    a.run()
-    b = engines(cfg(daemon.endpoint, extra=FAST))
-    rb = b.add(prompt, max_tokens=2)
-    _wait_for_lookup_answer(b, rb)
-    daemon.stop()
-    errors = []
-    orig = b.worker_conn.get_block_ids_with_load_errors
-
-    def spy():
-        got = orig()
-        errors.append(got)
-        return got
-
-    b.worker_conn.get_block_ids_with_load_errors = spy
-    t0 = time.monotonic()
-    b.run()
-    assert time.monotonic() - t0 < 10
-    failed = set().union(*errors)
-    assert len(failed) == 3 * CHUNK // 16, "every block of the promised chunks is reported failed"
-    assert b.runs[rb].outputs == a.runs[ra].outputs
-    assert b.runs[rb].computed == 250 + 1
-
-
-def test_slow_daemon_load_times_out_and_blocks_wait_for_its_late_answer(daemon, cfg, engines):
-    a = engines(cfg(daemon.endpoint, extra=FAST))
-    prompt = H.tokens(12, 140)
-    ra = a.add(prompt, max_tokens=2)
-    a.run()
-    b = engines(cfg(daemon.endpoint, extra=FAST))
-    rb = b.add(prompt, max_tokens=2)
-    _wait_for_lookup_answer(b, rb)
-    daemon.pause()  # hung: bound, answers nothing
-    w = b.worker_conn.worker
-    try:
-        worst, t_end = 0.0, time.monotonic() + 0.8  # past rpc_timeout_s (0.5 s), short of hold_max_s (1 s)
-        while time.monotonic() < t_end:
-            t0 = time.monotonic()
-            b.step()
-            worst = max(worst, time.monotonic() - t0)
-            time.sleep(0.005)
-        assert worst < 0.2, f"an engine step waited {worst:.3f} s on a hung daemon"
-        assert w.stats["late_ops"] == 1 and not w.client.up  # no new ones are sent meanwhile
-        from vllm.v1.request import RequestStatus
-
-        # its blocks wait for the late answer (a late copy never touches reallocated blocks)
-        assert b.scheduler.requests[rb].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    finally:
-        daemon.resume()
-    b.run()
-    assert not w.mover._ops
-    assert b.runs[rb].outputs == a.runs[ra].outputs
-
-
-def test_scheduler_never_blocks_on_a_hung_daemon(daemon, cfg, engines):
-    e = engines(cfg(daemon.endpoint, extra=FAST))
-    daemon.pause()
-    try:
-        sched = e.sched_conn
-        req = H.Request("hung", H.tokens(13, 100), H.SamplingParams(max_tokens=1), None)
-        answers, worst = [], 0.0
-        t_end = time.monotonic() + 2.0
-        while time.monotonic() < t_end:
-            t0 = time.monotonic()
-            answers.append(sched.get_num_new_matched_tokens(req, 0))
-            worst = max(worst, time.monotonic() - t0)
-            if answers[-1][0] is not None:
-                break
-            time.sleep(0.01)
-        assert answers[0] == (None, False)  # pending: vLLM skips the request this step
-        assert answers[-1] == (0, False)  # after lookup_timeout_s: recompute
-        assert worst < 0.05, f"get_num_new_matched_tokens blocked for {worst:.3f} s"
-        # while down, new requests are answered at once
-        t0 = time.monotonic()
-        req2 = H.Request("hung2", H.tokens(14, 100), H.SamplingParams(max_tokens=1), None)
-        assert sched.get_num_new_matched_tokens(req2, 0) == (0, False)
-        assert time.monotonic() - t0 < 0.05
-        sched.request_finished_all_groups(req, ([],))
-        sched.request_finished_all_groups(req2, ([],))
-    finally:
-        daemon.resume()
 
 
 # ---------------------------------------------------------------------- keys

@@ -1,0 +1,167 @@
+"""The kvdepot vLLM connector when the daemon fails: down, restarted, slow, hung, or losing a
+load, against vLLM 0.33's real scheduler and worker-side call sequence (see
+`test_vllm_connector.py` for the harness): vLLM recomputes what was not loaded, no step waits
+on the daemon, and no block is written after vLLM gave it to another request."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm_harness as H  # noqa: E402
+from connector_testing import CHUNK, FAST, wait_for_lookup_answer  # noqa: E402
+
+
+def test_hybrid_load_failure_is_recomputed(daemon, cfg, engines):
+    """Hybrid models report a failed load per request (failed_recving); vLLM recomputes."""
+    specs = H.hybrid_specs(sliding_window=16)
+    a = engines(cfg(daemon.endpoint, extra=FAST), specs)
+    prompt = H.tokens(6, 200)
+    ra = a.add(prompt, max_tokens=2)
+    a.run()
+    b = engines(cfg(daemon.endpoint, extra=FAST), specs)
+    rb = b.add(prompt, max_tokens=2)
+    wait_for_lookup_answer(b, rb)
+    daemon.stop()  # the lookup said "hit"; the retrieve finds no daemon
+    t0 = time.monotonic()
+    b.run()
+    assert time.monotonic() - t0 < 10
+    assert b.runs[rb].outputs == a.runs[ra].outputs
+    assert b.runs[rb].computed == 200 + 1  # everything recomputed
+    assert b.worker_conn.worker.stats["load_failures"] == 1
+
+
+# ---------------------------------------------------------------------- (e) daemon down, slow, restarted
+
+
+def test_daemon_down_then_restarted(daemon, cfg, engines):
+    e = engines(cfg(daemon.endpoint, extra=FAST))
+    w = e.worker_conn.worker
+    first_reg = w.registration_id
+    assert first_reg
+    prompt = H.tokens(9, 200)
+    r0 = e.add(prompt, max_tokens=2)
+    e.run()
+    expected = e.runs[r0].outputs
+
+    daemon.stop()
+    # a fresh instance (empty prefix cache) keeps serving by recomputing, without hanging
+    f = engines(cfg(daemon.endpoint, extra=FAST))
+    t0 = time.monotonic()
+    r1 = f.add(prompt, max_tokens=2)
+    f.run()
+    assert time.monotonic() - t0 < 5
+    assert f.runs[r1].outputs == expected and f.runs[r1].computed == 200 + 1
+    assert f.worker_conn.worker.registration_id is None  # registration failed: nothing stored or loaded
+
+    daemon.start()  # same endpoint, new boot id, empty cache
+    for _ in range(400):  # idle engine steps: the worker probes the daemon and registers
+        f.step()
+        if f.worker_conn.worker.registration_id:
+            break
+        time.sleep(0.005)
+    r2 = f.add(H.tokens(10, 3) + prompt, max_tokens=2)  # new prefix: not in vLLM's prefix cache
+    f.run()
+    assert f.worker_conn.worker.registration_id, "the worker must register with the restarted daemon"
+    assert f.worker_conn.worker.stats["stored_chunks"] >= 3
+    # the first instance notices the restart (its connection closed, a new boot id) and
+    # registers again, idle (its transfer thread looks every 50 ms)
+    for _ in range(400):
+        e.step()
+        if w.registration_id not in (None, first_reg):
+            break
+        time.sleep(0.005)
+    r3 = e.add(H.tokens(10, 3) + prompt, max_tokens=2)
+    e.run()
+    assert w.registration_id and w.registration_id != first_reg
+    assert e.runs[r3].computed == 203 - 3 * CHUNK + 1, "a chunk stored by the other instance must load"
+    assert e.runs[r3].outputs == f.runs[r2].outputs
+
+
+def test_failed_load_is_reported_as_failed_blocks_and_recomputed(daemon, cfg, engines):
+    a = engines(cfg(daemon.endpoint, extra=FAST))
+    prompt = H.tokens(11, 250)
+    ra = a.add(prompt, max_tokens=2)
+    a.run()
+    b = engines(cfg(daemon.endpoint, extra=FAST))
+    rb = b.add(prompt, max_tokens=2)
+    wait_for_lookup_answer(b, rb)
+    daemon.stop()
+    errors = []
+    orig = b.worker_conn.get_block_ids_with_load_errors
+
+    def spy():
+        got = orig()
+        errors.append(got)
+        return got
+
+    b.worker_conn.get_block_ids_with_load_errors = spy
+    t0 = time.monotonic()
+    b.run()
+    assert time.monotonic() - t0 < 10
+    failed = set().union(*errors)
+    assert len(failed) == 3 * CHUNK // 16, "every block of the promised chunks is reported failed"
+    assert b.runs[rb].outputs == a.runs[ra].outputs
+    assert b.runs[rb].computed == 250 + 1
+
+
+def test_slow_daemon_load_times_out_and_blocks_wait_for_its_late_answer(daemon, cfg, engines):
+    a = engines(cfg(daemon.endpoint, extra=FAST))
+    prompt = H.tokens(12, 140)
+    ra = a.add(prompt, max_tokens=2)
+    a.run()
+    b = engines(cfg(daemon.endpoint, extra=FAST))
+    rb = b.add(prompt, max_tokens=2)
+    wait_for_lookup_answer(b, rb)
+    daemon.pause()  # hung: bound, answers nothing
+    w = b.worker_conn.worker
+    try:
+        worst, t_end = 0.0, time.monotonic() + 0.8  # past rpc_timeout_s (0.5 s), short of hold_max_s (1 s)
+        while time.monotonic() < t_end:
+            t0 = time.monotonic()
+            b.step()
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.005)
+        assert worst < 0.2, f"an engine step waited {worst:.3f} s on a hung daemon"
+        assert w.stats["late_ops"] == 1 and not w.client.up  # no new ones are sent meanwhile
+        from vllm.v1.request import RequestStatus
+
+        # its blocks wait for the late answer (a late copy never touches reallocated blocks)
+        assert b.scheduler.requests[rb].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    finally:
+        daemon.resume()
+    b.run()
+    assert not w.mover._ops
+    assert b.runs[rb].outputs == a.runs[ra].outputs
+
+
+def test_scheduler_never_blocks_on_a_hung_daemon(daemon, cfg, engines):
+    e = engines(cfg(daemon.endpoint, extra=FAST))
+    daemon.pause()
+    try:
+        sched = e.sched_conn
+        req = H.Request("hung", H.tokens(13, 100), H.SamplingParams(max_tokens=1), None)
+        answers, worst = [], 0.0
+        t_end = time.monotonic() + 2.0
+        while time.monotonic() < t_end:
+            t0 = time.monotonic()
+            answers.append(sched.get_num_new_matched_tokens(req, 0))
+            worst = max(worst, time.monotonic() - t0)
+            if answers[-1][0] is not None:
+                break
+            time.sleep(0.01)
+        assert answers[0] == (None, False)  # pending: vLLM skips the request this step
+        assert answers[-1] == (0, False)  # after lookup_timeout_s: recompute
+        assert worst < 0.05, f"get_num_new_matched_tokens blocked for {worst:.3f} s"
+        # while down, new requests are answered at once
+        t0 = time.monotonic()
+        req2 = H.Request("hung2", H.tokens(14, 100), H.SamplingParams(max_tokens=1), None)
+        assert sched.get_num_new_matched_tokens(req2, 0) == (0, False)
+        assert time.monotonic() - t0 < 0.05
+        sched.request_finished_all_groups(req, ([],))
+        sched.request_finished_all_groups(req2, ([],))
+    finally:
+        daemon.resume()
