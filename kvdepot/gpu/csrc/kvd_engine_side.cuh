@@ -89,11 +89,19 @@ static bool g_write64_refused = false;
 
 static void resolve_write64() {
   void* fn = nullptr;
+#if CUDART_VERSION >= 12050  // the by-version lookup; the plain one is deprecated from CUDA 13
   cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000, cudaEnableDefault, &found) ==
-          cudaSuccess &&
-      found == cudaDriverEntryPointSuccess)
-    g_write64 = reinterpret_cast<KvdWriteValue64>(fn);
+  const bool ok = cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000, cudaEnableDefault, &found) ==
+                      cudaSuccess &&
+                  found == cudaDriverEntryPointSuccess;
+#elif CUDART_VERSION >= 12000
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  const bool ok = cudaGetDriverEntryPoint("cuStreamWriteValue64", &fn, cudaEnableDefault, &found) == cudaSuccess &&
+                  found == cudaDriverEntryPointSuccess;
+#else
+  const bool ok = cudaGetDriverEntryPoint("cuStreamWriteValue64", &fn, cudaEnableDefault) == cudaSuccess;
+#endif
+  if (ok && fn != nullptr) g_write64 = reinterpret_cast<KvdWriteValue64>(fn);
   if (getenv("KVDEPOT_FENCE_KERNEL") != nullptr) g_write64 = nullptr;  // diagnosis: always the kernel
 }
 
