@@ -15,16 +15,22 @@ import vllm_harness as H  # noqa: E402
 from connector_testing import CHUNK, FAST, wait_for_lookup_answer  # noqa: E402
 
 
-def test_hybrid_load_failure_is_recomputed(daemon, cfg, engines):
-    """Hybrid models report a failed load per request (failed_recving); vLLM recomputes."""
-    specs = H.hybrid_specs(sliding_window=16)
+def _stored_then_looked_up(daemon, cfg, engines, prompt: list[int], specs=None):
+    """Engine A stores ``prompt`` (and finishes it); engine B adds it and has its lookup answer
+    (a hit) before anything fails: (A, A's request, B, B's request)."""
     a = engines(cfg(daemon.endpoint, extra=FAST), specs)
-    prompt = H.tokens(6, 200)
     ra = a.add(prompt, max_tokens=2)
     a.run()
     b = engines(cfg(daemon.endpoint, extra=FAST), specs)
     rb = b.add(prompt, max_tokens=2)
     wait_for_lookup_answer(b, rb)
+    return a, ra, b, rb
+
+
+def test_hybrid_load_failure_is_recomputed(daemon, cfg, engines):
+    """Hybrid models report a failed load per request (failed_recving); vLLM recomputes."""
+    specs = H.hybrid_specs(sliding_window=16)
+    a, ra, b, rb = _stored_then_looked_up(daemon, cfg, engines, H.tokens(6, 200), specs)
     daemon.stop()  # the lookup said "hit"; the retrieve finds no daemon
     t0 = time.monotonic()
     b.run()
@@ -82,13 +88,7 @@ def test_daemon_down_then_restarted(daemon, cfg, engines):
 
 
 def test_failed_load_is_reported_as_failed_blocks_and_recomputed(daemon, cfg, engines):
-    a = engines(cfg(daemon.endpoint, extra=FAST))
-    prompt = H.tokens(11, 250)
-    ra = a.add(prompt, max_tokens=2)
-    a.run()
-    b = engines(cfg(daemon.endpoint, extra=FAST))
-    rb = b.add(prompt, max_tokens=2)
-    wait_for_lookup_answer(b, rb)
+    a, ra, b, rb = _stored_then_looked_up(daemon, cfg, engines, H.tokens(11, 250))
     daemon.stop()
     errors = []
     orig = b.worker_conn.get_block_ids_with_load_errors
@@ -109,13 +109,7 @@ def test_failed_load_is_reported_as_failed_blocks_and_recomputed(daemon, cfg, en
 
 
 def test_slow_daemon_load_times_out_and_blocks_wait_for_its_late_answer(daemon, cfg, engines):
-    a = engines(cfg(daemon.endpoint, extra=FAST))
-    prompt = H.tokens(12, 140)
-    ra = a.add(prompt, max_tokens=2)
-    a.run()
-    b = engines(cfg(daemon.endpoint, extra=FAST))
-    rb = b.add(prompt, max_tokens=2)
-    wait_for_lookup_answer(b, rb)
+    a, ra, b, rb = _stored_then_looked_up(daemon, cfg, engines, H.tokens(12, 140))
     daemon.pause()  # hung: bound, answers nothing
     w = b.worker_conn.worker
     try:
