@@ -15,7 +15,7 @@ from kvdepot import trace
 from kvdepot.client import KVDepotClient
 from kvdepot.client.kvcache import ShmKVCache
 from transfer_bench.baselines import Blocks, Pages, dma_baseline, torch_baseline
-from transfer_bench.procs import process_cpu_s
+from transfer_bench.procs import busy_threads, process_cpu_s, thread_cpu_s
 from transfer_bench.report import p10_p90
 from transfer_bench.shapes import Shape, chunks_for, say
 from transfer_bench.timing import timed
@@ -39,28 +39,41 @@ class CpuMeter:
     """CPU cores (CPU seconds / wall seconds) of this process (the engine: every client thread)
     and of the daemon over timed runs, per phase (median over its runs): which process a phase
     saturates. A Python process's threads share one GIL: near 1 core of Python it cannot go
-    faster, whatever the link could do."""
+    faster, whatever the link could do. Per thread too: the engine's busiest client thread, and
+    the daemon's threads by name (``main``: its event loop; ``kvd-issue`` / ``kvd-watch``: the
+    kernel library's copy issuer and completion watcher). A client spinning for a reply
+    (``--spin-us``) counts as busy: run with ``--spin-us 0`` to see the work alone."""
 
     def __init__(self, daemon_pid: int | None) -> None:
         self.daemon_pid = daemon_pid
-        self.runs: dict[str, list[tuple[float, float | None]]] = {}
+        self.runs: dict[str, list[tuple[float, float | None, float, dict[str, float]]]] = {}
 
     def run(self, phase: str, tasks) -> float:
         """`run_parallel` of ``tasks``, metered; returns its wall seconds."""
-        d0 = process_cpu_s(self.daemon_pid) if self.daemon_pid else 0.0
+        pid = self.daemon_pid
+        d0 = process_cpu_s(pid) if pid else 0.0
+        t0 = thread_cpu_s(pid) if pid else {}
         c0 = time.process_time()
-        dt = run_parallel(tasks)
+        per_thread: list[float] = []
+        dt = run_parallel(tasks, per_thread)
         own = (time.process_time() - c0) / dt
-        daemon = (process_cpu_s(self.daemon_pid) - d0) / dt if self.daemon_pid else None
-        self.runs.setdefault(phase, []).append((own, daemon))
+        daemon = (process_cpu_s(pid) - d0) / dt if pid else None
+        threads = busy_threads(t0, thread_cpu_s(pid), dt) if pid else {}
+        self.runs.setdefault(phase, []).append((own, daemon, max(per_thread, default=0.0) / dt, threads))
         return dt
 
-    def cores(self) -> dict[str, dict[str, float | None]]:
+    def cores(self) -> dict[str, dict]:
+        """Per phase: {"engine", "daemon", "engine_thread_max", "daemon_threads": {name: cores}},
+        each the median over the phase's runs (None / {} where the daemon was not metered)."""
         out = {}
         for phase, xs in self.runs.items():
-            daemon = [d for _, d in xs if d is not None]
-            out[phase] = {"engine": statistics.median(o for o, _ in xs),
-                          "daemon": statistics.median(daemon) if daemon else None}
+            daemon = [d for _, d, _, _ in xs if d is not None]
+            names = sorted({n for *_, th in xs for n in th})
+            out[phase] = {"engine": statistics.median(o for o, _, _, _ in xs),
+                          "daemon": statistics.median(daemon) if daemon else None,
+                          "engine_thread_max": statistics.median(t for _, _, t, _ in xs),
+                          "daemon_threads": {n: statistics.median(th.get(n, 0.0) for *_, th in xs)
+                                             for n in names}}
         return out
 
 

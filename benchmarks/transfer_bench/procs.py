@@ -24,6 +24,46 @@ def process_cpu_s(pid: int) -> float:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+
+def thread_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
+    """Per live thread of process ``pid``: tid -> (its name, CPU seconds so far). The name is
+    "main" for the process's first thread (the daemon's event loop), else the thread's comm
+    (the kernel library names its threads kvd-issue / kvd-watch). CPU time from
+    ``/proc/<pid>/task/<tid>/schedstat`` (nanoseconds), else the thread's ``stat`` (clock ticks)."""
+    out: dict[int, tuple[str, float]] = {}
+    base = f"/proc/{pid}/task"
+    try:
+        tids = os.listdir(base)
+    except OSError:
+        return out
+    tick = os.sysconf("SC_CLK_TCK")
+    for t in tids:
+        try:
+            with open(f"{base}/{t}/comm") as f:
+                name = "main" if int(t) == pid else f.read().strip()
+            try:
+                with open(f"{base}/{t}/schedstat") as f:
+                    cpu = int(f.read().split()[0]) / 1e9
+            except (OSError, ValueError, IndexError):
+                with open(f"{base}/{t}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                cpu = (int(fields[11]) + int(fields[12])) / tick
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[int(t)] = (name, cpu)
+    return out
+
+
+def busy_threads(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                 wall_s: float) -> dict[str, float]:
+    """CPU cores per thread name between two `thread_cpu_s` snapshots over ``wall_s`` (threads
+    of one name summed; threads that started or ended between them left out)."""
+    out: dict[str, float] = {}
+    for tid, (name, cpu) in after.items():
+        if tid in before:
+            out[name] = out.get(name, 0.0) + (cpu - before[tid][1]) / wall_s
+    return out
+
 _ECHO_SERVER = r"""
 import sys, zmq
 ctx = zmq.Context()

@@ -39,15 +39,23 @@ def format_row(r: dict) -> str:
 
 
 def _cores(cores: dict | None) -> str:
-    """'; CPU cores engine/daemon: store 0.93/0.41, ...' (`transfer_bench.point.CpuMeter`)."""
+    """'; CPU cores engine/daemon: store 0.93/0.41 (threads: engine max 0.90; daemon main 0.35,
+    kvd-issue 0.05), ...' (`transfer_bench.point.CpuMeter`; daemon threads under 0.05 left out)."""
     if not cores:
         return ""
 
     def fmt(x):
         return "n/a" if x is None else f"{x:.2f}"
 
-    return "; CPU cores engine/daemon: " + ", ".join(f"{p} {fmt(c['engine'])}/{fmt(c['daemon'])}"
-                                                     for p, c in cores.items())
+    def phase(p: str, c: dict) -> str:
+        text = f"{p} {fmt(c['engine'])}/{fmt(c['daemon'])}"
+        if "engine_thread_max" not in c:
+            return text
+        busy = sorted(((v, n) for n, v in c.get("daemon_threads", {}).items() if v >= 0.05), reverse=True)
+        daemon = ", ".join(f"{n} {v:.2f}" for v, n in busy)
+        return text + f" (threads: engine max {c['engine_thread_max']:.2f}" + (f"; daemon {daemon})" if daemon else ")")
+
+    return "; CPU cores engine/daemon: " + ", ".join(phase(p, c) for p, c in cores.items())
 
 
 def baseline_line(r: dict) -> str:

@@ -33,16 +33,20 @@ class _Work:
             self.done += n
 
 
-def run_parallel(tasks) -> float:
+def run_parallel(tasks, thread_cpu_s: list[float] | None = None) -> float:
     """Run each callable in its own thread, all released together; wall seconds from the
-    release to the end of the last one. Re-raises the first error."""
+    release to the end of the last one. Re-raises the first error. ``thread_cpu_s``: each
+    thread's own CPU seconds in its callable are appended to it."""
     barrier = threading.Barrier(len(tasks) + 1)
     errors: list[BaseException] = []
 
     def body(fn) -> None:
         try:
             barrier.wait()
+            c0 = time.thread_time()
             fn()
+            if thread_cpu_s is not None:
+                thread_cpu_s.append(time.thread_time() - c0)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 

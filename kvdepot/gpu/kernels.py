@@ -225,11 +225,12 @@ class Kernels:
         at ``dst_ptr`` (256-byte aligned; chunk j at ``dst_ptr + j * object_bytes``, canonical
         object format) on ``stream`` (a ``cudaStream_t`` as int); then, if ``fence_word_ptr``
         is not 0, the GPU's write of ``fence_value`` into that fence word (`engine_signal`),
-        in the same call.
+        in the same call. Every layer group in one launch (up to 800 block slots per launch,
+        4 groups; ``$KVDEPOT_NO_FUSED_GROUPS`` set: one launch per group, for comparisons).
 
         Raises:
             KernelError: bad arguments, misaligned ``dst_ptr`` or word, or the CUDA launch error
-                (a group's gather enqueued before the error may still run).
+                (a launch enqueued before the error may still run).
         """
         self._check(self.lib.kvd_engine_gather(engine, flat_ids.buffer_info()[0], total_chunks, dst_ptr,
                                                fence_word_ptr, fence_value, stream), "kvd_engine_gather")

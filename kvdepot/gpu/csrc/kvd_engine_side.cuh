@@ -14,50 +14,196 @@
 
 int kvd_engine_signal(void* word, uint64_t value, cudaStream_t stream);
 
+}  // extern "C"
+
+// Every group of a request in one launch (a hybrid model's gather / scatter, e.g. gpt-oss's
+// full-attention and sliding-window groups): each launch costs the calling thread 10-15 us of
+// CPU in the driver on the H100 hosts measured, against a few microseconds of Python around
+// it, so one launch per group was most of a small request's engine-side CPU. The launch's x
+// dimension is its parts one after another (part q: group slots [first_slot[q], ...) at x from
+// x_start[q]), y the layer; the CTAs past their group's layer count return at once. A part's
+// descriptor is chosen with static indices so that it stays in parameter space.
+#define KVD_FUSED_PARTS 4
+#define KVD_FUSED_IDS 800  // the parameter block stays under the classic 4 KiB
+struct KvdFused {
+  KvdGroupDesc d[KVD_FUSED_PARTS];
+  const uint64_t* layer_ptrs[KVD_FUSED_PARTS];
+  int64_t first_slot[KVD_FUSED_PARTS];
+  int32_t x_start[KVD_FUSED_PARTS];
+  int32_t nparts;
+};
+
+template <typename Word, int N>
+__global__ void kvd_fused_copy_kernel(KvdFused f, KvdInlineIds<N> ids, uint8_t* __restrict__ staging,
+                                      int to_staging) {
+  const int x = blockIdx.x;
+  int p = 0;
+#pragma unroll
+  for (int q = 1; q < KVD_FUSED_PARTS; ++q) p += (q < f.nparts && x >= f.x_start[q]);
+  KvdGroupDesc d = f.d[0];
+  const uint64_t* lp = f.layer_ptrs[0];
+  int64_t slot = f.first_slot[0] + x;
+#pragma unroll
+  for (int q = 1; q < KVD_FUSED_PARTS; ++q) {
+    if (q == p) {
+      d = f.d[q];
+      lp = f.layer_ptrs[q];
+      slot = f.first_slot[q] + (x - f.x_start[q]);
+    }
+  }
+  if ((int64_t)blockIdx.y >= d.num_layers) return;
+  const int64_t b = ids.v[x];
+  if (b < 0) return;  // vLLM's null block in a retrieve
+  copy_block<Word>(d, lp, slot, blockIdx.y, b, staging, to_staging);
+}
+
+// Group g's slots [first, first + count) of a request; ids[slot] is the block of slot `slot`.
+struct KvdPart {
+  int g;
+  const int32_t* ids;
+  int64_t first, count;
+};
+
+// Launch the next `n` slots of `parts` from the cursor (part *p, its slot *off), advancing it.
+template <int N>
+static cudaError_t launch_fused_n(const KvdEngine* eng, const KvdPart* parts, int nparts, int* p, int64_t* off,
+                                  int n, int vec, uint8_t* st, int to_staging, cudaStream_t stream) {
+  KvdFused f;
+  KvdInlineIds<N> ids;
+  f.nparts = 0;
+  int x = 0;
+  unsigned max_layers = 0;
+  while (x < n) {
+    const KvdPart& part = parts[*p];
+    const int64_t left = part.count - *off;
+    const int take = (int)(left < n - x ? left : n - x);
+    const int q = f.nparts++;
+    f.d[q] = eng->desc[part.g];
+    f.layer_ptrs[q] = eng->layer_ptrs_dev[part.g];
+    f.first_slot[q] = part.first + *off;
+    f.x_start[q] = x;
+    if ((unsigned)f.d[q].num_layers > max_layers) max_layers = (unsigned)f.d[q].num_layers;
+    for (int k = 0; k < take; ++k) ids.v[x + k] = part.ids[part.first + *off + k];
+    x += take;
+    *off += take;
+    if (*off == part.count) {
+      ++*p;
+      *off = 0;
+      while (*p < nparts && parts[*p].count == 0) ++*p;
+    }
+  }
+  for (int q = f.nparts; q < KVD_FUSED_PARTS; ++q) f.x_start[q] = n;  // never chosen
+  dim3 grid((unsigned)n, max_layers);
+  switch (vec) {
+    case 16: kvd_fused_copy_kernel<uint4, N><<<grid, 256, 0, stream>>>(f, ids, st, to_staging); break;
+    case 8: kvd_fused_copy_kernel<uint2, N><<<grid, 256, 0, stream>>>(f, ids, st, to_staging); break;
+    case 4: kvd_fused_copy_kernel<uint32_t, N><<<grid, 256, 0, stream>>>(f, ids, st, to_staging); break;
+    case 2: kvd_fused_copy_kernel<uint16_t, N><<<grid, 256, 0, stream>>>(f, ids, st, to_staging); break;
+    default: kvd_fused_copy_kernel<uint8_t, N><<<grid, 256, 0, stream>>>(f, ids, st, to_staging); break;
+  }
+  return cudaGetLastError();
+}
+
+static std::once_flag g_fused_once;
+static bool g_fused_off = false;  // $KVDEPOT_NO_FUSED_GROUPS: one launch per group (A/B runs)
+
+// Copy the parts' slots between engine memory and staging (256-byte aligned): one launch per
+// group for a one-group engine (its smaller parameter block) or one of more than
+// KVD_FUSED_PARTS groups, else fused launches of up to KVD_FUSED_IDS slots of any groups.
+static int engine_copy(const KvdEngine* eng, const KvdPart* parts, int nparts, uint8_t* st, int to_staging,
+                       cudaStream_t stream) {
+  std::call_once(g_fused_once, [] { g_fused_off = getenv("KVDEPOT_NO_FUSED_GROUPS") != nullptr; });
+  if (nparts == 1 || nparts > KVD_FUSED_PARTS || g_fused_off) {
+    int rc = KVD_OK;
+    for (int q = 0; !rc && q < nparts; ++q) {
+      const KvdPart& part = parts[q];
+      const KvdGroupDesc* d = &eng->desc[part.g];
+      KvdIdSource src{part.ids, nullptr, 0, d->blocks_per_chunk};
+      rc = launch_copy(d, eng->layer_ptrs_dev[part.g], src, part.first, part.count, st, to_staging,
+                       eng->vec[part.g], 256, stream);
+    }
+    return rc;
+  }
+  int vec = 16;
+  int64_t left = 0;
+  for (int q = 0; q < nparts; ++q) {
+    if (eng->vec[parts[q].g] < vec) vec = eng->vec[parts[q].g];
+    left += parts[q].count;
+  }
+  int p = 0;
+  int64_t off = 0;
+  while (p < nparts && parts[p].count == 0) ++p;
+  while (left > 0) {
+    const int n = (int)(left < KVD_FUSED_IDS ? left : KVD_FUSED_IDS);
+    cudaError_t err;
+    if (n <= 16)
+      err = launch_fused_n<16>(eng, parts, nparts, &p, &off, n, vec, st, to_staging, stream);
+    else if (n <= 128)
+      err = launch_fused_n<128>(eng, parts, nparts, &p, &off, n, vec, st, to_staging, stream);
+    else
+      err = launch_fused_n<KVD_FUSED_IDS>(eng, parts, nparts, &p, &off, n, vec, st, to_staging, stream);
+    if (err != cudaSuccess) {
+      g_last_cuda_error = err;
+      return KVD_ECUDA;
+    }
+    left -= n;
+  }
+  return KVD_OK;
+}
+
+extern "C" {
+
 // Engine side: gather every chunk of a request (ids as in kvd_store, total_chunks chunks) into
 // `dst` (chunk j at dst + j*object_bytes, dst aligned to 256 bytes) on the engine's `stream`;
 // then, if `fence_word` is not null, the write of `fence_value` into it (kvd_engine_signal), so
-// that a staged store costs one call. On an error nothing more is enqueued, but a group's
-// gather enqueued before it may still run: the caller waits for the stream before reusing dst.
+// that a staged store costs one call. Every group in one launch (engine_copy). On an error
+// nothing more is enqueued, but a launch enqueued before it may still run: the caller waits
+// for the stream before reusing dst.
 int kvd_engine_gather(const KvdEngine* eng, const int32_t* ids, int64_t total_chunks, void* dst, void* fence_word,
                       uint64_t fence_value, cudaStream_t stream) {
   if (eng == nullptr || ids == nullptr || dst == nullptr || total_chunks <= 0) return KVD_EINVAL;
   if ((uintptr_t)dst % 256 || (uintptr_t)fence_word % 8) return KVD_EALIGN;
   int rc = use_device(eng->device);
+  std::vector<KvdPart> many;
+  KvdPart few[KVD_FUSED_PARTS];
+  KvdPart* parts = eng->ngroups <= KVD_FUSED_PARTS ? few : (many.resize(eng->ngroups), many.data());
   const int32_t* gids = ids;
-  for (int g = 0; !rc && g < eng->ngroups; ++g) {
-    const KvdGroupDesc* d = &eng->desc[g];
-    KvdIdSource src{gids, nullptr, 0, d->blocks_per_chunk};
-    rc = launch_copy(d, eng->layer_ptrs_dev[g], src, 0, total_chunks * d->blocks_per_chunk,
-                     static_cast<uint8_t*>(dst), 1, eng->vec[g], 256, stream);
-    gids += total_chunks * d->blocks_per_chunk;
+  for (int g = 0; g < eng->ngroups; ++g) {
+    const int64_t total = total_chunks * eng->desc[g].blocks_per_chunk;
+    parts[g] = KvdPart{g, gids, 0, total};
+    gids += total;
   }
+  if (!rc) rc = engine_copy(eng, parts, eng->ngroups, static_cast<uint8_t*>(dst), 1, stream);
   if (!rc && fence_word != nullptr) rc = kvd_engine_signal(fence_word, fence_value, stream);
   return rc;
 }
 
 // Engine side: scatter the request's leading `nchunks` chunks (of total_chunks; ids as in
 // kvd_store) from `src` (chunk j at src + j*object_bytes) into the engine's blocks on `stream`,
-// skipping the blocks of the first skip_tokens tokens (a multiple of every group's block size).
+// skipping the blocks of the first skip_tokens tokens (a multiple of every group's block size,
+// else KVD_EINVAL with nothing enqueued).
 int kvd_engine_scatter(const KvdEngine* eng, const int32_t* ids, int64_t total_chunks, int64_t nchunks,
                        const void* src_staging, int64_t skip_tokens, cudaStream_t stream) {
   if (eng == nullptr || ids == nullptr || src_staging == nullptr || nchunks <= 0 || nchunks > total_chunks ||
       skip_tokens < 0)
     return KVD_EINVAL;
   if ((uintptr_t)src_staging % 256) return KVD_EALIGN;
-  int rc = use_device(eng->device);
+  std::vector<KvdPart> many;
+  KvdPart few[KVD_FUSED_PARTS];
+  KvdPart* parts = eng->ngroups <= KVD_FUSED_PARTS ? few : (many.resize(eng->ngroups), many.data());
   const int32_t* gids = ids;
-  for (int g = 0; !rc && g < eng->ngroups; ++g) {
+  for (int g = 0; g < eng->ngroups; ++g) {
     const KvdGroupDesc* d = &eng->desc[g];
     if (skip_tokens % d->block_size) return KVD_EINVAL;
     const int64_t total = nchunks * d->blocks_per_chunk;
     int64_t first_slot = skip_tokens / d->block_size;
     if (first_slot > total) first_slot = total;
-    KvdIdSource src{gids, nullptr, 0, d->blocks_per_chunk};
-    rc = launch_copy(d, eng->layer_ptrs_dev[g], src, first_slot, total - first_slot,
-                     static_cast<uint8_t*>(const_cast<void*>(src_staging)), 0, eng->vec[g], 256, stream);
+    parts[g] = KvdPart{g, gids, first_slot, total - first_slot};
     gids += total_chunks * d->blocks_per_chunk;
   }
+  int rc = use_device(eng->device);
+  if (!rc) rc = engine_copy(eng, parts, eng->ngroups, static_cast<uint8_t*>(const_cast<void*>(src_staging)), 0,
+                            stream);
   return rc;
 }
 

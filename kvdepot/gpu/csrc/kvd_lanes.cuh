@@ -113,6 +113,7 @@ static int64_t now_ns() {
 static void watcher_main(KvdLane* lane) {
   cudaSetDevice(lane->device);
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+  prctl(PR_SET_NAME, "kvd-watch", 0, 0, 0);  // per-thread CPU in top / benchmarks/transfer.py
   std::unique_lock<std::mutex> lk(lane->mu);
   int64_t prev_done_ns = 0;
   for (;;) {
@@ -219,6 +220,7 @@ static bool word_abandoned(const KvdDeferred& d) {
 static void issuer_main(KvdLane* lane) {
   cudaSetDevice(lane->device);
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+  prctl(PR_SET_NAME, "kvd-issue", 0, 0, 0);
   std::unique_lock<std::mutex> lk(lane->issue_mu);
   for (;;) {
     lane->issue_cv.wait(lk, [lane] { return lane->issue_stop || !lane->deferred.empty(); });

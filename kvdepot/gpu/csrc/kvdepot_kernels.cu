@@ -5,7 +5,9 @@
 // exposes the small C ABI below, called from Python through ctypes with raw device pointers
 // and a cudaStream_t. No libtorch linkage, so one build serves every torch version.
 //
-// One layer group (see kvdepot/gpu/layout.py) per launch. Engine side, layer l of the group:
+// One layer group (see kvdepot/gpu/layout.py) per launch (the engine process's own gather /
+// scatter fuses the groups of a request into one launch: kvd_engine_side.cuh). Engine side,
+// layer l of the group:
 //
 //   byte(l, block b, token n, head h, kv k, x) = layer_ptrs[l] + b*block_stride + n*token_stride
 //                                                + h*head_stride + k*kv_stride + x,  x < row_bytes
@@ -80,15 +82,14 @@ struct KvdInlineIds {
   int32_t v[N];
 };
 
-template <typename Word, int N>
-__global__ void kvd_copy_kernel(KvdGroupDesc d, const uint64_t* __restrict__ layer_ptrs, KvdInlineIds<N> ids,
-                                int64_t first_slot, uint8_t* __restrict__ staging, int to_staging) {
-  const int64_t slot = first_slot + blockIdx.x;
-  const int64_t layer = blockIdx.y;
+// One (block, layer) of a group: N*H*KV rows between the engine's block b and its place in the
+// staging object of slot `slot` (chunk slot / blocks_per_chunk, block slot % blocks_per_chunk).
+template <typename Word>
+__device__ __forceinline__ void copy_block(const KvdGroupDesc& d, const uint64_t* __restrict__ layer_ptrs,
+                                           int64_t slot, int64_t layer, int64_t b, uint8_t* __restrict__ staging,
+                                           int to_staging) {
   const int64_t j = slot / d.blocks_per_chunk;
   const int64_t i = slot - j * d.blocks_per_chunk;
-  const int64_t b = ids.v[blockIdx.x];
-  if (b < 0) return;  // a block left alone (a retrieve's -1: vLLM's null block)
   const int hk_count = (int)(d.num_heads * d.num_kv);
   const int words_per_row = (int)(d.row_bytes / sizeof(Word));
   const int rows = (int)d.block_size * hk_count;
@@ -114,6 +115,14 @@ __global__ void kvd_copy_kernel(KvdGroupDesc d, const uint64_t* __restrict__ lay
       *e = *o;
     }
   }
+}
+
+template <typename Word, int N>
+__global__ void kvd_copy_kernel(KvdGroupDesc d, const uint64_t* __restrict__ layer_ptrs, KvdInlineIds<N> ids,
+                                int64_t first_slot, uint8_t* __restrict__ staging, int to_staging) {
+  const int64_t b = ids.v[blockIdx.x];
+  if (b < 0) return;  // a block left alone (a retrieve's -1: vLLM's null block)
+  copy_block<Word>(d, layer_ptrs, first_slot + blockIdx.x, blockIdx.y, b, staging, to_staging);
 }
 
 static bool divides(int64_t v, int64_t x) { return x % v == 0; }
