@@ -100,7 +100,7 @@ class KVDepotClient(StagedStores):
         self._replies: dict[int, m.Msg] = {}  # replies that arrived before their wait()
         self._identity = f"kvd-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
         self._fences: dict = {}  # cudaStream_t -> a local event (`_fence`)
-        self.last_retrieve_event = None
+        self._last_scatter = (None, None)  # `last_retrieve_event`
         self._drains: dict = {}  # id(staging ring) -> (rid, through_seq) of its Drain in flight
         self._submit_thread = threading.get_ident()
         self.drains_answered = 0  # Drains that settled lost staging regions (`kvdepot.client.pending.drain_settles`)
@@ -586,8 +586,6 @@ class KVDepotClient(StagedStores):
             pending._staged(reg, region, block_ids, len(keys), skip_tokens)
         return pending
 
-
-    # ------------------------------------------------------------------ CUDA events
 
     def end_request(self, request: str) -> None:
         self.call(m.EndRequest(rid=0, request=request))

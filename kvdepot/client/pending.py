@@ -187,7 +187,9 @@ class PendingRetrieve:
         self._region = None
         self._retrieved: int | None = None
         self._error: BaseException | None = None
-        self._done_event = None  # staged: local event after the scatter
+        self._done_event = None  # staged, no fence words: a local event after the scatter
+        self._done_seq: int | None = None  # staged with fence words: its word holds this once the scatter ran
+        self._scatter_stream = None  # the stream the scatter was enqueued on
         self._reply: m.RetrieveReply | None = None  # staged: the reply, once taken by done()
 
     def done(self) -> bool:
@@ -222,6 +224,8 @@ class PendingRetrieve:
                 self._error.code == ErrorCode.TIMEOUT and drain_settles(self.client, self._reg, self._region.seq))
         if self._retrieved is None:
             return False
+        if self._done_seq is not None:
+            return self._reg.staging.fence.holds(self._done_seq)
         return self._done_event is None or self._done_event.query()
 
     def _reclaim(self) -> bool:
@@ -230,16 +234,30 @@ class PendingRetrieve:
                 self.result()  # scatters on the current stream; a later result(before) orders after it
             except KVDepotError:
                 pass
-        if self._done_event is not None:
+        if self._done_seq is not None:
+            from kvdepot.client.staging import await_word
+
+            await_word(self._reg.staging.fence, self._done_seq, float("inf"))
+        elif self._done_event is not None:
             self._done_event.synchronize()
         return _settle_lost(self)
+
+    def _event(self):
+        """The event after the scatter: the one recorded with it, or (fence words) one recorded
+        now on the scatter's stream (it covers the scatter); None if nothing was scattered."""
+        if self._done_event is None and self._scatter_stream is not None:
+            import torch
+
+            self._done_event = torch.cuda.Event()
+            self._done_event.record(self._scatter_stream)
+        return self._done_event
 
     def result(self, before=None, timeout_s: float | None = None, cpu_wait: bool = False) -> int:
         """Chunks written. Unstaged, the reply comes once the daemon wrote the blocks. With
         engine-side staging this call waits for the reply (the daemon's copies into the ring
         completed), then enqueues the scatter on ``before`` (default: the current stream): the blocks are
         written in that stream's order (work queued on it later reads them; another stream or
-        the host waits on ``last_retrieve_event``, a local event after the scatter). Raises
+        the host waits on ``last_retrieve_event``, an event after the scatter). Raises
         KVDepotError as `KVDepotClient.retrieve`."""
         if self._region is None:
             if self._error is not None:
@@ -249,12 +267,13 @@ class PendingRetrieve:
             except KVDepotError as exc:
                 self._error = exc
                 raise
-            self.client.last_retrieve_event = None  # the reply comes once the blocks are written
+            self.client._last_scatter = (None, None)  # the reply comes once the blocks are written
             return r.retrieved
         if self._retrieved is not None:  # already scattered (by a ring reclaim): order `before` after it
-            if before is not None and self._done_event is not None:
-                before.wait_event(self._done_event)
-            self.client.last_retrieve_event = self._done_event
+            ev = self._event() if before is not None and before is not self._scatter_stream else None
+            if ev is not None:
+                before.wait_event(ev)
+            self.client._last_scatter = (self._done_event, self._scatter_stream)
             return self._retrieved
         if self._error is not None:
             raise self._error
@@ -274,11 +293,18 @@ class PendingRetrieve:
         stream = before if before is not None else torch.cuda.current_stream(staging.device)
         # the reply comes once the daemon's copies into the ring completed: scatter at once
         if r.retrieved:
-            staging.scatter(self._block_ids, self._num_chunks, r.retrieved, self._region.offset,
-                            self._skip_tokens, stream)
-            done = torch.cuda.Event()
-            done.record(stream)
-            self._done_event = done
+            self._scatter_stream = stream
+            if staging.fence is not None:  # the region frees by its fence word: no event per retrieve
+                staging.scatter(self._block_ids, self._num_chunks, r.retrieved, self._region.offset,
+                                self._skip_tokens, stream, done_seq=self._region.seq)
+                self._done_seq = self._region.seq
+                self._region.fenced = True  # a ring reset keeps it until the scatter ran
+            else:
+                staging.scatter(self._block_ids, self._num_chunks, r.retrieved, self._region.offset,
+                                self._skip_tokens, stream)
+                done = torch.cuda.Event()
+                done.record(stream)
+                self._done_event = done
         self._retrieved = r.retrieved
-        self.client.last_retrieve_event = self._done_event
+        self.client._last_scatter = (self._done_event, self._scatter_stream)
         return r.retrieved

@@ -11,9 +11,28 @@ from kvdepot.client.registration import Registration
 
 
 class StagedStores:
-    """Mixed into `KVDepotClient` (which sets ``self._fences = {}``)."""
+    """Mixed into `KVDepotClient` (which sets ``self._fences = {}`` and ``self._last_scatter =
+    (None, None)``)."""
 
     _fences: dict
+    _last_scatter: tuple  # (event or None, stream or None) of the last staged retrieve's scatter
+
+    @property
+    def last_retrieve_event(self):
+        """A ``torch.cuda.Event`` after the scatter of the last retrieve whose ``result`` ran
+        (engine-side staging), for another stream or the host to wait on; None if it wrote
+        nothing (or the retrieve was not staged: its reply came once the blocks were written).
+        With fence words the scatter records no event (its region frees by its fence word): the
+        event is recorded here, when first read, on the stream the scatter was enqueued on, so
+        it covers the scatter and whatever that stream had before this read."""
+        ev, stream = self._last_scatter
+        if ev is None and stream is not None:
+            import torch
+
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            self._last_scatter = (ev, None)
+        return ev
 
     def stage_store(self, reg: Registration, block_ids: Sequence[Sequence[int]], num_chunks: int,
                     after=None, wait_for_room: bool = True):

@@ -67,7 +67,8 @@ class StagingRegion:
         self.size_bytes = size_bytes
         self.owner = owner  # the client whose request uses it (only it may call reclaim)
         self.seq = seq  # the ring's allocation number (>= 1): a store's fence value
-        # a store's gather, then the GPU's write of its fence word, is (to be) enqueued
+        # a store's gather (or a retrieve's scatter), then the GPU's write of its fence word,
+        # is (to be) enqueued
         self.fenced = fenced
         self.is_free: Callable[[], bool] = lambda: False
         self.reclaim: Callable[[], bool] = lambda: False
@@ -117,15 +118,16 @@ class StagingRing:
         """Forget every region the daemon may have copied: call only when no copy of the
         daemon's can touch the ring any more, e.g. after it restarted (without this, regions
         of requests lost with it stay taken for good: the client cannot tell whether their
-        copies ran). A store's region whose gather has not run yet (``fenced``, its word in
-        ``fence`` not written) stays taken until it has: the engine's GPU still writes it."""
+        copies ran). A store's region whose gather has not run yet, or a retrieve's whose scatter
+        has not (``fenced``, its word in ``fence`` not written), stays taken until it has: the
+        engine's GPU still writes or reads it."""
         with self._lock:
             keep = collections.deque()
             if fence is not None:
                 for r in self.live:
                     if r.fenced and not fence.holds(r.seq):
                         r.is_free = functools.partial(fence.holds, r.seq)
-                        r.reclaim = functools.partial(_await_word, fence, r.seq, self.foreign_wait_s)
+                        r.reclaim = functools.partial(await_word, fence, r.seq, self.foreign_wait_s)
                         keep.append(r)
             self.live = keep
             self.head = keep[-1].offset + keep[-1].size_bytes if keep else 0
@@ -171,7 +173,7 @@ class FenceWords:
     """``words`` uint64 words of host memory in a sealed memfd, mapped for this process's GPU
     to write (`Kernels.host_register_mapped`) and passed to the daemon (`Register.fence`),
     which polls them. Word ``seq % words`` receives a store region's ``seq`` once its gather
-    has run (`signal`).
+    has run (`signal`), and a retrieve region's once its scatter has run (`EngineStaging.scatter`).
 
     Raises:
         OSError: no memfd; KernelError: the memory cannot be registered with CUDA.
@@ -217,7 +219,7 @@ class FenceWords:
         self._finalizer()
 
 
-def _await_word(fence: FenceWords, seq: int, wait_s: float) -> bool:
+def await_word(fence: FenceWords, seq: int, wait_s: float) -> bool:
     """Whether the GPU wrote ``seq`` into its fence word, polled for up to ``wait_s``."""
     deadline = time.monotonic() + wait_s
     while not fence.holds(seq):
@@ -303,11 +305,16 @@ class EngineStaging:
                                    stream.cuda_stream, word, fence_seq or 0)
 
     def scatter(self, block_ids: Sequence[Sequence[int]], num_chunks: int, retrieved: int, offset: int,
-                skip_tokens: int, stream) -> None:
+                skip_tokens: int, stream, done_seq: int | None = None) -> None:
         """Enqueue on ``stream`` the scatter of the leading ``retrieved`` chunks at ``offset``
-        into the blocks, leaving the first ``skip_tokens`` tokens' blocks untouched."""
+        into the blocks, leaving the first ``skip_tokens`` tokens' blocks untouched; then
+        (``done_seq`` given: the region's number, fence words present) the write of
+        ``done_seq`` into its fence word, in one call: ``fence.holds(done_seq)`` tells when the
+        scatter ran. The daemon polls only a store's word for a store's number, so this write
+        never releases a copy."""
+        word = 0 if done_seq is None else self.fence.word_ptr(done_seq)
         self.kernels.engine_scatter(self.handle, self.flat_ids(block_ids), num_chunks, retrieved,
-                                    self.base_ptr + offset, skip_tokens, stream.cuda_stream)
+                                    self.base_ptr + offset, skip_tokens, stream.cuda_stream, word, done_seq or 0)
 
     def close(self) -> None:
         """Free the library's state (the ring is freed with this object; no transfer may use it)."""

@@ -39,7 +39,7 @@ ENV_NO_JIT = "KVDEPOT_NO_JIT"
 # "1": the engine side's kernel launches keep the GIL (`Kernels`); anything else: they drop it
 # built at install (setup.py) for `build.INSTALL_ARCHS` when nvcc was there
 PACKAGED_SO = Path(__file__).parent / "_lib" / "libkvdepot_kernels.so"
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 KVD_OK, KVD_EINVAL, KVD_EALIGN, KVD_ECUDA = 0, 1, 2, 3
 
@@ -105,7 +105,7 @@ class Kernels:
         lib.kvd_store.argtypes = [vp, vp, vp, i64, vp, i64, vp, i32, ctypes.c_uint64, vp]
         lib.kvd_retrieve.argtypes = [vp, vp, vp, i64, i64, vp, i64, vp, i32, ctypes.c_uint64, vp]
         lib.kvd_engine_gather.argtypes = [vp, vp, i64, vp, vp, ctypes.c_uint64, vp]
-        lib.kvd_engine_scatter.argtypes = [vp, vp, i64, i64, vp, i64, vp]
+        lib.kvd_engine_scatter.argtypes = [vp, vp, i64, i64, vp, i64, vp, ctypes.c_uint64, vp]
         lib.kvd_dma.argtypes = [vp, vp, ctypes.c_uint64, vp, vp, ctypes.c_uint64, i64, i32, vp, i32, ctypes.c_uint64,
                                 vp]
         lib.kvd_engine_signal.argtypes = [vp, ctypes.c_uint64, vp]
@@ -236,12 +236,15 @@ class Kernels:
                                                fence_word_ptr, fence_value, stream), "kvd_engine_gather")
 
     def engine_scatter(self, engine: int, flat_ids, total_chunks: int, nchunks: int, src_ptr: int,
-                       skip_tokens: int, stream: int) -> None:
+                       skip_tokens: int, stream: int, done_word_ptr: int = 0, done_value: int = 0) -> None:
         """Engine side: scatter the request's leading ``nchunks`` chunk objects at ``src_ptr``
         into the engine's blocks on ``stream``, leaving the blocks of the first ``skip_tokens``
-        tokens untouched. Raises KernelError as `engine_gather`."""
+        tokens untouched; then, if ``done_word_ptr`` is not 0, the GPU's write of
+        ``done_value`` into that word (a fence word, `engine_signal`), in the same call.
+        Raises KernelError as `engine_gather`."""
         self._check(self.lib.kvd_engine_scatter(engine, flat_ids.buffer_info()[0], total_chunks, nchunks, src_ptr,
-                                                skip_tokens, stream), "kvd_engine_scatter")
+                                                skip_tokens, done_word_ptr or None, done_value, stream),
+                    "kvd_engine_scatter")
 
     def event_create_ipc(self, device: int) -> tuple[int, bytes]:
         """An interprocess event (timing disabled) on ``device``: (handle, cudaIpcEventHandle_t bytes)."""

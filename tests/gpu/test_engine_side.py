@@ -4,7 +4,7 @@ fused launches (one launch for all groups, up to 800 block slots per launch, a l
 crossing from one group into the next), groups of different block sizes, layer counts, dtypes
 and copy widths (a 132-byte indexer row forces 4-byte words on every group of the launch),
 skipped leading tokens and vLLM's null block (-1) in a scatter, and the fence word written
-after the gather. Skipped cleanly without CUDA."""
+after the gather and after the scatter. Skipped cleanly without CUDA."""
 
 from __future__ import annotations
 
@@ -95,8 +95,10 @@ def test_engine_gather_and_scatter_of_every_group_match_the_cpu_engine(groups, l
         kept_block = ids_scatter[last][null_slot]
         ids_scatter[last][null_slot] = -1
         flat = array.array("i", [b for g_ids in ids_scatter for b in g_ids])
-        kernels.engine_scatter(engine(dst_dev), flat, nchunks, n_in, base, skip, stream.cuda_stream)
+        kernels.engine_scatter(engine(dst_dev), flat, nchunks, n_in, base, skip, stream.cuda_stream,
+                               word.data_ptr(), 78)
         stream.synchronize()
+        assert word.item() == 78
         expect = dst.storage.clone()
         cpu_dst = CpuTransferEngine(lay, [expect])
         for j in range(n_in):

@@ -334,3 +334,40 @@ def test_a_staged_retrieve_waits_with_its_link_pace_and_teaches_it():
         region.release()
     assert seen[0] == 0.0 and learnt[1] is not None
     assert abs(seen[1] - (p._sent_at + (16 << 20) * learnt[1] - 30e-6)) < 1e-9
+
+
+def test_a_staged_retrieve_with_fence_words_frees_its_region_by_its_word_not_an_event(monkeypatch):
+    """With fence words the scatter and the write of the region's number into its word go in one
+    call and no CUDA event is made per retrieve: the region stays taken (also across a ring
+    reset, e.g. after a daemon restart) until the GPU wrote the word; `last_retrieve_event` is
+    made only when read, on the scatter's stream."""
+    import torch
+
+    from kvdepot.protocol import messages as m
+
+    c, reg, _ = _staged_client(gather_fails=False)
+    scatters = []
+
+    def scatter(block_ids, num_chunks, retrieved, offset, skip_tokens, stream, done_seq=None):
+        scatters.append((offset, retrieved, stream, done_seq))
+
+    reg.staging.scatter = scatter
+    made = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: made.append(1))  # none may be made
+    try:
+        c.submit = lambda req: (c._outstanding.add(7), 7)[1]
+        c.wait = lambda rid, timeout_s=None, spin_from=0.0: m.RetrieveReply(rid=rid, retrieved=2)
+        pend = c.submit_retrieve(reg, [b"k" * 16, b"j" * 16], [[1, 2]])
+        region = reg.staging.ring.live[-1]
+        stream = object()
+        assert pend.result(before=stream) == 2
+        assert scatters == [(region.offset, 2, stream, region.seq)] and made == []
+        assert c._last_scatter == (None, stream)
+        fence = reg.staging.fence
+        assert region.fenced and not region.is_free()
+        reg.staging.ring.reset(fence)
+        assert reg.staging.ring.live and reg.staging.ring.live[-1] is region  # its scatter may still read it
+        fence._view[region.seq % fence.words] = region.seq
+        assert region.is_free()
+    finally:
+        c.close()

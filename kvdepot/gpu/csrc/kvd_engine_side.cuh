@@ -181,13 +181,17 @@ int kvd_engine_gather(const KvdEngine* eng, const int32_t* ids, int64_t total_ch
 // Engine side: scatter the request's leading `nchunks` chunks (of total_chunks; ids as in
 // kvd_store) from `src` (chunk j at src + j*object_bytes) into the engine's blocks on `stream`,
 // skipping the blocks of the first skip_tokens tokens (a multiple of every group's block size,
-// else KVD_EINVAL with nothing enqueued).
+// else KVD_EINVAL with nothing enqueued); then, if `done_word` is not null, the write of
+// `done_value` into it (kvd_engine_signal): the ring region may be reused once the word holds
+// the value, read from the CPU, with no CUDA event to create, record, query and destroy per
+// retrieve (each a driver call of several microseconds of CPU on the hosts measured).
 int kvd_engine_scatter(const KvdEngine* eng, const int32_t* ids, int64_t total_chunks, int64_t nchunks,
-                       const void* src_staging, int64_t skip_tokens, cudaStream_t stream) {
+                       const void* src_staging, int64_t skip_tokens, void* done_word, uint64_t done_value,
+                       cudaStream_t stream) {
   if (eng == nullptr || ids == nullptr || src_staging == nullptr || nchunks <= 0 || nchunks > total_chunks ||
       skip_tokens < 0)
     return KVD_EINVAL;
-  if ((uintptr_t)src_staging % 256) return KVD_EALIGN;
+  if ((uintptr_t)src_staging % 256 || (uintptr_t)done_word % 8) return KVD_EALIGN;
   std::vector<KvdPart> many;
   KvdPart few[KVD_FUSED_PARTS];
   KvdPart* parts = eng->ngroups <= KVD_FUSED_PARTS ? few : (many.resize(eng->ngroups), many.data());
@@ -204,6 +208,7 @@ int kvd_engine_scatter(const KvdEngine* eng, const int32_t* ids, int64_t total_c
   int rc = use_device(eng->device);
   if (!rc) rc = engine_copy(eng, parts, eng->ngroups, static_cast<uint8_t*>(const_cast<void*>(src_staging)), 0,
                             stream);
+  if (!rc && done_word != nullptr) rc = kvd_engine_signal(done_word, done_value, stream);
   return rc;
 }
 
