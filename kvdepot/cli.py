@@ -47,6 +47,7 @@ def cmd_serve(args) -> int:
         endpoints=v["endpoint"], l1_capacity_bytes=v["l1_bytes"], metrics_port=v["metrics_port"],
         metrics_addr=v["metrics_addr"], pin_ttl_s=v["pin_ttl_s"], transfer_threads=v["transfer_threads"],
         staging_batch_bytes=v["staging_batch_bytes"], pin_l1=v["pin_l1"], busy_poll_us=v["busy_poll_us"],
+        busy_poll_max_inflight=v["busy_poll_max_inflight"],
         curve=curve, l2_path=v["l2_path"], l2_capacity_bytes=v["l2_bytes"], l2_queue_bytes=v["l2_queue_bytes"],
         l2_io_threads=v["l2_io_threads"], l2_direct_io=v["l2_direct_io"], l3_url=v["l3_url"],
         l3_cluster=v["l3_cluster"], l3_prefix=v["l3_prefix"], l3_ttl_s=v["l3_ttl_s"], l3_timeout_s=v["l3_timeout_s"],

@@ -177,6 +177,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("busy_poll_us", "--busy-poll-us", _int, 2000,
             "after each request or reply, poll without sleeping this many microseconds (one core busy while "
             "requests flow; lower latency); 0 = sleep at once", metavar="US"),
+    Setting("busy_poll_max_inflight", "--busy-poll-max-inflight", _int, 2,
+            "busy-poll only while at most this many copies are in flight: with more, the copies queued "
+            "on the link keep it busy through a sleeping loop's wake-up, and polling would only burn a "
+            "core; -1 = whatever is in flight", metavar="N"),
     Setting("log_level", "--log-level", _log_level, "info", "debug, info, warning or error",
             env="KVDEPOT_LOG_LEVEL", metavar="LEVEL"),
     Setting("curve_secret_key", "--curve-secret-key", _str, None,

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from transfer_bench.procs import process_cpu_s
+from transfer_bench.procs import busy_threads, process_cpu_s, thread_cpu_s
 from transfer_bench.shapes import SHAPES
 
 PHASES = ("store", "retrieve", "mixed")
@@ -155,8 +155,10 @@ def run_many_engines(endpoint: str, daemon_pid: int | None, engines: int, shape_
             try:
                 barrier.wait(_BARRIER_TIMEOUT_S)  # every engine registered (first phase) and ready
                 cpu0, w0 = (process_cpu_s(daemon_pid) if daemon_pid else 0.0), time.monotonic()
+                th0 = thread_cpu_s(daemon_pid) if daemon_pid else {}
                 barrier.wait(_BARRIER_TIMEOUT_S)  # every engine finished the phase
                 cpu1, w1 = (process_cpu_s(daemon_pid) if daemon_pid else 0.0), time.monotonic()
+                th1 = thread_cpu_s(daemon_pid) if daemon_pid else {}
             except Exception:  # noqa: BLE001 - a broken barrier: an engine failed; its error is queued
                 errors = []
                 with_timeout = time.monotonic() + 5
@@ -178,7 +180,8 @@ def run_many_engines(endpoint: str, daemon_pid: int | None, engines: int, shape_
                 "retrieve_gbps": by_op["retrieve"] / span_s / 1e9,
                 "gbps": (by_op["store"] + by_op["retrieve"]) / span_s / 1e9,
                 "chunks_done": done, "chunks_expected": expected,
-                "daemon_cores": (cpu1 - cpu0) / (w1 - w0) if daemon_pid else None}
+                "daemon_cores": (cpu1 - cpu0) / (w1 - w0) if daemon_pid else None,
+                "daemon_threads": busy_threads(th0, th1, w1 - w0) if daemon_pid else {}}
         for p in procs:
             p.join(60)
     finally:
@@ -200,7 +203,10 @@ def format_many(r: dict) -> str:
 
     def cores(p: str) -> str:
         c = ph[p]["daemon_cores"]
-        return "n/a" if c is None else f"{c:.2f}"
+        if c is None:
+            return "n/a"
+        busy = sorted(((v, n) for n, v in ph[p].get("daemon_threads", {}).items() if v >= 0.05), reverse=True)
+        return f"{c:.2f}" + (f" ({', '.join(f'{n} {v:.2f}' for v, n in busy)})" if busy else "")
 
     short = [f"{p}: {ph[p]['chunks_done']} of {ph[p]['chunks_expected']}" for p in PHASES
              if ph[p]["chunks_done"] != ph[p]["chunks_expected"]]

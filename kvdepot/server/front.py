@@ -111,8 +111,11 @@ class SocketFront:
         self._send(identity, frame)       # a point taken after the send)
 
     def _note_activity(self) -> None:
-        """Keep the loop polling without sleeping for ``busy_poll_us`` from now (see DaemonConfig).
-        A callback that re-queues itself makes uvloop poll its descriptors with a zero timeout."""
+        """Keep the loop polling without sleeping for ``busy_poll_us`` from now (see DaemonConfig),
+        unless more than ``busy_poll_max_inflight`` copies are in flight. A callback that
+        re-queues itself makes uvloop poll its descriptors with a zero timeout."""
+        if 0 <= self._busy_poll_max_inflight < len(self.inflight):
+            return
         self._busy_until = time.monotonic() + self._busy_poll_s
         if not self._spinning:
             self._spinning = True

@@ -32,3 +32,27 @@ def test_an_unencodable_reply_becomes_an_internal_error_reply():
     assert "OverflowError" in err.message and f.errors == ["INTERNAL"]
     f._reply(b"engine", m.LookupReply(rid=6, hit_chunks=2))
     assert codec.decode_reply(f.sent[1][1]) == m.LookupReply(rid=6, hit_chunks=2)
+
+
+def test_the_loop_busy_polls_only_while_few_copies_are_in_flight():
+    """`--busy-poll-max-inflight`: with more copies in flight than that, a request or reply does
+    not start the loop's busy poll (the queued copies keep the link busy through a wake-up);
+    with fewer it does, and -1 polls whatever is in flight."""
+    scheduled = []
+
+    class Loop:
+        def call_soon(self, fn):
+            scheduled.append(fn)
+
+    def front(max_inflight: int, inflight: int) -> _Front:
+        f = _Front()
+        f._loop, f._busy_poll_s, f._busy_until, f._spinning = Loop(), 0.002, 0.0, False
+        f._busy_poll_max_inflight = max_inflight
+        f.inflight = dict.fromkeys(range(inflight))
+        return f
+
+    for max_inflight, inflight, polls in ((2, 3, False), (2, 2, True), (2, 0, True), (-1, 64, True), (0, 1, False)):
+        scheduled.clear()
+        f = front(max_inflight, inflight)
+        f._note_activity()
+        assert f._spinning is polls and len(scheduled) == int(polls), (max_inflight, inflight)
