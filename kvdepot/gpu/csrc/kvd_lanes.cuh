@@ -110,16 +110,22 @@ static int64_t now_ns() {
 // 40 us before the request's expected end (bytes at the lane's observed rate), spins on the
 // event from there, and after 300 us past the expected end polls every 5 us (timer slack 1 us).
 // A completion is so seen within microseconds without a core spinning through every copy.
+// With more requests queued behind it, it polls every KVD_WATCH_QUEUED_NAP_NS instead of
+// spinning: the queued copies keep the link busy, and a reply up to that much later costs
+// nothing but the spin's core ($KVDEPOT_WATCH_SPIN_QUEUED: spin anyway, for comparisons).
+#define KVD_WATCH_QUEUED_NAP_NS 20000LL
 static void watcher_main(KvdLane* lane) {
   cudaSetDevice(lane->device);
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   prctl(PR_SET_NAME, "kvd-watch", 0, 0, 0);  // per-thread CPU in top / benchmarks/transfer.py
+  const bool spin_queued = getenv("KVDEPOT_WATCH_SPIN_QUEUED") != nullptr;
   std::unique_lock<std::mutex> lk(lane->mu);
   int64_t prev_done_ns = 0;
   for (;;) {
     lane->cv.wait(lk, [lane] { return lane->stop || !lane->pending.empty(); });
     if (lane->pending.empty()) return;  // stopping, and everything reported
     KvdWatch w = lane->pending.front();
+    const bool queued = !spin_queued && lane->pending.size() > 1;
     lk.unlock();
     cudaError_t e;
     while ((e = cudaEventQuery(w.ev)) == cudaErrorNotReady) {
@@ -131,6 +137,7 @@ static void watcher_main(KvdLane* lane) {
       } else if (now > w.expect_ns + 300000) {
         nap = 5000;
       }
+      if (queued && nap < KVD_WATCH_QUEUED_NAP_NS) nap = KVD_WATCH_QUEUED_NAP_NS;
       if (nap > 0) {
         struct timespec d = {0, (long)nap};
         nanosleep(&d, nullptr);
