@@ -176,7 +176,7 @@ SETTINGS: tuple[Setting, ...] = (
             "themselves)", metavar="BYTES"),
     Setting("busy_poll_us", "--busy-poll-us", _int, 2000,
             "after each request or reply, poll without sleeping this many microseconds (one core busy while "
-            "requests flow; lower latency); 0 = sleep at once", metavar="US"),
+            "few requests flow; lower latency); 0 = sleep at once", metavar="US"),
     Setting("busy_poll_max_inflight", "--busy-poll-max-inflight", _int, 2,
             "busy-poll only while at most this many copies are in flight: with more, the copies queued "
             "on the link keep it busy through a sleeping loop's wake-up, and polling would only burn a "
