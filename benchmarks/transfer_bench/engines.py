@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from transfer_bench.procs import busy_threads, process_cpu_s, thread_cpu_s
+from transfer_bench.procs import busy_text, busy_threads, process_cpu_s, thread_cpu_s
 from transfer_bench.shapes import SHAPES
 
 PHASES = ("store", "retrieve", "mixed")
@@ -205,8 +205,8 @@ def format_many(r: dict) -> str:
         c = ph[p]["daemon_cores"]
         if c is None:
             return "n/a"
-        busy = sorted(((v, n) for n, v in ph[p].get("daemon_threads", {}).items() if v >= 0.05), reverse=True)
-        return f"{c:.2f}" + (f" ({', '.join(f'{n} {v:.2f}' for v, n in busy)})" if busy else "")
+        busy = busy_text(ph[p].get("daemon_threads", {}))
+        return f"{c:.2f}" + (f" ({busy})" if busy else "")
 
     short = [f"{p}: {ph[p]['chunks_done']} of {ph[p]['chunks_expected']}" for p in PHASES
              if ph[p]["chunks_done"] != ph[p]["chunks_expected"]]

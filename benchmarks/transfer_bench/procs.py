@@ -64,6 +64,12 @@ def busy_threads(before: dict[int, tuple[str, float]], after: dict[int, tuple[st
             out[name] = out.get(name, 0.0) + (cpu - before[tid][1]) / wall_s
     return out
 
+
+def busy_text(threads: dict[str, float], floor: float = 0.05) -> str:
+    """'main 0.35, kvd-issue 0.05': `busy_threads`' threads of at least ``floor`` cores, busiest first."""
+    busy = sorted(((v, n) for n, v in threads.items() if v >= floor), reverse=True)
+    return ", ".join(f"{n} {v:.2f}" for v, n in busy)
+
 _ECHO_SERVER = r"""
 import sys, zmq
 ctx = zmq.Context()

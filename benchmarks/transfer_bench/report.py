@@ -7,6 +7,8 @@ import json
 import os
 import statistics
 
+from transfer_bench.procs import busy_text
+
 HEADER = (f"{'shape':<19} {'chunk':>5} {'MiB x n':>11} | {'roofline d2h/h2d/both':>21} | "
           f"{'store GB/s (%roof, x dma, x torch)':<36} | {'retrieve GB/s (%roof, x dma, x torch)':<36} | "
           f"{'both GB/s (%roof)':<17} | lone overhead store/retrieve vs 2x zmq")
@@ -51,8 +53,7 @@ def _cores(cores: dict | None) -> str:
         text = f"{p} {fmt(c['engine'])}/{fmt(c['daemon'])}"
         if "engine_thread_max" not in c:
             return text
-        busy = sorted(((v, n) for n, v in c.get("daemon_threads", {}).items() if v >= 0.05), reverse=True)
-        daemon = ", ".join(f"{n} {v:.2f}" for v, n in busy)
+        daemon = busy_text(c.get("daemon_threads", {}))
         return text + f" (threads: engine max {c['engine_thread_max']:.2f}" + (f"; daemon {daemon})" if daemon else ")")
 
     return "; CPU cores engine/daemon: " + ", ".join(phase(p, c) for p, c in cores.items())

@@ -17,6 +17,7 @@ from kvdepot.client.kvcache import KVGroupShape
 from kvdepot.gpu.cpu_engine import CpuTransferEngine
 from kvdepot.gpu.layout import group_layers
 from test_kernels import _cache  # a random-filled shared-memory KV cache
+from test_native_path import _chunk_ids  # one chunk's block ids per group
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -37,8 +38,7 @@ CASES = [
 def _objects(cpu, lay, ids, n):
     ref = torch.zeros(n * lay.object_bytes, dtype=torch.uint8)
     for j in range(n):
-        cpu.gather(ref[j * lay.object_bytes:(j + 1) * lay.object_bytes],
-                   [g_ids[j * lay.blocks_per_chunk(g):(j + 1) * lay.blocks_per_chunk(g)] for g, g_ids in enumerate(ids)])
+        cpu.gather(ref[j * lay.object_bytes:(j + 1) * lay.object_bytes], _chunk_ids(lay, ids, j))
     return ref
 
 
@@ -105,9 +105,8 @@ def test_engine_gather_and_scatter_of_every_group_match_the_cpu_engine(groups, l
             left = skip - j * CHUNK  # tokens of this chunk still skipped (a 64-token block skips two chunks)
             if left >= CHUNK:
                 continue
-            cpu_dst.scatter(ref[j * lay.object_bytes:(j + 1) * lay.object_bytes],
-                            [g_ids[j * lay.blocks_per_chunk(g):(j + 1) * lay.blocks_per_chunk(g)]
-                             for g, g_ids in enumerate(ids_scatter)], skip_tokens=max(0, left))
+            cpu_dst.scatter(ref[j * lay.object_bytes:(j + 1) * lay.object_bytes], _chunk_ids(lay, ids_scatter, j),
+                            skip_tokens=max(0, left))
         got = dst_dev.cpu()
         assert torch.equal(got, expect)  # the CPU engine leaves a -1 slot alone too
         # ... and the null slot's would-be block kept its bytes
