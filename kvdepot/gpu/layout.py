@@ -266,12 +266,15 @@ class EngineLayout:
     fingerprint: str
     # per gid, the blocks every layer of the gid has (valid block ids are below it)
     num_blocks: list[int] = dataclasses.field(init=False)
+    # per gid, the blocks of one chunk (chunk_size // tokens_per_block)
+    chunk_blocks: list[int] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         nb: dict[int, int] = {}
         for g in self.groups:
             nb[g.gid] = min(nb.get(g.gid, g.view.num_blocks), g.view.num_blocks)
         self.num_blocks = [nb.get(gid, 0) for gid in range(len(self.tokens_per_block))]
+        self.chunk_blocks = [self.chunk_size // t for t in self.tokens_per_block]
 
     def blocks_per_chunk(self, gid: int) -> int:
         return self.chunk_size // self.tokens_per_block[gid]

@@ -268,16 +268,13 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
 
     def _check_block_ids(self, reg: Registration, block_ids: Sequence[Sequence[int]], num_chunks: int) -> None:
         lay = reg.layout
-        if len(block_ids) != len(lay.tokens_per_block):
+        if len(block_ids) != len(lay.chunk_blocks):
             raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                               f"block_ids has {len(block_ids)} groups, registration has {len(lay.tokens_per_block)}")
-        num_blocks = lay.num_blocks
-        for gid, ids in enumerate(block_ids):
-            need = num_chunks * lay.blocks_per_chunk(gid)
-            if len(ids) != need:
+                               f"block_ids has {len(block_ids)} groups, registration has {len(lay.chunk_blocks)}")
+        for gid, (ids, per_chunk, nb) in enumerate(zip(block_ids, lay.chunk_blocks, lay.num_blocks)):
+            if len(ids) != num_chunks * per_chunk:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                                   f"gid {gid}: {len(ids)} block ids for {num_chunks} chunks, need {need}")
-            nb = num_blocks[gid]
+                                   f"gid {gid}: {len(ids)} block ids for {num_chunks} chunks, need {num_chunks * per_chunk}")
             if ids and max(ids) >= nb:  # ids are >= 0, or -1 in a RETRIEVE (the decoder checks)
                 raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                    f"gid {gid}: block id {max(ids)} out of range [0, {nb})")
@@ -290,8 +287,8 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
             out.append(ids[j * n : (j + 1) * n])
         return out
 
-    def _op_metrics(self, reg: Registration, op: str):
-        """(bytes counter, tokens counter, seconds histogram) children for ``reg``'s model and
+    def _op_metrics(self, reg: Registration, op: str) -> tuple:
+        """(bytes counter, tokens counter, seconds histogram) series for ``reg``'s model and
         ``op``, looked up once per registration (``labels()`` is not free on the hot path)."""
         got = reg.metric_children.get(op)
         if got is None:
@@ -302,16 +299,18 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
 
     def _count_transfer(self, reg: Registration, op: str, num_chunks: int, seconds: float | None = None) -> None:
         """Metrics and describe() counters of ``num_chunks`` chunks moved by ``op``."""
-        mb, mt, ms = self._op_metrics(reg, op)
+        mb, mt, ms = reg.metric_children.get(op) or self._op_metrics(reg, op)
         if seconds is not None:
             ms.observe(seconds)
-        mb.inc(num_chunks * reg.layout.object_bytes)
-        mt.inc(num_chunks * reg.layout.chunk_size)
+        lay = reg.layout
+        mb.value += num_chunks * lay.object_bytes  # (CounterCell.inc, without its check: never negative here)
+        mt.value += num_chunks * lay.chunk_size
         if op == "store":
             reg.stored_chunks += num_chunks
+            self.stats["stored_chunks"] += num_chunks
         else:
             reg.retrieved_chunks += num_chunks
-        self.stats["stored_chunks" if op == "store" else "retrieved_chunks"] += num_chunks
+            self.stats["retrieved_chunks"] += num_chunks
 
     def _finish_transfer(self, reg: Registration, staging_seq: int = 0) -> None:
         reg.active -= 1
@@ -376,8 +375,9 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
         return reg
 
     @staticmethod
-    def _staging_ptrs(reg: Registration, offset: int, chunks: Sequence[int]) -> list[int]:
-        """Device addresses of chunks ``chunks`` of a request in the engine's staging buffer.
+    def _staging_base(reg: Registration, offset: int, num_chunks: int) -> int:
+        """Device address of a request's chunk 0 in the engine's staging buffer (chunk j at
+        ``+ j * object_bytes``), for a request of ``num_chunks`` chunks at byte ``offset``.
 
         Raises:
             RequestError(INVALID_ARGUMENT): no staging buffer was registered (or this daemon
@@ -386,13 +386,12 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
         if not reg.staging_bytes:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "staging_offset given but the registration has no staging "
                                                            "buffer this daemon serves (RegisterReply.staging)")
-        ob = reg.layout.object_bytes
-        end = offset + (max(chunks) + 1) * ob if chunks else offset
+        end = offset + num_chunks * reg.layout.object_bytes
         if offset % 256 or end > reg.staging_bytes:
             raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                f"staging_offset {offset}: chunks up to byte {end} do not fit the {reg.staging_bytes}-byte "
                                "staging buffer, or the offset is not a multiple of 256")
-        return [reg.staging_ptr + offset + j * ob for j in chunks]
+        return reg.staging_ptr + offset
 
     def _on_register(self, identity: bytes, req: m.Register) -> m.Msg:
         layout = group_layers(req.layers, req.groups, req.chunk_size, [s.size_bytes for s in req.storages])

@@ -90,7 +90,8 @@ class SocketFront:
             self._reply_error(identity, req.rid, RequestError(ErrorCode.UNSUPPORTED, type(req).__name__))
             return
         self._request_cells[type(req)].value += 1
-        trace_point(req.rid, "start")
+        if _TRACE is not None:
+            trace_point(req.rid, "start")
         try:
             if self._tcp is not None and identity.startswith(TCP_TAG):
                 authorize(req, self._tcp.authenticated)
@@ -107,8 +108,9 @@ class SocketFront:
         except Exception as exc:  # noqa: BLE001 - a reply that cannot be encoded still gets an answer
             self._reply_error(identity, reply.rid, exc)
             return
-        trace_point(reply.rid, "reply")  # encoded, handed to the socket now (a client may read it before
-        self._send(identity, frame)       # a point taken after the send)
+        if _TRACE is not None:  # encoded, handed to the socket now (a client may read it before a point
+            trace_point(reply.rid, "reply")  # taken after the send)
+        self._send(identity, frame)
 
     def _note_activity(self) -> None:
         """Keep the loop polling without sleeping for ``busy_poll_us`` from now (see DaemonConfig),

@@ -145,8 +145,11 @@ class ChunkIndex:
         if e.state is EntryState.WRITING:
             # memory is freed by commit/abort of the writer; mark it so commit does not publish it
             return
-        e.state = EntryState.DOOMED
-        self._maybe_free(e, evicted)
+        if e.readers:
+            e.state = EntryState.DOOMED  # freed when its last reader leaves (`_maybe_free`)
+        else:
+            e.state = None  # freed; no further transitions
+            self._free(e, evicted)
 
     def _maybe_free(self, e: Entry, evicted: bool = False) -> None:
         if e.state is EntryState.DOOMED and e.readers == 0:
@@ -155,8 +158,9 @@ class ChunkIndex:
 
     def evict_one(self) -> Entry | None:
         """Evict the least recently used evictable leaf; None if nothing is evictable."""
+        ready = EntryState.READY
         for e in self._entries.values():
-            if e.state is EntryState.READY and e.readers == 0 and e.children == 0:
+            if e.state is ready and e.readers == 0 and e.children == 0:
                 self._remove(e, evicted=True)
                 self.evictions += 1
                 return e

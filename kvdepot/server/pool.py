@@ -56,7 +56,8 @@ class ExtentAllocator:
         ``limit_bytes``: only extents that end at or below it (the pinned part of L1)."""
         if size_bytes <= 0:
             raise ValueError("size_bytes must be > 0")
-        need = _round_up(size_bytes, self.align_bytes)
+        a = self.align_bytes
+        need = (size_bytes + a - 1) // a * a  # (`_round_up`, inline: every store allocates)
         limit = self.capacity_bytes if limit_bytes is None else limit_bytes
         for i, start in enumerate(self._starts):
             if start + need > limit:

@@ -54,6 +54,7 @@ class Tiering:
         """Tier gauges and lower tiers' counters are read at scrape time (nothing to update per
         request)."""
         mt = self.metrics
+        self._l1_evictions = mt.evictions.labels("l1")  # bumped by every eviction from L1 (`_alloc`)
         mt.tier_capacity_bytes.labels("l1").set(self.pool.capacity_bytes)
         mt.tier_used_bytes.labels("l1").set_function(lambda: self.pool.used_bytes)
         mt.tier_objects.labels("l1").set_function(lambda: len(self.index))
@@ -99,16 +100,17 @@ class Tiering:
     def _alloc(self, size_bytes: int) -> int | None:
         """An L1 extent, evicting least recently used leaves (to L2 where there is one) until it
         fits; None when nothing more is evictable."""
-        if size_bytes > self.pool.allocator.segment_bytes:
+        pool = self.pool
+        allocator = pool.allocator
+        if size_bytes > allocator.segment_bytes:
             return None  # can never fit: evicting would only empty the cache for nothing
         while True:
-            off = self.pool.alloc(size_bytes)
+            off = allocator.alloc(size_bytes, pool.usable_bytes)  # (`HostPool.alloc`)
             if off is not None:
                 return off
-            victim = self.index.evict_one()
-            if victim is None:
+            if self.index.evict_one() is None:
                 return None
-            self.metrics.evictions.labels("l1").inc()
+            self._l1_evictions.value += 1
 
     def _free_entry(self, e: Entry, evicted: bool) -> None:
         """The index no longer needs ``e``'s extent: an evicted entry is written to L2 first

@@ -17,6 +17,8 @@ from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, RequestError
 from kvdepot.server.index import Entry, EntryState
 
+READY = EntryState.READY
+
 if TYPE_CHECKING:
     from kvdepot.server.registration import Registration
 
@@ -32,21 +34,26 @@ class TransferHandlers:
 
     def _on_store(self, identity: bytes, req: m.Store) -> m.Msg | None:
         """Plan the store on the loop (index, allocation), start the copies, and reply from
-        their completion callback (no task per request)."""
-        reg = self._registration(req.registration)
+        their completion callback (no task per request). The hot path of small requests:
+        measured per request by ``benchmarks/daemon_cpu.py``."""
+        reg = self.registrations.get(req.registration) or self._registration(req.registration)
         lay = reg.layout
-        n = len(req.keys)
+        keys = req.keys
+        n = len(keys)
         self._check_block_ids(reg, req.block_ids, n)
-        reg.check_memory()
-        staged = req.staging_offset >= 0  # a CPU registration has no staging: refused in _staging_ptrs
-        staged_ptrs = self._staging_ptrs(reg, req.staging_offset, range(n)) if staged else []
-        seq = self._staged_accept(reg, req.staging_seq) if staged else 0
+        if reg.files:
+            reg.check_memory()
+        staged = req.staging_offset >= 0  # a CPU registration has no staging: refused in _staging_base
+        staged_base = self._staging_base(reg, req.staging_offset, n) if staged else 0
+        seq = self._staged_accept(reg, req.staging_seq) if staged and req.staging_seq else 0
         fence = None
         if req.fence:
             if not staged or reg.fence is None:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, "fence given but the store is not staged, or the "
                                                                "registration has no fence words (RegisterReply.fence)")
             fence = (reg.fence.word_ptr(req.fence), req.fence)
+        index = self.index
+        ob = lay.object_bytes
         held: list[Entry] = []  # present entries kept from eviction while this store allocates
         new: list[tuple[int, Entry]] = []
         present = 0
@@ -61,91 +68,60 @@ class TransferHandlers:
         # not stored again, and its children are stored unlinked (`ChunkIndex.begin_write`).
         l2 = self.l2
         if parent:
-            p = self.index.get(parent)
+            p = index.get(parent)
             if p is None:
                 if l2 is None or l2.ready(parent) is None:
                     reason = "parent_missing"
-            elif p.state is EntryState.READY:
-                self.index.acquire(p)
+            elif p.state is READY:
+                index.acquire(p)
                 held.append(p)
         if not reason:
-            for j, key in enumerate(req.keys):
-                e = self.index.get(key)
+            for j, key in enumerate(keys):
+                e = index.get(key)
                 if e is None and l2 is not None:
                     d = l2.ready(key)
-                    if d is not None and d.size_bytes == lay.object_bytes:
+                    if d is not None and d.size_bytes == ob:
                         present += 1
                         parent = key
                         continue
                 if e is not None:
-                    if e.size_bytes != lay.object_bytes:
+                    if e.size_bytes != ob:
                         reason = "parent_missing"  # another object format under this key: never chain onto it
                         break
-                    if e.state is EntryState.READY:  # (else WRITING: no reader may hold it; its children keep it)
-                        self.index.acquire(e)
+                    if e.state is READY:  # (else WRITING: no reader may hold it; its children keep it)
+                        index.acquire(e)
                         held.append(e)
                     present += 1
                 else:
-                    off = self._alloc(lay.object_bytes)
+                    off = self._alloc(ob)
                     if off is None:
                         reason = "capacity"
                         break
-                    new.append((j, self.index.begin_write(key, parent, off, lay.object_bytes, reg.model, req.cache_salt,
-                                                          lay.fingerprint)))
+                    new.append((j, index.begin_write(key, parent, off, ob, reg.model, req.cache_salt, lay.fingerprint)))
                 parent = key
         skipped = n - present - len(new)
         if reason:
             self.metrics.store_skipped_chunks.labels(reason).inc(skipped)
         # Every store is answered once its copies completed (`Store.reply_early` is ignored).
         reply = m.StoreReply(rid=req.rid, stored=len(new), present=present, skipped=skipped)
-
-        def release_held() -> None:
-            for e in held:
-                self.index.release(e)
-            self.index.touch_chain(list(req.keys))
-
         if not new:
-            release_held()
+            self._store_release(held, keys)
             return reply
         reg.active += 1
-        self._staged_begin(reg, seq)
-        t0 = time.perf_counter()
-
-        token = self.watch("store", reg.id, identity, req.rid, len(new) * lay.object_bytes, reply_pending=True)
-
-        def finish(err: BaseException | None) -> None:  # on the loop, once the copies ended
-            trace_point(req.rid, "gpu_done")
-            self._finish_transfer(reg, seq)
-            stuck = self.unwatch(token)  # answered TIMEOUT by the watchdog: publish nothing, reply nothing
-            try:
-                if err is not None or stuck:
-                    for _, e in reversed(new):
-                        self.index.abort(e)
-                    if stuck:
-                        return
-                    if not isinstance(err, RequestError):
-                        err = RequestError(ErrorCode.ENGINE_MEMORY, f"store copy failed: {err}")
-                    self._reply_error(identity, req.rid, err)
-                    return
-                for _, e in new:
-                    self.index.commit(e)
-                self._spill_ahead()
-                self._write_through([e for _, e in new])
-                elapsed_s = time.perf_counter() - t0
-                self._reply(identity, reply)  # before the metrics: a lone store waits for this reply
-                self._count_transfer(reg, "store", len(new), elapsed_s)
-            finally:
-                release_held()
-
-        trace_point(req.rid, "enqueue")
+        if seq:
+            reg.staged_busy[seq] = reg.staged_busy.get(seq, 0) + 1  # (`_staged_begin`)
+        t0 = time.monotonic()
+        token = self.watch("store", reg.id, identity, req.rid, len(new) * ob, True, t0)
+        finish = functools.partial(self._store_done, identity, reg, req, reply, new, held, seq, token, t0)
+        if _TRACE is not None:
+            trace_point(req.rid, "enqueue")
         try:
             if reg.cuda_device is None:
                 self._in_executor(finish, self._gather, reg, req.block_ids, new)
             elif staged:
                 base = self.pool.base_ptr
                 self._cuda.path(reg.cuda_device).copy_staged(
-                    True, [staged_ptrs[j] for j, _ in new], [base + e.offset for _, e in new], lay.object_bytes, fence,
-                    finish)
+                    True, [staged_base + j * ob for j, _ in new], [base + e.offset for _, e in new], ob, fence, finish)
             else:
                 base = self.pool.base_ptr
                 self._cuda.path(reg.cuda_device).store(
@@ -153,8 +129,51 @@ class TransferHandlers:
         except BaseException as exc:  # nothing was enqueued: roll back now
             finish(exc)
             return None
-        trace_point(req.rid, "enqueued")
+        if _TRACE is not None:
+            trace_point(req.rid, "enqueued")
         return None
+
+    def _store_done(self, identity: bytes, reg: Registration, req: m.Store, reply: m.StoreReply,
+                    new: list[tuple[int, Entry]], held: list[Entry], seq: int, token: int, t0: float,
+                    err: BaseException | None) -> None:
+        """A store's copies ended (``err``: why not; on the loop): publish its chunks and reply,
+        or drop them and answer the error."""
+        if _TRACE is not None:
+            trace_point(req.rid, "gpu_done")
+        reg.active -= 1  # (`_finish_transfer`)
+        if seq:
+            self._staged_end(reg, seq)
+        if reg.closed and reg.active == 0:
+            reg.release_memory()
+        stuck = self.unwatch(token)  # answered TIMEOUT by the watchdog: publish nothing, reply nothing
+        try:
+            index = self.index
+            if err is not None or stuck:
+                for _, e in reversed(new):
+                    index.abort(e)
+                if stuck:
+                    return
+                if not isinstance(err, RequestError):
+                    err = RequestError(ErrorCode.ENGINE_MEMORY, f"store copy failed: {err}")
+                self._reply_error(identity, req.rid, err)
+                return
+            for _, e in new:
+                index.commit(e)
+            if self.l2 is not None:
+                self._spill_ahead()
+            if self.l3 is not None:
+                self._write_through([e for _, e in new])
+            elapsed_s = time.monotonic() - t0
+            self._reply(identity, reply)  # before the metrics: a lone store waits for this reply
+            self._count_transfer(reg, "store", len(new), elapsed_s)
+        finally:
+            self._store_release(held, req.keys)
+
+    def _store_release(self, held: list[Entry], keys: list[bytes]) -> None:
+        index = self.index
+        for e in held:
+            index.release(e)
+        index.touch_chain(keys)
 
     def _in_executor(self, finish: Callable[[BaseException | None], None], fn, *args) -> None:
         """Run ``fn(*args)`` in the copy threads; ``finish(error or None)`` runs on the loop."""
@@ -176,34 +195,41 @@ class TransferHandlers:
     def _on_retrieve(self, identity: bytes, req: m.Retrieve, promote: bool = True) -> m.Msg | None:
         """``promote``: chunks only L2 holds are read into L1 first (the reply then comes once
         they are; `Tiering._promotions`)."""
-        reg = self._registration(req.registration)
+        reg = self.registrations.get(req.registration) or self._registration(req.registration)
         lay = reg.layout
-        n = len(req.keys)
+        keys = req.keys
+        n = len(keys)
         self._check_block_ids(reg, req.block_ids, n)
-        reg.check_memory()
+        if reg.files:
+            reg.check_memory()
         if req.skip_tokens and (req.skip_tokens >= n * lay.chunk_size
                                 or any(req.skip_tokens % t for t in lay.tokens_per_block)):
             raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                f"skip_tokens {req.skip_tokens} must be a multiple of every group's tokens per block "
                                f"{lay.tokens_per_block} and less than {n * lay.chunk_size}")
-        # staged: chunk j's address in the engine's ring (refused here, before acquiring anything)
-        staged_ptrs = self._staging_ptrs(reg, req.staging_offset, range(n)) if req.staging_offset >= 0 else None
+        # staged: chunk j at staged_base + j * object_bytes in the engine's ring (refused here,
+        # before acquiring anything)
+        staged = req.staging_offset >= 0
+        staged_base = self._staging_base(reg, req.staging_offset, n) if staged else 0
         if promote:
-            seq = self._staged_accept(reg, req.staging_seq) if staged_ptrs is not None else 0
-            waits = self._promotions(req.keys, lay.object_bytes)
-            if waits:
-                self._staged_begin(reg, seq)  # accepted: a Drain waits for it (`_after_promotions` ends it)
-                self._after_promotions(identity, req, waits)
-                return None
+            seq = self._staged_accept(reg, req.staging_seq) if staged and req.staging_seq else 0
+            if self.l2 is not None or self.l3 is not None:
+                waits = self._promotions(keys, lay.object_bytes)
+                if waits:
+                    self._staged_begin(reg, seq)  # accepted: a Drain waits for it (`_after_promotions` ends it)
+                    self._after_promotions(identity, req, waits)
+                    return None
+        index = self.index
+        ob = lay.object_bytes
         entries: list[Entry] = []
-        for key in req.keys:
-            e = self.index.ready(key)
-            if e is None or e.size_bytes != lay.object_bytes:
+        for key in keys:
+            e = index.get(key)
+            if e is None or e.state is not READY or e.size_bytes != ob:
                 break
-            self.index.acquire(e)
+            e.readers += 1  # (`ChunkIndex.acquire`)
             entries.append(e)
         if reg.cuda_device is not None:
-            return self._retrieve_cuda(identity, reg, req, entries, staged_ptrs)
+            return self._retrieve_cuda(identity, reg, req, entries, staged_base if staged else None)
         if not entries:
             return m.RetrieveReply(rid=req.rid, retrieved=0)
         reg.active += 1
@@ -237,49 +263,33 @@ class TransferHandlers:
         return None
 
     def _retrieve_cuda(self, identity: bytes, reg: Registration, req: m.Retrieve, entries: list[Entry],
-                       staged_ptrs: list[int] | None) -> m.Msg | None:
+                       staged_base: int | None) -> m.Msg | None:
         """Enqueue the copies; reply once they completed (the engine's blocks or staging ring
         hold the chunks then: an interprocess event handed out for the engine to wait on was
         found to report a record complete before the copies ran, `KVDepotClient._fence`).
-        The entries stay acquired until then. ``staged_ptrs``: chunk j's address in the
-        engine's staging ring (staged), else None (the daemon scatters)."""
+        The entries stay acquired until then. ``staged_base``: chunk 0's address in the
+        engine's staging ring (chunk j at ``+ j * object_bytes``; staged), else None (the
+        daemon scatters)."""
         if not entries:
-            self.index.touch_chain([])
             return m.RetrieveReply(rid=req.rid, retrieved=0)
         reg.active += 1
-        seq = req.staging_seq if staged_ptrs is not None else 0
-        self._staged_begin(reg, seq)
-        t0 = time.perf_counter()
-        token = self.watch("retrieve", reg.id, identity, req.rid, len(entries) * reg.layout.object_bytes,
-                           reply_pending=True)
-        enqueued = True
-
-        def done(err: BaseException | None) -> None:
-            trace_point(req.rid, "gpu_done")
-            self._finish_transfer(reg, seq)
-            stuck = self.unwatch(token)
-            for e in entries:
-                self.index.release(e)
-            if not enqueued:  # the caller answers the exception
-                return
-            if err is not None:
-                log.error("CUDA retrieve for %s failed on the GPU: %s", reg.id, err)
-                if not stuck:
-                    self._reply_error(identity, req.rid, RequestError(ErrorCode.ENGINE_MEMORY, f"retrieve copy failed: {err}"))
-                return
-            self._op_metrics(reg, "retrieve")[2].observe(time.perf_counter() - t0)
-            if not stuck:
-                self._reply(identity, m.RetrieveReply(rid=req.rid, retrieved=len(entries)))
-
-        trace_point(req.rid, "enqueue")
+        seq = req.staging_seq if staged_base is not None else 0
+        if seq:
+            reg.staged_busy[seq] = reg.staged_busy.get(seq, 0) + 1  # (`_staged_begin`)
+        ob = reg.layout.object_bytes
+        t0 = time.monotonic()
+        token = self.watch("retrieve", reg.id, identity, req.rid, len(entries) * ob, True, t0)
+        done = functools.partial(self._retrieve_cuda_done, identity, reg, req.rid, entries, seq, token, t0, [True])
+        if _TRACE is not None:
+            trace_point(req.rid, "enqueue")
         base = self.pool.base_ptr
         try:
-            if staged_ptrs is not None:
+            if staged_base is not None:
                 first = req.skip_tokens // reg.layout.chunk_size  # wholly skipped chunks need no copy
                 if first < len(entries):
                     self._cuda.path(reg.cuda_device).copy_staged(
-                        False, [base + e.offset for e in entries[first:]], staged_ptrs[first:len(entries)],
-                        reg.layout.object_bytes, None, done)
+                        False, [base + e.offset for e in entries[first:]],
+                        [staged_base + j * ob for j in range(first, len(entries))], ob, None, done)
                 else:
                     done(None)
             else:
@@ -287,13 +297,40 @@ class TransferHandlers:
                     reg.engine, req.block_ids, len(req.keys), [base + e.offset for e in entries], req.skip_tokens,
                     None, done)
         except BaseException:  # raised before anything was enqueued
-            enqueued = False
+            done.args[-1][0] = False  # the caller answers the exception
             done(None)
             raise
-        trace_point(req.rid, "r_enqueued")
+        if _TRACE is not None:
+            trace_point(req.rid, "r_enqueued")
         self._count_transfer(reg, "retrieve", len(entries))
         self.index.touch_chain([e.key for e in entries])
         return None
+
+    def _retrieve_cuda_done(self, identity: bytes, reg: Registration, rid: int, entries: list[Entry], seq: int,
+                            token: int, t0: float, enqueued: list[bool], err: BaseException | None) -> None:
+        """A CUDA retrieve's copies ended (on the loop): release its entries and reply.
+        ``enqueued[0]`` False: nothing was enqueued and the caller answers the exception."""
+        if _TRACE is not None:
+            trace_point(rid, "gpu_done")
+        reg.active -= 1  # (`_finish_transfer`)
+        if seq:
+            self._staged_end(reg, seq)
+        if reg.closed and reg.active == 0:
+            reg.release_memory()
+        stuck = self.unwatch(token)
+        release = self.index.release
+        for e in entries:
+            release(e)
+        if not enqueued[0]:
+            return
+        if err is not None:
+            log.error("CUDA retrieve for %s failed on the GPU: %s", reg.id, err)
+            if not stuck:
+                self._reply_error(identity, rid, RequestError(ErrorCode.ENGINE_MEMORY, f"retrieve copy failed: {err}"))
+            return
+        (reg.metric_children.get("retrieve") or self._op_metrics(reg, "retrieve"))[2].observe(time.monotonic() - t0)
+        if not stuck:
+            self._reply(identity, m.RetrieveReply(rid=rid, retrieved=len(entries)))
 
     # ------------------------------------------------------------------ Drain (lost staged requests)
 
@@ -311,15 +348,17 @@ class TransferHandlers:
 
     def _staged_begin(self, reg: Registration, seq: int) -> None:
         if seq:
-            reg.staged_busy[seq] += 1
+            reg.staged_busy[seq] = reg.staged_busy.get(seq, 0) + 1
 
     def _staged_end(self, reg: Registration, seq: int) -> None:
         """A staged request's copies ended (or it will copy nothing): answer the Drains it held."""
         if not seq:
             return
         busy = reg.staged_busy
-        busy[seq] -= 1
-        if busy[seq] <= 0:
+        left = busy[seq] - 1
+        if left > 0:
+            busy[seq] = left
+        else:
             del busy[seq]
         if reg.drains:
             low = min(busy) if busy else None

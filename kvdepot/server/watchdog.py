@@ -14,10 +14,10 @@ A mixin of `kvdepot.server.daemon.Daemon` (uses ``config.watchdog_s``, ``metrics
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
+from typing import NamedTuple
 
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, RequestError
@@ -25,11 +25,11 @@ from kvdepot.protocol.errors import ErrorCode, RequestError
 log = logging.getLogger("kvdepot.daemon")
 
 WATCHDOG_MIN_BYTES_PER_S = 100e6  # a copy slower than this (beyond the floor) is stuck
+_NEVER = float("inf")
 
 
-@dataclasses.dataclass(slots=True)
-class Inflight:
-    """One copy in flight."""
+class Inflight(NamedTuple):
+    """One copy in flight (a tuple: one is made per request)."""
 
     op: str  # "store" / "retrieve"
     registration: str
@@ -38,8 +38,7 @@ class Inflight:
     size_bytes: int  # bytes the copy moves
     started_s: float  # time.monotonic() when it was enqueued
     deadline_s: float  # time.monotonic() after which it is stuck
-    reply_pending: bool  # the client still waits for this request's reply
-    stuck_at_s: float = 0.0  # when the watchdog declared it stuck (0: not)
+    reply_pending: bool  # the client waits for this request's reply (answered TIMEOUT once stuck)
 
 
 class Watchdog:
@@ -47,17 +46,19 @@ class Watchdog:
 
     def _init_watchdog(self) -> None:
         self.inflight: dict[int, Inflight] = {}
+        self.stuck: dict[int, float] = {}  # token -> time.monotonic() it was declared stuck
         self._inflight_ids = itertools.count(1)
-        self.metrics.stuck_transfers.labels().set_function(
-            lambda: sum(1 for r in list(self.inflight.values()) if r.stuck_at_s))
+        self.metrics.stuck_transfers.labels().set_function(lambda: len(self.stuck))
 
     def watch(self, op: str, registration: str, identity: bytes, rid: int, size_bytes: int,
-              reply_pending: bool) -> int:
-        """Record a copy just enqueued; returns the token to give `unwatch` when it ends."""
-        now = time.monotonic()
+              reply_pending: bool, now: float | None = None) -> int:
+        """Record a copy just enqueued (``now``: time.monotonic(), if the caller has it);
+        returns the token to give `unwatch` when it ends."""
+        if now is None:
+            now = time.monotonic()
         token = next(self._inflight_ids)
         floor_s = self.config.watchdog_s
-        deadline = now + floor_s + size_bytes / WATCHDOG_MIN_BYTES_PER_S if floor_s > 0 else float("inf")
+        deadline = now + floor_s + size_bytes / WATCHDOG_MIN_BYTES_PER_S if floor_s > 0 else _NEVER
         self.inflight[token] = Inflight(op, registration, rid, identity, size_bytes, now, deadline, reply_pending)
         return token
 
@@ -65,7 +66,7 @@ class Watchdog:
         """The copy of ``token`` ended; True if the watchdog had declared it stuck (its request
         was answered then: no reply now, and a store's chunks must not be published)."""
         rec = self.inflight.pop(token, None)
-        if rec is None or not rec.stuck_at_s:
+        if not self.stuck or rec is None or self.stuck.pop(token, None) is None:
             return False
         log.warning("the stuck %s copy of request %d (%s, %d bytes) ended after %.1f s", rec.op, rec.rid,
                     rec.registration, rec.size_bytes, time.monotonic() - rec.started_s)
@@ -73,16 +74,15 @@ class Watchdog:
 
     def check_stuck(self, now: float) -> None:
         """Declare the copies past their deadline stuck (from the sweeper)."""
-        for rec in self.inflight.values():
-            if rec.stuck_at_s or now < rec.deadline_s:
+        for token, rec in self.inflight.items():
+            if now < rec.deadline_s or token in self.stuck:
                 continue
-            rec.stuck_at_s = now
+            self.stuck[token] = now
             self.metrics.transfers_stuck.labels(rec.op).inc()
             age_s = now - rec.started_s
             log.error("%s copy of request %d (%s, %d bytes) has not completed after %.1f s: declared stuck",
                       rec.op, rec.rid, rec.registration, rec.size_bytes, age_s)
             if rec.reply_pending:
-                rec.reply_pending = False
                 self._reply_error(rec.identity, rec.rid, RequestError(
                     ErrorCode.TIMEOUT, f"the {rec.op} copy ({rec.size_bytes} bytes) has not completed after "
                                        f"{age_s:.1f} s (watchdog); it may still run: keep the blocks"))
@@ -90,6 +90,7 @@ class Watchdog:
     def stuck_infos(self) -> list[m.TransferInfo]:
         """The stuck copies (for `describe`), oldest first."""
         now = time.monotonic()
+        recs = [self.inflight[t] for t in self.stuck if t in self.inflight]
         return [m.TransferInfo(op=r.op, registration=r.registration, rid=r.rid, size_bytes=r.size_bytes,
                                age_s=round(now - r.started_s, 3))
-                for r in self.inflight.values() if r.stuck_at_s]
+                for r in sorted(recs, key=lambda r: r.started_s)]
