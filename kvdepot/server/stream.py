@@ -32,7 +32,6 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.identity: bytes | None = None
         self._pending = bytearray()  # the start of a message that has not fully arrived
-        self._out: list[bytes] | None = None  # frames (with headers) to write at the loop turn's end
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -61,10 +60,8 @@ class _Connection(asyncio.Protocol):
                 log.warning("stream client %r sent a %d-byte message (limit %d): connection closed",
                             self.identity, size, MAX_FRAME_BYTES)
                 # the stream cannot be resynchronized without reading the message: say why, then close
-                frame = codec.error_frame(0, ErrorCode.MALFORMED, f"message of {size} bytes exceeds "
-                                                                  f"{MAX_FRAME_BYTES}; connection closed")
-                self._out = (self._out or []) + [FRAME_HEADER.pack(len(frame)), frame]
-                self.flush()  # now: what was queued, then this, then the close
+                self.write(codec.error_frame(0, ErrorCode.MALFORMED, f"message of {size} bytes exceeds "
+                                                                     f"{MAX_FRAME_BYTES}; connection closed"))
                 self.transport.close()
                 self._pending = bytearray()
                 return
@@ -88,27 +85,15 @@ class _Connection(asyncio.Protocol):
             self._pending = bytearray(data[pos:])
 
     def write(self, frame: bytes) -> None:
-        """Queue ``frame``; the frames queued in one turn of the loop go out in one write
-        (`StreamServer.flush`): the replies of several copies that completed together cost one
-        system call here and one read in the client."""
-        out = self._out
-        if out is None:
-            self._out = [FRAME_HEADER.pack(len(frame)), frame]
-            self.server._queued(self)
-        else:
-            out += (FRAME_HEADER.pack(len(frame)), frame)
-
-    def flush(self) -> None:
-        out, self._out = self._out, None
         t = self.transport
-        if not out or t is None or t.is_closing():
+        if t is None or t.is_closing():
             return
         if t.get_write_buffer_size() > _MAX_UNSENT_BYTES:
             log.warning("stream client %r reads no replies (%d bytes unsent): connection closed",
                         self.identity, t.get_write_buffer_size())
             t.abort()
             return
-        t.write(b"".join(out))
+        t.write(FRAME_HEADER.pack(len(frame)) + frame)
 
     def connection_lost(self, exc) -> None:
         self.server._detach(self)
@@ -152,7 +137,6 @@ class StreamServer:
         self.on_attach = on_attach
         self.on_detach = on_detach
         self._conns: dict[bytes, _Connection] = {}
-        self._to_flush: list[_Connection] = []  # connections with frames queued in this loop turn
         self._servers: list[tuple[asyncio.AbstractServer, str]] = []
 
     async def listen(self, path: str) -> None:
@@ -179,17 +163,6 @@ class StreamServer:
         conn.write(frame)
         return True
 
-    def _queued(self, conn: _Connection) -> None:
-        if not self._to_flush:
-            asyncio.get_running_loop().call_soon(self.flush)
-        self._to_flush.append(conn)
-
-    def flush(self) -> None:
-        """Write every connection's queued frames (runs once per loop turn that queued any)."""
-        conns, self._to_flush = self._to_flush, []
-        for conn in conns:
-            conn.flush()
-
     def _attach(self, conn: _Connection) -> None:
         old = self._conns.get(conn.identity)
         self._conns[conn.identity] = conn  # a reconnecting client takes its identity over
@@ -208,9 +181,7 @@ class StreamServer:
                     log.exception("handling the close of a stream connection failed")
 
     def close(self) -> None:
-        """Stop listening, close every connection (after writing what is queued) and remove the
-        socket files."""
-        self.flush()
+        """Stop listening, close every connection and remove the socket files."""
         for server, path in self._servers:
             server.close()
             try:

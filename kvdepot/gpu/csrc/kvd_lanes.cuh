@@ -19,9 +19,6 @@
 // enqueued, so re-recording never changes waits already enqueued.
 
 #define KVD_MAX_SLOTS 8
-// kvd_dma hands a ready request to the issuer thread when the lane's queued copies are expected
-// to run this much longer (the issuer's wake-up and enqueue fit in it many times over)
-#define KVD_HANDOFF_AHEAD_NS 100000LL
 
 // A kvd_dma request waiting for its engine's fence word (see KvdLane::deferred).
 struct KvdDeferred {
@@ -75,18 +72,12 @@ struct KvdLane {
   // deferred DMA (kvd_dma): a request whose engine fence word does not hold its value yet is
   // queued here; the issuer thread polls the words from the CPU and enqueues each request's
   // copies once its word holds the value, so the DMA stream never waits on another process
-  // (see kvd_engine_signal for why words and not interprocess events). A request whose word
-  // holds (or that has none) while the lane has more than KVD_HANDOFF_AHEAD_NS of copies
-  // queued is handed to the issuer too (word null): its enqueue would only wait behind those
-  // copies, so the caller (the daemon's event loop) skips the driver calls. Under issue_mu: the
-  // queue; under ds_mu: every enqueue on ds by kvd_dma and the issuer (issue_mu is not held
-  // while enqueueing, so that the loop can queue a request while the issuer enqueues one).
+  // (see kvd_engine_signal for why words and not interprocess events). Under issue_mu: the
+  // queue and every enqueue on ds by kvd_dma.
   std::mutex issue_mu;
-  std::mutex ds_mu;
   std::condition_variable issue_cv;
   std::deque<struct KvdDeferred> deferred;
   bool issue_stop = false;
-  bool dma_handoff = true;  // $KVDEPOT_NO_DMA_HANDOFF: every ready request enqueued by its caller
   std::thread issuer;
 };
 
@@ -190,14 +181,14 @@ static int lane_watch(KvdLane* lane, cudaStream_t last, int fd, uint64_t token, 
   const int64_t now = now_ns();
   const int64_t start = lane->busy_until_ns > now ? lane->busy_until_ns : now;
   const int64_t expect = start + (int64_t)((double)bytes * lane->ns_per_byte);
-  __atomic_store_n(&lane->busy_until_ns, expect, __ATOMIC_RELAXED);  // (read without mu by kvd_dma)
+  lane->busy_until_ns = expect;
   lane->pending.push_back(KvdWatch{ev, fd, token, bytes, start, expect});
   lane->cv.notify_one();
   return KVD_OK;
 }
 
 // Enqueue one kvd_dma request's copies on ds, then its out event and its completion watch.
-// Caller holds ds_mu. `*notified` = 1 once the watch is queued (its token will be written).
+// Caller holds issue_mu. `*notified` = 1 once the watch is queued (its token will be written).
 static int dma_issue(KvdLane* lane, const uint64_t* srcs, const uint64_t* dsts, uint64_t bytes, int64_t n,
                      int to_host, cudaEvent_t out_event, int fd, uint64_t token, int* notified) {
   const cudaMemcpyKind kind = to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
@@ -219,12 +210,9 @@ static int dma_issue(KvdLane* lane, const uint64_t* srcs, const uint64_t* dsts, 
 
 #define KVD_FENCE_ABANDONED_BIT (1ULL << 63)  // word = value | this: the engine gave the gather up (copy nothing)
 
-// (a request handed off with no word to wait for is always ready)
-static bool word_holds(const KvdDeferred& d) {
-  return d.word == nullptr || __atomic_load_n(d.word, __ATOMIC_ACQUIRE) == d.value;
-}
+static bool word_holds(const KvdDeferred& d) { return __atomic_load_n(d.word, __ATOMIC_ACQUIRE) == d.value; }
 static bool word_abandoned(const KvdDeferred& d) {
-  return d.word != nullptr && __atomic_load_n(d.word, __ATOMIC_ACQUIRE) == (d.value | KVD_FENCE_ABANDONED_BIT);
+  return __atomic_load_n(d.word, __ATOMIC_ACQUIRE) == (d.value | KVD_FENCE_ABANDONED_BIT);
 }
 
 // The issuer thread: polls the fence words of the deferred requests from the CPU and issues
@@ -264,23 +252,17 @@ static void issuer_main(KvdLane* lane) {
         write_token(job.fd, job.token | KVD_NOT_COPIED_BIT);
         continue;
       }
-      lk.unlock();  // kvd_dma may queue more while this one is enqueued
-      {
-        std::lock_guard<std::mutex> g(lane->ds_mu);
-        int notified = 0;
-        int rc = dma_issue(lane, job.srcs.data(), job.dsts.data(), job.bytes, (int64_t)job.srcs.size(), job.to_host,
-                           job.out_event, job.fd, job.token, &notified);
-        if (rc) {
+      int notified = 0;
+      int rc = dma_issue(lane, job.srcs.data(), job.dsts.data(), job.bytes, (int64_t)job.srcs.size(), job.to_host,
+                         job.out_event, job.fd, job.token, &notified);
+      if (rc) {
+        cudaGetLastError();
+        if (!notified) {  // nothing will report it: wait out what was enqueued, then fail it
+          cudaStreamSynchronize(lane->ds);
           cudaGetLastError();
-          if (!notified) {  // nothing will report it: wait out what was enqueued, then fail it
-            cudaStreamSynchronize(lane->ds);
-            cudaGetLastError();
-            write_token(job.fd, job.token | (1ULL << 63));
-          }  // else the watch carries the error bit
-        }
+          write_token(job.fd, job.token | (1ULL << 63));
+        }  // else the watch carries the error bit
       }
-      lk.lock();
-      break;  // the queue may have changed meanwhile: scan it again
     }
     if (progressed || lane->deferred.empty()) continue;
     lk.unlock();  // let kvd_dma append while this thread waits
@@ -368,7 +350,6 @@ int kvd_lane_create(int device, uint64_t slot_bytes, int nslots, KvdLane** out) 
   }
   if (!rc) {
     try {
-      lane->dma_handoff = getenv("KVDEPOT_NO_DMA_HANDOFF") == nullptr;
       lane->watcher = std::thread(watcher_main, lane);
       lane->issuer = std::thread(issuer_main, lane);
     } catch (...) {

@@ -299,10 +299,7 @@ int kvd_host_unregister(void* ptr) { return kvd_check(cudaHostUnregister(ptr)); 
 // fence word (host memory, see kvd_engine_signal); the copies follow the engine's write of
 // `wait_value` into it. If it does not hold the value yet, the request is queued and the
 // lane's issuer thread enqueues it once it does (the DMA stream never waits on another
-// process). A ready request is handed to the issuer as well when the lane's queued copies run
-// for more than KVD_HANDOFF_AHEAD_NS yet (the caller skips the enqueue's driver calls; the
-// copies would wait behind those anyway). out_event (or null) is recorded after the copies,
-// when they are enqueued.
+// process). out_event (or null) is recorded after the copies, when they are enqueued.
 // Completion note and *notified as in kvd_store (a deferred request is always notified; bit
 // 62 of its token says it was cancelled or timed out before any copy).
 int kvd_dma(KvdLane* lane, const uint64_t* wait_word, uint64_t wait_value, const uint64_t* srcs, const uint64_t* dsts,
@@ -313,12 +310,8 @@ int kvd_dma(KvdLane* lane, const uint64_t* wait_word, uint64_t wait_value, const
   if (wait_word != nullptr && (uintptr_t)wait_word % 8) return KVD_EINVAL;
   int rc = use_device(lane->device);
   if (rc) return rc;
-  std::unique_lock<std::mutex> g(lane->issue_mu);
-  const bool waits = wait_word != nullptr && __atomic_load_n(wait_word, __ATOMIC_ACQUIRE) != wait_value;
-  const bool handoff =
-      !waits && lane->dma_handoff &&
-      __atomic_load_n(&lane->busy_until_ns, __ATOMIC_RELAXED) - now_ns() > KVD_HANDOFF_AHEAD_NS;
-  if (waits || handoff) {
+  std::lock_guard<std::mutex> g(lane->issue_mu);
+  if (wait_word != nullptr && __atomic_load_n(wait_word, __ATOMIC_ACQUIRE) != wait_value) {
     KvdDeferred job;
     try {
       job.srcs.assign(srcs, srcs + n);
@@ -326,7 +319,7 @@ int kvd_dma(KvdLane* lane, const uint64_t* wait_word, uint64_t wait_value, const
     } catch (...) {
       return KVD_EINVAL;
     }
-    job.word = waits ? wait_word : nullptr;  // (handed off: ready now)
+    job.word = wait_word;
     job.value = wait_value;
     job.bytes = bytes;
     job.to_host = to_host;
@@ -340,13 +333,10 @@ int kvd_dma(KvdLane* lane, const uint64_t* wait_word, uint64_t wait_value, const
     } catch (...) {
       return KVD_EINVAL;
     }
-    g.unlock();
     lane->issue_cv.notify_one();
     *notified = 1;  // the issuer reports it
     return KVD_OK;
   }
-  g.unlock();
-  std::lock_guard<std::mutex> d(lane->ds_mu);
   return dma_issue(lane, srcs, dsts, bytes, n, to_host, out_event, fd, token, notified);
 }
 
