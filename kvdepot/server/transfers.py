@@ -35,7 +35,8 @@ class TransferHandlers:
     def _on_store(self, identity: bytes, req: m.Store) -> m.Msg | None:
         """Plan the store on the loop (index, allocation), start the copies, and reply from
         their completion callback (no task per request). The hot path of small requests:
-        measured per request by ``benchmarks/daemon_cpu.py``."""
+        measured per request by ``benchmarks/daemon_cpu.py`` (the handlers) and
+        ``benchmarks/daemon_loop.py`` (the event loop around them)."""
         reg = self.registrations.get(req.registration) or self._registration(req.registration)
         lay = reg.layout
         keys = req.keys
@@ -279,7 +280,8 @@ class TransferHandlers:
         ob = reg.layout.object_bytes
         t0 = time.monotonic()
         token = self.watch("retrieve", reg.id, identity, req.rid, len(entries) * ob, True, t0)
-        done = functools.partial(self._retrieve_cuda_done, identity, reg, req.rid, entries, seq, token, t0, [True])
+        enqueued = [True]  # set False below if nothing could be enqueued (`_retrieve_cuda_done`)
+        done = functools.partial(self._retrieve_cuda_done, identity, reg, req.rid, entries, seq, token, t0, enqueued)
         if _TRACE is not None:
             trace_point(req.rid, "enqueue")
         base = self.pool.base_ptr
@@ -297,7 +299,7 @@ class TransferHandlers:
                     reg.engine, req.block_ids, len(req.keys), [base + e.offset for e in entries], req.skip_tokens,
                     None, done)
         except BaseException:  # raised before anything was enqueued
-            done.args[-1][0] = False  # the caller answers the exception
+            enqueued[0] = False  # the caller answers the exception
             done(None)
             raise
         if _TRACE is not None:
@@ -355,11 +357,11 @@ class TransferHandlers:
         if not seq:
             return
         busy = reg.staged_busy
-        left = busy[seq] - 1
+        left = busy.get(seq, 0) - 1
         if left > 0:
             busy[seq] = left
         else:
-            del busy[seq]
+            busy.pop(seq, None)
         if reg.drains:
             low = min(busy) if busy else None
             still = []
