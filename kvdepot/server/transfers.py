@@ -109,8 +109,7 @@ class TransferHandlers:
             self._store_release(held, keys)
             return reply
         reg.active += 1
-        if seq:
-            reg.staged_busy[seq] = reg.staged_busy.get(seq, 0) + 1  # (`_staged_begin`)
+        self._staged_begin(reg, seq)
         t0 = time.monotonic()
         token = self.watch("store", reg.id, identity, req.rid, len(new) * ob, True, t0)
         finish = functools.partial(self._store_done, identity, reg, req, reply, new, held, seq, token, t0)
@@ -141,11 +140,7 @@ class TransferHandlers:
         or drop them and answer the error."""
         if _TRACE is not None:
             trace_point(req.rid, "gpu_done")
-        reg.active -= 1  # (`_finish_transfer`)
-        if seq:
-            self._staged_end(reg, seq)
-        if reg.closed and reg.active == 0:
-            reg.release_memory()
+        self._finish_transfer(reg, seq)
         stuck = self.unwatch(token)  # answered TIMEOUT by the watchdog: publish nothing, reply nothing
         try:
             index = self.index
@@ -227,7 +222,7 @@ class TransferHandlers:
             e = index.get(key)
             if e is None or e.state is not READY or e.size_bytes != ob:
                 break
-            e.readers += 1  # (`ChunkIndex.acquire`)
+            index.acquire(e)
             entries.append(e)
         if reg.cuda_device is not None:
             return self._retrieve_cuda(identity, reg, req, entries, staged_base if staged else None)
@@ -275,8 +270,7 @@ class TransferHandlers:
             return m.RetrieveReply(rid=req.rid, retrieved=0)
         reg.active += 1
         seq = req.staging_seq if staged_base is not None else 0
-        if seq:
-            reg.staged_busy[seq] = reg.staged_busy.get(seq, 0) + 1  # (`_staged_begin`)
+        self._staged_begin(reg, seq)
         ob = reg.layout.object_bytes
         t0 = time.monotonic()
         token = self.watch("retrieve", reg.id, identity, req.rid, len(entries) * ob, True, t0)
@@ -314,11 +308,7 @@ class TransferHandlers:
         ``enqueued[0]`` False: nothing was enqueued and the caller answers the exception."""
         if _TRACE is not None:
             trace_point(rid, "gpu_done")
-        reg.active -= 1  # (`_finish_transfer`)
-        if seq:
-            self._staged_end(reg, seq)
-        if reg.closed and reg.active == 0:
-            reg.release_memory()
+        self._finish_transfer(reg, seq)
         stuck = self.unwatch(token)
         release = self.index.release
         for e in entries:
