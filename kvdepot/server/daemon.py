@@ -299,7 +299,7 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
 
     def _count_transfer(self, reg: Registration, op: str, num_chunks: int, seconds: float | None = None) -> None:
         """Metrics and describe() counters of ``num_chunks`` chunks moved by ``op``."""
-        mb, mt, ms = reg.metric_children.get(op) or self._op_metrics(reg, op)
+        mb, mt, ms = self._op_metrics(reg, op)
         if seconds is not None:
             ms.observe(seconds)
         lay = reg.layout

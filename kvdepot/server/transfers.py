@@ -320,7 +320,7 @@ class TransferHandlers:
             if not stuck:
                 self._reply_error(identity, rid, RequestError(ErrorCode.ENGINE_MEMORY, f"retrieve copy failed: {err}"))
             return
-        (reg.metric_children.get("retrieve") or self._op_metrics(reg, "retrieve"))[2].observe(time.monotonic() - t0)
+        self._op_metrics(reg, "retrieve")[2].observe(time.monotonic() - t0)
         if not stuck:
             self._reply(identity, m.RetrieveReply(rid=rid, retrieved=len(entries)))
 
