@@ -86,7 +86,17 @@ class Timeline:
             self.answered.setdefault(got.rid, time.perf_counter())
             return on_reply(got)
 
-        client.submit, client._on_reply, mover.post = timed_submit, timed_reply, timed_post
+        take = mover.take
+        self._undo = (*self._undo, take)
+        self.reported = []  # perf_counter of each take() that handed the engine finished requests
+
+        def timed_take():
+            got = take()
+            if got.sending or got.recving:
+                self.reported.append(time.perf_counter())
+            return got
+
+        client.submit, client._on_reply, mover.post, mover.take = timed_submit, timed_reply, timed_post, timed_take
 
     def step(self, start_s: float, end_s: float, forward: bool) -> None:
         if self.enabled:
@@ -95,8 +105,8 @@ class Timeline:
     def take(self, end_s: float, chunk_bytes: int) -> dict | None:
         if not self.enabled:
             return None
-        client, submit, on_reply, mover, post = self._undo
-        client.submit, client._on_reply, mover.post = submit, on_reply, post
+        client, submit, on_reply, mover, post, take = self._undo
+        client.submit, client._on_reply, mover.post, mover.take = submit, on_reply, post, take
         spans = sorted((t, self.answered.get(rid, end_s), n) for rid, (t, n) in self.sent.items())
         if not spans:
             return None
@@ -106,6 +116,7 @@ class Timeline:
                 busy_s += b - max(a, reach)
                 reach = b
         first, last = spans[0][0], max(b for _, b, _ in spans)
+        reported = max([t for t in self.reported if t >= last] or [last])
         # the lead-in: steps before the one whose command led to the first send, that step until
         # it posted the command, the transfer thread until it sent
         post_s = max((t for t, kind in self.posted if kind in ("load", "save") and t <= first), default=first)
@@ -115,6 +126,10 @@ class Timeline:
                 "lead_in_step_to_post_ms": 1e3 * (post_s - step_s), "lead_in_post_to_send_ms": 1e3 * (first - post_s),
                 "busy_ms": 1e3 * busy_s,
                 "client_idle_ms": 1e3 * (last - first - busy_s), "tail_ms": 1e3 * (end_s - last),
+                # the tail: the last answer until the worker handed the engine its last finished
+                # request (a load's scatter queued, the results published, the next get_finished),
+                # then vLLM's own steps until it freed every request (the last forward, the finish)
+                "tail_to_reported_ms": 1e3 * (reported - last), "tail_after_reported_ms": 1e3 * (end_s - reported),
                 "busy_gbps": sum(n for *_, n in spans) * chunk_bytes / busy_s / 1e9 if busy_s else None,
                 "requests": len(spans), "depth_at_send_median": statistics.median(depth),
                 "forward_steps_ms": 1e3 * sum(e - s for s, e, f in self.steps if f),
@@ -125,12 +140,18 @@ class CallTimer:
     """Wraps the named methods of a connector instance; ``take()`` returns and resets the
     seconds spent inside each since the last call, less the timer's own cost (`overhead_s`,
     measured once per process: the same wrapper around a method that does nothing) per call.
+    It also keeps the calling thread's CPU seconds inside each (``time.thread_time``, which
+    takes no lock and does not let another thread run): ``take()`` leaves them in ``cpu_s``. A
+    call's wall time beyond its CPU time is time it waited: for the GIL, which another thread of
+    the process (the worker's transfer thread) held, or in a blocking call.
     """
 
     _overhead_s: float | None = None
 
     def __init__(self, obj, names) -> None:
         self.spent_s: dict[str, float] = {}
+        self.cpu_s: dict[str, float] = {}  # after take(): the taken calls' CPU seconds
+        self._cpu_s: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         for name in names:
             if hasattr(obj, name):
@@ -140,12 +161,17 @@ class CallTimer:
                 setattr(obj, name, self._wrap(name, getattr(fn, "timed_fn", fn)))
 
     def _wrap(self, name, fn):
+        clock, cpu_clock = time.perf_counter, time.thread_time
+
         def timed(*a, **kw):
-            t0 = time.perf_counter()
+            c0 = cpu_clock()
+            t0 = clock()
             try:
                 return fn(*a, **kw)
             finally:
-                self.spent_s[name] = self.spent_s.get(name, 0.0) + time.perf_counter() - t0
+                t1 = clock()
+                self._cpu_s[name] = self._cpu_s.get(name, 0.0) + cpu_clock() - c0
+                self.spent_s[name] = self.spent_s.get(name, 0.0) + t1 - t0
                 self.calls[name] = self.calls.get(name, 0) + 1
         timed.timed_fn = fn
         return timed
@@ -177,7 +203,10 @@ class CallTimer:
     def take(self) -> dict[str, float]:
         per = self.overhead_s()
         s = {n: max(0.0, v - per * self.calls.get(n, 0)) for n, v in self.spent_s.items()}
-        self.spent_s, self.calls = {}, {}
+        # the CPU figures keep the timer's own CPU (a fraction of a microsecond per call): a
+        # call's wait is max(0, wall - CPU), never negative because of it
+        self.cpu_s = {n: min(v, s.get(n, 0.0)) for n, v in self._cpu_s.items()}
+        self.spent_s, self._cpu_s, self.calls = {}, {}, {}
         return s
 
 

@@ -9,15 +9,20 @@ on the current stream. Per shape:
 * engine A prefills ``--requests`` prompts of 16 chunks each, one prompt per step (16 chunks
   stored per step); engine B (another engine on the same daemon, other block ids) runs the same
   prompts and loads them.
-* ``step_us``: CPU time spent inside the connector's methods per engine step, scheduler side
+* ``step_us``: wall time spent inside the connector's methods per engine step, scheduler side
   (lookup answer, allocation, metadata, finished requests) plus worker side (bind, load, save,
   results), median and p99 over the steps that stored 16 chunks / that loaded; per method too.
+  ``step_wait_us``: of it, the time those calls waited (their wall time beyond the engine
+  thread's CPU time: for the GIL while the transfer thread held it, or in a blocking call).
   ``on_new_request`` (a prompt's keys hashed, its lookup sent) runs when vLLM adds a request,
   not in a step: reported per request. Worker side includes the per-layer ``wait_for_layer_load``
   / ``save_kv_layer`` calls, if vLLM makes any. The worker's transfer thread (the stores' and
   loads' work itself) runs beside the engine's thread: its CPU time per step is reported
   apart (``thread_cpu_us_per_step``).
 * ``decode_step_us``: the same for a step that moves nothing (8 short requests decoding).
+* As vLLM's engine core does after start-up (`vllm.utils.gc_utils.freeze_gc_heap`), each engine's
+  objects are frozen out of the garbage collector once it is warm, so that a full collection
+  does not walk the whole heap of vLLM, torch and the harness in the middle of a measured step.
 * Every figure is less the timer's own cost per wrapped call (``timer_overhead_us_per_call``,
   measured in the same process around a method that does nothing), and the per-layer calls
   less what the same timer costs per call in their place in the forward, measured there on a
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -63,6 +69,7 @@ sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 
 import torch  # noqa: E402
 import vllm_harness as H  # noqa: E402
+from vllm.utils.gc_utils import freeze_gc_heap  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 
 from kvdepot.client import KVDepotClient  # noqa: E402
@@ -155,7 +162,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
         engine.add(p, max_tokens=1)
     _sync()
     added = sched_t.take()  # on_new_request (keys hashed, lookup sent) at add time, not a step's
-    steps, t0 = [], time.perf_counter()
+    steps, waits, t0 = [], [], time.perf_counter()
     timeline = Timeline(engine, t0)
     forward_steps = 0
     engine_s = 0.0  # the engine's own time (its steps that ran a forward, less the connector's)
@@ -169,6 +176,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
         sched, work = sched_t.take(), less_probe(work_t.take(), calls)
         if getattr(so.kv_connector_metadata, kind, None):
             steps.append((sched, work))
+            waits.append(_waited(sched, sched_t.cpu_s) + _waited(work, work_t.cpu_s))
         if so.total_num_scheduled_tokens:
             forward_steps += 1
             engine_s += max(0.0, step_s - sum(sched.values()) - sum(work.values()))
@@ -186,10 +194,17 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
             "wall_s": end_s - t0, "timeline": timeline.take(end_s, chunk_bytes), "engine_s": engine_s,
             "steps_measured": len(steps),
             "step_us_median": med(total) if total else None, "step_us_p99": _pct(total, 0.99),
+            "step_wait_us_median": 1e6 * med(waits) if waits else None,
             "sched_us_median": med([1e6 * sum(a.values()) for a, _ in steps]) if steps else None,
             "worker_us_median": med([1e6 * sum(b.values()) for _, b in steps]) if steps else None,
             "per_call_us_median": per_call, "on_new_request_us_per_request": 1e6 * sum(added.values()) / len(prompts),
             "stages": stages.take(), "stats": stats}
+
+
+def _waited(wall: dict[str, float], cpu: dict[str, float]) -> float:
+    """Seconds the calls of one step waited (their wall time beyond the calling thread's CPU
+    time: the GIL, held by another thread of the process, or a blocking call)."""
+    return sum(max(0.0, v - cpu.get(n, 0.0)) for n, v in wall.items())
 
 
 def decode_steps(engine: H.Engine, requests: int = 8, steps: int = 48) -> dict:
@@ -201,16 +216,19 @@ def decode_steps(engine: H.Engine, requests: int = 8, steps: int = 48) -> dict:
     for i in range(requests):
         engine.add(H.tokens(5000 + i, 100), max_tokens=steps)
     sched_t.take()
-    total, calls = [], {}
+    total, waits, calls = [], [], {}
     while engine.scheduler.has_requests():
         so = engine.step()
         counts = dict(work_t.calls)
-        spent = {**sched_t.take(), **less_probe(work_t.take(), counts)}
+        sched, work = sched_t.take(), less_probe(work_t.take(), counts)
+        spent = {**sched, **work}
         if so.total_num_scheduled_tokens == len(so.num_scheduled_tokens):  # one token per request
             total.append(1e6 * sum(spent.values()))
+            waits.append(1e6 * (_waited(sched, sched_t.cpu_s) + _waited(work, work_t.cpu_s)))
             for n, v in spent.items():
                 calls.setdefault(n, []).append(1e6 * v)
     return {"decode_step_us_median": statistics.median(total), "decode_step_us_p99": _pct(total, 0.99),
+            "decode_step_wait_us_median": statistics.median(waits),
             "decode_steps": len(total),
             "decode_per_call_us_median": {n: statistics.median(v) for n, v in calls.items()}}
 
@@ -295,22 +313,26 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
     try:
         a.add(H.tokens(8, 1000), max_tokens=1)  # connect, register, first kernels: not measured
         a.run(timeout_s=60)
+        freeze_gc_heap()  # as vLLM's EngineCore after start-up
         store = drive(a, prompts, "stores", res["chunk_bytes"])
         staging_bytes = a.worker_conn.worker.staging_bytes()  # the ring used (0 above: the connector's auto size)
         res["staging_bytes"] = staging_bytes
         res.update(decode_steps(a))
     finally:
         a.close()
+        gc.unfreeze()
     b = engine()
     try:
         b.add(H.tokens(7, 160), max_tokens=1)  # other block ids than A's
         b.run(timeout_s=60)
+        freeze_gc_heap()
         load = drive(b, prompts, "loads", res["chunk_bytes"])
         if device == "cpu":  # B's shared-memory segments go with close()
             res.update(direct(b.worker_conn.worker.reg, num_blocks, endpoint, chunk, requests, res["chunk_bytes"],
                               device, staging_bytes))
     finally:
         b.close()
+        gc.unfreeze()
     if device == "cuda":  # B's caches stay allocated; registered again once B's registration is gone
         res.update(direct(b.worker_conn.worker.reg, num_blocks, endpoint, chunk, requests, res["chunk_bytes"],
                           device, staging_bytes))
@@ -321,7 +343,7 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
     for op, d in (("store", store), ("load", load)):
         res[f"{op}_wall_s"], res[f"{op}_engine_s"] = d["wall_s"], d["engine_s"]
     for op, d in (("store", store), ("load", load)):
-        for k in ("step_us_median", "step_us_p99", "sched_us_median", "worker_us_median", "per_call_us_median",
+        for k in ("step_us_median", "step_us_p99", "step_wait_us_median", "sched_us_median", "worker_us_median", "per_call_us_median",
                   "steps_measured", "on_new_request_us_per_request", "stages", "thread_cpu_us_per_step", "timeline"):
             res[f"{op}_{k}"] = d[k]
     res["store_stats"], res["load_stats"] = store["stats"], load["stats"]
@@ -352,18 +374,20 @@ def report(r: dict) -> str:
             f" (direct {r['direct_store_gbps']:.1f} = {100 * r['direct_store_vs_roofline']:.1f}%); wall"
             f" {1e3 * r['store_wall_s']:.0f} ms = {100 * r['store_vs_bound']:.1f}% of max(link {1e3 * r['store_link_s']:.0f},"
             f" engine's own steps {1e3 * r['store_engine_s']:.0f} ms); per step"
-            f" +{r['store_step_us_median']:.0f} us median, {r['store_step_us_p99']:.0f} p99 (scheduler"
+            f" +{r['store_step_us_median']:.0f} us median, {r['store_step_us_p99']:.0f} p99 (waiting"
+            f" {r['store_step_wait_us_median']:.0f} of it; scheduler"
             f" {r['store_sched_us_median']:.0f}, worker {r['store_worker_us_median']:.0f}; {calls('store')});"
             f" transfer thread {r['store_thread_cpu_us_per_step']:.0f} us CPU per forward step\n"
             f"  load:  {r['load_gbps']:.1f} GB/s = {100 * r['load_vs_roofline']:.1f}% of {r['roofline_h2d_gbps']:.1f}"
             f" (direct {r['direct_retrieve_gbps']:.1f} = {100 * r['direct_retrieve_vs_roofline']:.1f}%); wall"
             f" {1e3 * r['load_wall_s']:.0f} ms = {100 * r['load_vs_bound']:.1f}% of max(link {1e3 * r['load_link_s']:.0f},"
             f" engine's own steps {1e3 * r['load_engine_s']:.0f} ms); per step"
-            f" +{r['load_step_us_median']:.0f} us median over {r['load_steps_measured']} steps (scheduler"
+            f" +{r['load_step_us_median']:.0f} us median over {r['load_steps_measured']} steps (waiting"
+            f" {r['load_step_wait_us_median']:.0f} of it; scheduler"
             f" {r['load_sched_us_median']:.0f}, worker {r['load_worker_us_median']:.0f}; {calls('load')});"
             f" transfer thread {r['load_thread_cpu_us_per_step']:.0f} us CPU per forward step\n"
             f"  decode step (8 requests, nothing moved): +{r['decode_step_us_median']:.0f} us median,"
-            f" {r['decode_step_us_p99']:.0f} p99 (the timer's own {r['timer_overhead_us_per_call']:.2f} us per call"
+            f" {r['decode_step_us_p99']:.0f} p99, waiting {r['decode_step_wait_us_median']:.0f} (the timer's own {r['timer_overhead_us_per_call']:.2f} us per call"
             f" taken off every figure, {r['timer_in_layer_extra_us_per_call']:.2f} more per per-layer call)\n"
             f"  on_new_request (keys of {CHUNKS_PER_STEP * r['chunk_tokens']} tokens, lookup sent) "
             f"{r['load_on_new_request_us_per_request']:.0f} us per request;"
@@ -378,7 +402,9 @@ def _timeline_line(r: dict, op: str) -> str:
         return ""
     return (f"\n  {op} timeline: lead-in {t['lead_in_ms']:.1f} ms (earlier steps {t['lead_in_steps_before_ms']:.1f},"
             f" the step until its post {t['lead_in_step_to_post_ms']:.1f}, post to send {t['lead_in_post_to_send_ms']:.1f}), >= 1 at the daemon {t['busy_ms']:.1f} ms"
-            f" ({t['busy_gbps']:.1f} GB/s), none at the daemon {t['client_idle_ms']:.1f} ms, tail {t['tail_ms']:.1f} ms;"
+            f" ({t['busy_gbps']:.1f} GB/s), none at the daemon {t['client_idle_ms']:.1f} ms, tail {t['tail_ms']:.1f} ms"
+            f" (until the last finished request reached the engine {t.get('tail_to_reported_ms', float('nan')):.1f},"
+            f" vLLM's steps after it {t.get('tail_after_reported_ms', float('nan')):.1f});"
             f" {t['requests']} requests, {t['depth_at_send_median']:.0f} at the daemon at a send (median);"
             f" forward steps {t['forward_steps_ms']:.1f} ms, {t['idle_steps']} steps without a forward")
 

@@ -130,6 +130,24 @@ def test_load_call_sequence(shared_daemon, cfg, engines):
     res = done[0]
     assert ("S", "update_connector_output") in names[res:]
     assert f.runs[r].computed == 150 - 2 * CHUNK
+    # its load ended and it stored nothing (150 tokens: no third whole chunk): vLLM frees its
+    # blocks when it finishes, without waiting for the workers' finished_sending
+    assert [c[2] for c in calls if c[1] == "request_finished_all_groups"] == [(r, False)]
+    assert not any(c[2][2] for c in calls if c[1] == "build_connector_meta")  # nothing released
+    assert not any(c[2][0] for c in calls if c[1] == "get_transfer_results")  # nothing reported sent
+
+    # a request that loads and then stores (a third whole chunk computed here) keeps its blocks
+    # until the workers report its store ended (a third instance: f's own prefix cache has the
+    # two chunks now, so it would load nothing)
+    g = engines(cfg(shared_daemon.endpoint, connector="RecordingKVDepotConnector", module="recording_connector"))
+    rc.CALLS.clear()
+    r3 = g.add(prompt + H.tokens(9, 3 * CHUNK - 150), max_tokens=1, cache_salt="seq", req_id="warm-longer")
+    g.run()
+    calls = [(role[0], name, arg) for role, name, arg in rc.CALLS]
+    assert [c[2] for c in calls if c[1] == "get_num_new_matched_tokens"][-1][2][0] > 0  # it loaded
+    assert any(c[2][1] == [r3] for c in calls if c[1] == "build_connector_meta")  # and stored
+    assert [c[2] for c in calls if c[1] == "request_finished_all_groups"] == [(r3, True)]
+    assert any(c[2][0] == [r3] for c in calls if c[1] == "get_transfer_results")
 
 
 # ---------------------------------------------------------------------- (c) hybrid

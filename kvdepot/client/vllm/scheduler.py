@@ -17,9 +17,10 @@ Per request:
 3. ``build_connector_meta``: the pending loads, and for every request scheduled this step the
    whole chunks whose tokens this step's forward completes (stored from the current block table,
    ``SchedulerOutput.kv_connector_block_state``).
-4. ``request_finished(_all_groups)``: `EndRequest` releases the pins; a request that had any
-   load or store keeps its blocks until the workers report it in finished_sending (so a late
-   store/retrieve of a slow daemon never touches reallocated blocks).
+4. ``request_finished(_all_groups)``: `EndRequest` releases the pins; a request that stored,
+   or whose load was not reported in finished_recving yet, keeps its blocks until the workers
+   report it in finished_sending (so a late store/retrieve of a slow daemon never touches
+   reallocated blocks); one whose loads all ended and that stored nothing is freed at once.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class _Req:
     next_store_chunk: int = 0  # chunks [0, next_store_chunk) are cached or being stored
     store_stopped: bool = False
     load_failed: bool = False  # a load of it failed: vLLM recomputes, the connector offers no more
-    had_ops: bool = False  # a load or store of this request was sent to the workers
+    stored: bool = False  # a store of this request was sent to the workers (its loads: `_loading`)
 
 
 class SchedulerSide:
@@ -296,7 +297,6 @@ class SchedulerSide:
             got = chunk_block_ids(table, g.block_size, c, p.first_chunk, p.first_chunk + p.num_chunks)
             ids.append(got if got is not None else [])
             fail_ids.append(blocks_covering(table, g.block_size, local, end) if self.single_group else [])
-        st.had_ops = True
         self._loading[req_id] = block_ids  # as a set only when a worker reports invalid blocks
         return LoadJob(req_id=req_id, chain=st.chain[p.first_chunk:p.first_chunk + p.num_chunks], seed=st.seed,
                        first_chunk=p.first_chunk, skip_tokens=p.skip_tokens, block_ids=ids, local_tokens=local,
@@ -347,7 +347,7 @@ class SchedulerSide:
                 return None
             ids.append(got)
         st.next_store_chunk = end_chunk
-        st.had_ops = True
+        st.stored = True
         return StoreJob(req_id=req_id, chain=st.chain[first:end_chunk], parent=st.chain[first - 1] if first else b"",
                         seed=st.seed, first_chunk=first,
                         block_ids=ids, cache_salt=st.cache_salt)
@@ -362,7 +362,7 @@ class SchedulerSide:
     def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._ineligible.discard(rid)
-        self._loading.pop(rid, None)
+        loading = self._loading.pop(rid, None) is not None
         st = self._reqs.pop(rid, None)
         self._unstored.pop(rid, None)
         if st is None:
@@ -373,8 +373,12 @@ class SchedulerSide:
             end = self._send(m.EndRequest(rid=0, request=rid))
             if end is not None:
                 self.client.forget(end)  # fire and forget: pins also expire by TTL
-        # a request aborted while its load runs is freed by vLLM on finished_recving
-        delay = st.had_ops and request.status != _WAITING_FOR_REMOTE_KVS
+        # its blocks wait for the workers only while a transfer may still touch them: after a
+        # store (the gather may run after later forwards), or a load not reported yet. A
+        # request whose loads all ended (finished_recving) and that stored nothing is freed at
+        # once, a step or two earlier. One aborted while its load runs is freed by vLLM itself on
+        # finished_recving.
+        delay = (st.stored or loading) and request.status != _WAITING_FOR_REMOTE_KVS
         if delay:
             self._release.append(rid)
         return delay, None
