@@ -39,7 +39,7 @@ ENV_NO_JIT = "KVDEPOT_NO_JIT"
 # "1": the engine side's kernel launches keep the GIL (`Kernels`); anything else: they drop it
 # built at install (setup.py) for `build.INSTALL_ARCHS` when nvcc was there
 PACKAGED_SO = Path(__file__).parent / "_lib" / "libkvdepot_kernels.so"
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 KVD_OK, KVD_EINVAL, KVD_EALIGN, KVD_ECUDA = 0, 1, 2, 3
 
@@ -108,6 +108,7 @@ class Kernels:
         lib.kvd_engine_scatter.argtypes = [vp, vp, i64, i64, vp, i64, vp, ctypes.c_uint64, vp]
         lib.kvd_dma.argtypes = [vp, vp, ctypes.c_uint64, vp, vp, ctypes.c_uint64, i64, i32, vp, i32, ctypes.c_uint64,
                                 vp]
+        lib.kvd_dma_call.argtypes = [vp]  # kvd_dma's arguments in one block (`CudaDevicePath.copy_staged`)
         lib.kvd_engine_signal.argtypes = [vp, ctypes.c_uint64, vp]
         lib.kvd_host_register_mapped.argtypes = [vp, ctypes.c_size_t, ctypes.POINTER(vp)]
         lib.kvd_lane_cancel.argtypes = [vp, vp, vp]
