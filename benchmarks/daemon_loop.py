@@ -18,7 +18,14 @@ both interleaved), and reports per phase:
 Busy-polling is off (``--busy-poll-us 0``), so the loop's CPU is its work, not its spinning.
 Compare builds by running this from each tree (``PYTHONPATH``) on the same machine, interleaved.
 
-    python benchmarks/daemon_loop.py [--requests 10000] [--depth 8] [--repeat 3] [--out loop.json]
+``--copy-call``: the copies go through the daemon's real `kvdepot.gpu.cuda_path.CudaDevicePath`
+(``copy_staged``: its arguments, the ctypes call into the kernel library) down to a stand-in
+library built here with the C compiler (``cc``), whose ``kvd_dma`` / ``kvd_dma_call`` read
+every copy's pointers and write the completion token at once, as the real library's watcher does
+once a copy ends: the loop's CPU then includes the enqueue call's own cost, all but the CUDA
+driver's.
+
+    python benchmarks/daemon_loop.py [--requests 10000] [--depth 8] [--repeat 3] [--copy-call] [--out loop.json]
 """
 
 from __future__ import annotations
@@ -44,8 +51,76 @@ L1_OBJECTS = 64  # L1 holds this many chunks: stores evict (the steady state)
 REG_ID = "r1"
 
 
-def _serve(sock_dir: str) -> None:
-    """Child process: a daemon whose CUDA copies complete at once through its completion pipe."""
+# The kernel library's copy-enqueue entry points (kvdepot/gpu/csrc/kvdepot_kernels.cu: kvd_dma
+# and its one-block form kvd_dma_call, KvdDmaCall) with the same C signatures, doing no copy: each
+# reads its copies' pointers, then writes the completion token into the pipe and says so.
+STUB_C = r"""
+#include <stdint.h>
+#include <unistd.h>
+int kvd_dma(void* lane, const uint64_t* word, uint64_t value, const uint64_t* srcs, const uint64_t* dsts,
+            uint64_t bytes, int64_t n, int to_host, void* out_event, int fd, uint64_t token, int* notified) {
+  if (notified == 0) return 1;
+  *notified = 0;
+  if (lane == 0 || srcs == 0 || dsts == 0 || n <= 0 || bytes == 0) return 1;
+  volatile uint64_t sum = 0;
+  for (int64_t k = 0; k < n; ++k) sum += srcs[k] ^ dsts[k];
+  if (write(fd, &token, 8) != 8) return 4;
+  *notified = 1;
+  return 0;
+}
+struct KvdDmaCall { uint64_t lane, wait_word, wait_value, bytes; int64_t n, to_host, fd; uint64_t token, notified;
+                    uint64_t ptrs[1]; };
+int kvd_dma_call(const struct KvdDmaCall* c) {
+  if (c == 0) return 1;
+  return kvd_dma((void*)c->lane, (const uint64_t*)c->wait_word, c->wait_value, c->ptrs, c->ptrs + c->n, c->bytes,
+                 c->n, (int)c->to_host, 0, (int)c->fd, c->token, (int*)c->notified);
+}
+int kvd_store(void) { return 1; }
+int kvd_retrieve(void) { return 1; }
+"""
+
+
+def build_stub(out_dir: str) -> str:
+    """Compile `STUB_C` into ``out_dir``; returns the library's path.
+
+    Raises:
+        FileNotFoundError: no ``cc`` on PATH.
+        subprocess.CalledProcessError: it did not compile.
+    """
+    src, lib = os.path.join(out_dir, "stub.c"), os.path.join(out_dir, "libkvd_stub.so")
+    with open(src, "w") as f:
+        f.write(STUB_C)
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", lib, src], check=True)
+    return lib
+
+
+def _stub_path(stub_lib: str, pipe):
+    """The daemon's real `CudaDevicePath` over the stand-in library (no lanes, no CUDA)."""
+    import ctypes
+    import itertools
+
+    from kvdepot.gpu.cuda_path import CudaDevicePath
+
+    lib = ctypes.CDLL(stub_lib)
+    vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    # the argument types `kvdepot.gpu.kernels.Kernels` gives the real library's functions
+    lib.kvd_dma.argtypes = [vp, vp, ctypes.c_uint64, vp, vp, ctypes.c_uint64, i64, i32, vp, i32, ctypes.c_uint64, vp]
+    lib.kvd_dma_call.argtypes = [vp]
+    lanes = itertools.count(1)
+
+    class _Kernels:
+        def __init__(self) -> None:
+            self.lib = lib
+
+        def lane_create(self, device: int, batch_bytes: int, slots: int) -> int:
+            return next(lanes)
+
+    return CudaDevicePath(0, _Kernels(), pipe)
+
+
+def _serve(sock_dir: str, stub_lib: str | None = None) -> None:
+    """Child process: a daemon whose CUDA copies complete at once through its completion pipe
+    (``stub_lib``: through the real `CudaDevicePath` and that library)."""
     import torch
 
     from kvdepot.client.kvcache import KVGroupShape, ShmKVCache
@@ -69,9 +144,10 @@ def _serve(sock_dir: str) -> None:
 
     class _Runtime:
         def __init__(self) -> None:
-            self.p = _Path(CompletionPipe(asyncio.get_running_loop()))
+            pipe = CompletionPipe(asyncio.get_running_loop())
+            self.p = _stub_path(stub_lib, pipe) if stub_lib else _Path(pipe)
 
-        def path(self, device: int) -> _Path:
+        def path(self, device: int):
             return self.p
 
     def ready() -> None:
@@ -133,13 +209,17 @@ def _phase(sock, kinds: list[str], keys: list[bytes], cached: list[bytes], depth
     return done
 
 
-def measure(requests: int, depth: int, repeat: int = 3) -> dict:
+def measure(requests: int, depth: int, repeat: int = 3, copy_call: bool = False) -> dict:
     """Start the daemon, run the three phases ``repeat`` times each, stop it; per phase the
-    repetition with the least loop CPU per request (and all of them under ``runs``)."""
+    repetition with the least loop CPU per request (and all of them under ``runs``).
+    ``copy_call``: see the module's docstring (needs ``cc``)."""
     from kvdepot.protocol.transport import StreamSocket, stream_path
 
     with tempfile.TemporaryDirectory(prefix="kvd-loop-") as sock_dir:
-        proc = subprocess.Popen([sys.executable, __file__, "--serve", sock_dir], stdout=subprocess.PIPE, text=True,
+        serve = [sys.executable, __file__, "--serve", sock_dir]
+        if copy_call:
+            serve += ["--stub-lib", build_stub(sock_dir)]
+        proc = subprocess.Popen(serve, stdout=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
         try:
             line = proc.stdout.readline()
@@ -152,7 +232,8 @@ def measure(requests: int, depth: int, repeat: int = 3) -> dict:
             _phase(sock, ["s"] * (2 * L1_OBJECTS), keys[:2 * L1_OBJECTS], [], depth, object_bytes)
             cached = keys[L1_OBJECTS:2 * L1_OBJECTS]
             rest = keys[2 * L1_OBJECTS:]
-            out = {"object_bytes": object_bytes, "depth": depth, "requests": requests, "phases": {}}
+            out = {"object_bytes": object_bytes, "depth": depth, "requests": requests, "copy_call": copy_call,
+                   "phases": {}}
             plans = {"store": ["s"] * requests, "retrieve": ["r"] * requests, "both": ["s", "r"] * (requests // 2)}
             for name, kinds in plans.items():
                 runs = []
@@ -181,15 +262,19 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=10000, help="requests per phase and run")
     p.add_argument("--depth", type=int, default=8, help="requests in flight")
     p.add_argument("--repeat", type=int, default=3, help="runs of each phase (the least loop CPU is reported)")
+    p.add_argument("--copy-call", action="store_true",
+                   help="copies through the daemon's CudaDevicePath and a stand-in kernel library (needs cc)")
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # (the daemon's own process)
+    p.add_argument("--stub-lib", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
-        _serve(args.serve)
+        _serve(args.serve, args.stub_lib)
         return 0
-    r = measure(args.requests, args.depth, args.repeat)
+    r = measure(args.requests, args.depth, args.repeat, args.copy_call)
     print(f"daemon event loop, staged one-chunk requests of {r['object_bytes'] / 2**20:.2f} MiB "
-          f"(Llama-3.1-70B TP8, 64 tokens), {r['depth']} in flight, copies stubbed:")
+          f"(Llama-3.1-70B TP8, 64 tokens), {r['depth']} in flight, copies stubbed"
+          f"{' below CudaDevicePath.copy_staged (the kernel library call included)' if r['copy_call'] else ''}:")
     for name, ph in r["phases"].items():
         print(f"  {name:<8} {ph['loop_us_per_request']:6.1f} us of loop CPU per request, "
               f"{ph['requests_per_s']:8.0f} requests/s (loop {ph['loop_cores']:.2f} cores; "

@@ -26,3 +26,54 @@ def test_daemon_loop_benchmark_answers_every_request_in_every_phase(tmp_path, mo
         assert len(ph["runs"]) == 2
         assert ph["loop_us_per_request"] == min(x["loop_us_per_request"] for x in ph["runs"]) > 0
         assert ph["requests_per_s"] > 0
+
+
+def test_daemon_loop_benchmark_with_the_copy_call_goes_through_the_kernel_library_call(tmp_path, monkeypatch):
+    """``--copy-call``: the daemon's real CudaDevicePath.copy_staged and its call into a stand-in
+    kernel library (built with cc) complete every request of every phase."""
+    import shutil
+
+    import pytest
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc) for the stand-in kernel library")
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("daemon_loop", None)
+    import daemon_loop
+
+    out = tmp_path / "r.json"
+    assert daemon_loop.main(["--requests", "200", "--depth", "4", "--repeat", "1", "--copy-call",
+                             "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["results"]
+    assert r["copy_call"] is True
+    assert all(ph["requests_per_s"] > 0 for ph in r["phases"].values())
+
+
+def test_the_stand_in_library_answers_the_daemons_copy_call(tmp_path, monkeypatch):
+    """The stand-in's kvd_dma_call reads the daemon's argument block (KvdDmaCall) as the real
+    library does: the completion token reaches the pipe, and a block without a lane is refused."""
+    import ctypes
+    import os
+    import shutil
+    import struct
+
+    import pytest
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc) for the stand-in kernel library")
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("daemon_loop", None)
+    import daemon_loop
+
+    lib = ctypes.CDLL(daemon_loop.build_stub(str(tmp_path)))
+    lib.kvd_dma_call.argtypes = [ctypes.c_void_p]
+    r, w = os.pipe()
+    notified = ctypes.c_int(0)
+    block = ctypes.create_string_buffer(72 + 16 * 2)
+    struct.pack_into("=QQQQqqqQQ4Q", block, 0, 5, 0, 0, 64, 2, 1, w, 0xABCDEF, ctypes.addressof(notified), 1, 2, 3, 4)
+    assert lib.kvd_dma_call(ctypes.addressof(block)) == 0 and notified.value == 1
+    assert struct.unpack("<Q", os.read(r, 8))[0] == 0xABCDEF
+    struct.pack_into("=Q", block, 0, 0)  # no lane
+    assert lib.kvd_dma_call(ctypes.addressof(block)) == 1 and notified.value == 0
+    os.close(r)
+    os.close(w)
