@@ -1,0 +1,162 @@
+"""What one engine-side gather call (`Kernels.engine_gather`: the fused gather launch, plus the
+fence word's ``cuStreamWriteValue64`` when a word is given) costs the calling thread's CPU on a
+GPU host, by itself and in the conditions of a vLLM engine: after a torch "forward" on the same
+stream, on the legacy default stream, and while another thread of the process makes CUDA
+calls. Next to it, in the same run, the references: one torch kernel launch (``x.add_(1)``), a
+``torch.cuda.Event.record``, the fence word's write alone, and a trivial ctypes call into the
+kernel library (the call's own floor).
+
+Why: inside `benchmarks/vllm_connector.py` the engine thread's gather measured 26-31 us of CPU
+per call (`benchmarks/launch_cpu.py`, gpt-oss-20b), which is most of a sliding-window model's
+``wait_for_save``; this says what the call costs without the connector around it.
+
+Every figure is the median (and p90) of ``time.thread_time`` around the call over ``--calls``
+calls, the stream synchronized every 100 (50 for the contended cases) calls.
+
+    python benchmarks/launch_cost.py [--calls 3000]
+
+Needs a CUDA GPU and the kernel library (``kvdepot build-kernels``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import ctypes
+import mmap
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "gpu"), str(ROOT / "tests")]
+
+import torch  # noqa: E402
+
+CHUNK = 256
+
+
+def _median_p90_us(ts: list[float]) -> tuple[float, float]:
+    ts = sorted(ts)
+    return 1e6 * ts[len(ts) // 2], 1e6 * ts[int(0.9 * len(ts))]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", type=int, default=3000, help="calls per figure")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from test_kernels import _cache  # a random-filled shared-memory KV cache
+
+    from kvdepot.client.kvcache import KVGroupShape
+    from kvdepot.gpu.kernels import KvdGroupDesc, load_kernels
+    from kvdepot.gpu.layout import group_layers
+
+    k = load_kernels()
+    if k is None:
+        print("the kernel library could not be loaded", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    # Llama-3.1-8B's per-token KV (32 layers, 8 KV heads, head dim 128, bf16), 16 tokens per block
+    nb = 60 * CHUNK // 16 + 8
+    src = _cache([KVGroupShape(0, 32, 8, 128, 16, torch.bfloat16)], "LBNHC", nb, 1)
+    lay = group_layers(src.layer_specs(), src.group_specs(), CHUNK, [src.size_bytes])
+    blocks = src.storage.to(dev)
+    src.close()
+    descs = [KvdGroupDesc.from_group(g, lay.object_bytes, lay.chunk_size) for g in lay.groups]
+    ptrs = [[blocks.data_ptr() + off for _, off in g.offsets] for g in lay.groups]
+    eng = k.engine_create(0, descs, ptrs, lay.chunk_size, lay.object_bytes)
+    ring = torch.empty(50 * lay.object_bytes + 256, dtype=torch.uint8, device=dev)
+    base = (ring.data_ptr() + 255) // 256 * 256
+    s, side = torch.cuda.Stream(), torch.cuda.Stream()
+    dword = torch.zeros(8, dtype=torch.int64, device=dev)
+    page = mmap.mmap(-1, 4096)
+    hword = k.host_register_mapped(ctypes.addressof(ctypes.c_char.from_buffer(page)), 4096)
+    value = [0]
+
+    def nxt() -> int:
+        value[0] += 1
+        return value[0]
+
+    def cpu(fn, n=args.calls, every=100, before=None) -> tuple[float, float]:
+        ts = []
+        for i in range(n):
+            if i % every == 0:
+                torch.cuda.synchronize()
+            if before is not None:
+                before()
+            c = time.thread_time()
+            fn()
+            ts.append(time.thread_time() - c)
+        torch.cuda.synchronize()
+        return _median_p90_us(ts)
+
+    rows = []
+    sp = s.cuda_stream
+    for nch in (1, 8, 50):
+        ids = array.array("i", [b % nb for b in range(nch * 16)])
+        rows.append((f"gather {nch} chunk(s) ({nch * 16} block ids), no word",
+                     cpu(lambda: k.engine_gather(eng, ids, nch, base, sp))))
+        rows.append((f"gather {nch} chunk(s), word in device memory",
+                     cpu(lambda: k.engine_gather(eng, ids, nch, base, sp, dword.data_ptr(), nxt()))))
+        rows.append((f"gather {nch} chunk(s), word in mapped host memory",
+                     cpu(lambda: k.engine_gather(eng, ids, nch, base, sp, hword, nxt()))))
+    ids8 = array.array("i", [b % nb for b in range(8 * 16)])
+
+    def gather8(stream_ptr: int) -> None:
+        k.engine_gather(eng, ids8, 8, base, stream_ptr, hword, nxt())
+
+    rows.append(("gather 8 chunks + word, legacy default stream", cpu(lambda: gather8(0))))
+    kv = [torch.zeros(nb, 2, 16, 8, 128, dtype=torch.bfloat16, device=dev) for _ in range(24)]
+    idx = torch.tensor([1, 2, 3], device=dev)
+
+    def forward() -> None:  # one indexed write per layer, on the current stream
+        for t in kv:
+            t.view(torch.int8)[idx] = 5
+
+    rows.append(("gather 8 + word after a 24-op torch 'forward', default stream",
+                 cpu(lambda: gather8(0), n=args.calls // 5, before=forward)))
+    with torch.cuda.stream(s):
+        rows.append(("gather 8 + word after a 24-op torch 'forward', own stream",
+                     cpu(lambda: gather8(sp), n=args.calls // 5, before=forward)))
+    stop = [False]
+
+    def recorder() -> None:  # another thread recording and querying events on its stream
+        ev = torch.cuda.Event()
+        while not stop[0]:
+            ev.record(side)
+            ev.query()
+
+    def launcher() -> None:  # another thread launching small kernels on its stream
+        x = torch.zeros(4, device=dev)
+        while not stop[0]:
+            with torch.cuda.stream(side):
+                x.add_(1)
+            time.sleep(0)
+
+    for name, fn in (("recording / querying events", recorder), ("launching kernels", launcher)):
+        stop[0] = False
+        th = threading.Thread(target=fn, daemon=True)
+        th.start()
+        rows.append((f"gather 8 + word while another thread is {name}", cpu(lambda: gather8(sp), every=50)))
+        stop[0] = True
+        th.join()
+    rows.append(("reference: the fence word's write alone (mapped host word)", cpu(lambda: k.engine_signal(hword, nxt(), sp))))
+    x = torch.zeros(16, device=dev)
+    with torch.cuda.stream(s):
+        rows.append(("reference: torch x.add_(1), one launch", cpu(lambda: x.add_(1))))
+    ev = torch.cuda.Event()
+    rows.append(("reference: torch.cuda.Event.record", cpu(lambda: ev.record(s))))
+    rows.append(("reference: a trivial ctypes call into the library", cpu(lambda: k.lib.kvd_ipc_handle_bytes())))
+    print(f"{torch.cuda.get_device_name()}: CPU of the calling thread per call")
+    for name, (med, p90) in rows:
+        print(f"  {name:<66} median {med:6.1f} us, p90 {p90:6.1f}")
+    k.engine_destroy(eng)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
