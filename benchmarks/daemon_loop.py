@@ -100,12 +100,10 @@ def _stub_path(stub_lib: str, pipe):
     import itertools
 
     from kvdepot.gpu.cuda_path import CudaDevicePath
+    from kvdepot.gpu.kernels import set_copy_argtypes
 
     lib = ctypes.CDLL(stub_lib)
-    vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    # the argument types `kvdepot.gpu.kernels.Kernels` gives the real library's functions
-    lib.kvd_dma.argtypes = [vp, vp, ctypes.c_uint64, vp, vp, ctypes.c_uint64, i64, i32, vp, i32, ctypes.c_uint64, vp]
-    lib.kvd_dma_call.argtypes = [vp]
+    set_copy_argtypes(lib)  # as `kvdepot.gpu.kernels.Kernels` sets them on the real library
     lanes = itertools.count(1)
 
     class _Kernels:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvdepot import trace
-from kvdepot.gpu.kernels import KernelError, Kernels, KvdGroupDesc, load_kernels
+from kvdepot.gpu.kernels import DMA_CALL_HEAD, KernelError, Kernels, KvdGroupDesc, load_kernels
 from kvdepot.gpu.layout import EngineLayout
 from kvdepot.protocol.errors import ErrorCode, RequestError
 from kvdepot.protocol.messages import StorageSpec
@@ -48,8 +48,6 @@ DEFAULT_BATCH_BYTES = 64 << 20  # staging bytes per slot (2 slots per direction 
 PIECE_BYTES = int(os.environ.get("KVDEPOT_PIECE_BYTES", str(8 << 20)))
 _GPU_ERROR_BIT = 1 << 63  # set in a completion token when the GPU reported an error
 _NOT_COPIED_BIT = 1 << 62  # set when a deferred copy was cancelled or timed out before it began
-_DMA_HEAD_BYTES = 72  # KvdDmaCall's nine 8-byte fields before its pointers
-_DMA_BLOCK_MAX = 256  # copies (chunks) one argument block holds; more take the plain kvd_dma call
 
 
 def device_index_by_uuid(uuid: str) -> int:
@@ -222,13 +220,13 @@ class CudaDevicePath:
         self._notified = ctypes.c_int(0)
         self._notified_ptr = ctypes.addressof(self._notified)
         lib = kernels.lib
-        self._kvd_store, self._kvd_retrieve, self._kvd_dma = lib.kvd_store, lib.kvd_retrieve, lib.kvd_dma
+        self._kvd_store, self._kvd_retrieve, self._kvd_dma_call = lib.kvd_store, lib.kvd_retrieve, lib.kvd_dma_call
         # copy_staged's argument block (the kernel library's KvdDmaCall): filled per request
-        # with one pack_into and passed as one pointer (the loop thread is its only user)
-        self._kvd_dma_call = lib.kvd_dma_call
-        self._dma_block = ctypes.create_string_buffer(_DMA_HEAD_BYTES + 16 * _DMA_BLOCK_MAX)
+        # with one pack_into and passed as one pointer (the loop thread is its only user);
+        # grown when a request has more copies than any before
+        self._dma_block = ctypes.create_string_buffer(DMA_CALL_HEAD.size + 16 * 64)
         self._dma_block_ptr = ctypes.addressof(self._dma_block)
-        self._dma_formats: dict[int, struct.Struct] = {}
+        self._dma_formats: dict[int, struct.Struct] = {}  # copies -> the block's format
 
     def reserve(self, object_bytes: int) -> None:
         """Make both lanes' slots hold at least one ``object_bytes`` object (at registration)."""
@@ -308,22 +306,21 @@ class CudaDevicePath:
         gather); until then the lane's issuer thread polls the word from the CPU (the DMA
         stream never waits on another process). ``done(err)`` runs on the loop when the copies
         completed (RequestError(ENGINE_MEMORY) if the word never came: nothing copied)."""
+        n = len(srcs)
+        if len(dsts) != n:
+            raise ValueError(f"{n} sources but {len(dsts)} destinations")
+        fmt = self._dma_formats.get(n)
+        if fmt is None:
+            fmt = self._dma_formats[n] = struct.Struct(f"{DMA_CALL_HEAD.format}{2 * n}Q")
+            if fmt.size > len(self._dma_block):
+                self._dma_block = ctypes.create_string_buffer(fmt.size)
+                self._dma_block_ptr = ctypes.addressof(self._dma_block)
         lane = self.store_lane if to_host else self.retrieve_lane
         word, value = fence if fence is not None else (0, 0)
         token = self.completions.expect(done)
-        n = len(srcs)
-        if 0 < n <= _DMA_BLOCK_MAX and n == len(dsts):
-            fmt = self._dma_formats.get(n)
-            if fmt is None:
-                fmt = self._dma_formats[n] = struct.Struct(f"=QQQQqqqQQ{2 * n}Q")  # KvdDmaCall
-            fmt.pack_into(self._dma_block, 0, lane, word, value, object_bytes, n, int(to_host),
-                          self.completions.write_fd, token, self._notified_ptr, *srcs, *dsts)
-            rc = self._kvd_dma_call(self._dma_block_ptr)
-        else:  # more pointers than the block holds (or a malformed call): the plain call checks it
-            sp = array.array("Q", srcs)
-            dp = array.array("Q", dsts)
-            rc = self._kvd_dma(lane, word or None, value, sp.buffer_info()[0], dp.buffer_info()[0], object_bytes,
-                               len(sp), int(to_host), None, self.completions.write_fd, token, self._notified_ptr)
+        fmt.pack_into(self._dma_block, 0, lane, word, value, object_bytes, n, int(to_host),
+                      self.completions.write_fd, token, self._notified_ptr, *srcs, *dsts)
+        rc = self._kvd_dma_call(self._dma_block_ptr)
         if rc:
             self._after_call(rc, "kvd_dma", lane, token, done)
 

@@ -23,6 +23,7 @@ import ctypes
 import fcntl
 import logging
 import os
+import struct
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -60,6 +61,22 @@ class KvdGroupDesc(ctypes.Structure):
 
 class KernelError(RuntimeError):
     """A kernel entry point returned an error code."""
+
+
+# The header of kvd_dma_call's argument block (KvdDmaCall in kvdepot_kernels.cu): lane, fence
+# word, its value, bytes per copy, copies n, to_host, completion fd, token, notified pointer;
+# 2n uint64 pointers follow (sources, then destinations).
+DMA_CALL_HEAD = struct.Struct("=QQQQqqqQQ")
+
+
+def set_copy_argtypes(lib) -> None:
+    """The ctypes argument types of the daemon's copy-enqueue calls (``kvd_dma`` and its
+    one-block form ``kvd_dma_call``) on ``lib``: the kernel library, or a stand-in with the
+    same C signatures (``benchmarks/daemon_loop.py --copy-call``)."""
+    vp = ctypes.c_void_p
+    lib.kvd_dma.argtypes = [vp, vp, ctypes.c_uint64, vp, vp, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int, vp,
+                            ctypes.c_int, ctypes.c_uint64, vp]
+    lib.kvd_dma_call.argtypes = [vp]
 
 
 class Kernels:
@@ -106,9 +123,7 @@ class Kernels:
         lib.kvd_retrieve.argtypes = [vp, vp, vp, i64, i64, vp, i64, vp, i32, ctypes.c_uint64, vp]
         lib.kvd_engine_gather.argtypes = [vp, vp, i64, vp, vp, ctypes.c_uint64, vp]
         lib.kvd_engine_scatter.argtypes = [vp, vp, i64, i64, vp, i64, vp, ctypes.c_uint64, vp]
-        lib.kvd_dma.argtypes = [vp, vp, ctypes.c_uint64, vp, vp, ctypes.c_uint64, i64, i32, vp, i32, ctypes.c_uint64,
-                                vp]
-        lib.kvd_dma_call.argtypes = [vp]  # kvd_dma's arguments in one block (`CudaDevicePath.copy_staged`)
+        set_copy_argtypes(lib)
         lib.kvd_engine_signal.argtypes = [vp, ctypes.c_uint64, vp]
         lib.kvd_host_register_mapped.argtypes = [vp, ctypes.c_size_t, ctypes.POINTER(vp)]
         lib.kvd_lane_cancel.argtypes = [vp, vp, vp]

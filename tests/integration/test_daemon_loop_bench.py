@@ -77,3 +77,35 @@ def test_the_stand_in_library_answers_the_daemons_copy_call(tmp_path, monkeypatc
     assert lib.kvd_dma_call(ctypes.addressof(block)) == 1 and notified.value == 0
     os.close(r)
     os.close(w)
+
+
+def test_the_daemons_copy_call_takes_requests_of_many_copies(tmp_path, monkeypatch):
+    """CudaDevicePath.copy_staged over the stand-in library: a request of more copies than its
+    argument block held so far gets a larger block, and every request's completion comes."""
+    import asyncio
+    import shutil
+
+    import pytest
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc) for the stand-in kernel library")
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("daemon_loop", None)
+    import daemon_loop
+
+    from kvdepot.gpu.cuda_path import CompletionPipe
+
+    async def run() -> list:
+        pipe = CompletionPipe(asyncio.get_running_loop())
+        path = daemon_loop._stub_path(daemon_loop.build_stub(str(tmp_path)), pipe)
+        got: list = []
+        for n in (1, 300, 2, 300):
+            path.copy_staged(True, [4096 * (k + 1) for k in range(n)], [8192 * (k + 1) for k in range(n)], 64, None,
+                             lambda err, n=n: got.append((n, err)))
+        for _ in range(200):
+            if len(got) == 4:
+                break
+            await asyncio.sleep(0.01)
+        return got
+
+    assert asyncio.run(run()) == [(1, None), (300, None), (2, None), (300, None)]
