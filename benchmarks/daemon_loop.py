@@ -25,7 +25,12 @@ every copy's pointers and write the completion token at once, as the real librar
 once a copy ends: the loop's CPU then includes the enqueue call's own cost, all but the CUDA
 driver's.
 
-    python benchmarks/daemon_loop.py [--requests 10000] [--depth 8] [--repeat 3] [--copy-call] [--out loop.json]
+``--per-message M``: each message carries M one-chunk prompts (`Store.chains` /
+`Retrieve.chains`, what `KVDepotClient.submit_store_many` sends), ``--depth`` messages in
+flight; the figures stay per chunk, so the runs compare with M = 1 directly.
+
+    python benchmarks/daemon_loop.py [--requests 10000] [--depth 8] [--repeat 3] [--copy-call] [--per-message M]
+        [--out loop.json]
 """
 
 from __future__ import annotations
@@ -164,17 +169,20 @@ def _main_thread_cpu_s(pid: int) -> float:
         return int(f.read().split()[0]) / 1e9
 
 
-def _phase(sock, kinds: list[str], keys: list[bytes], cached: list[bytes], depth: int, object_bytes: int) -> int:
-    """Send ``kinds`` ('s' store of the next new key, 'r' retrieve of a cached key) keeping
-    ``depth`` in flight; returns the requests answered OK.
+def _phase(sock, kinds: list[str], keys: list[bytes], cached: list[bytes], depth: int, object_bytes: int,
+           per_message: int = 1) -> int:
+    """Send one request per entry of ``kinds`` ('s' store of the next new keys, 'r' retrieve of
+    cached keys), each of ``per_message`` one-chunk prompts (more than 1: `Store.chains` /
+    `Retrieve.chains`), keeping ``depth`` requests in flight; returns the chunks moved.
 
     Raises:
-        RuntimeError: an error reply, or a store / retrieve that moved nothing.
+        RuntimeError: an error reply, or a request that did not move all its chunks.
     """
     from kvdepot.protocol import codec
     from kvdepot.protocol import messages as m
 
-    ids = [list(range(OBJECT_TOKENS // 16))]
+    ids = [list(range(OBJECT_TOKENS // 16)) * per_message]
+    chains = [m.Chain(i) for i in range(per_message)] if per_message > 1 else []
     sent = done = 0
     seq = 0
     ks, kr = iter(keys), 0
@@ -183,16 +191,20 @@ def _phase(sock, kinds: list[str], keys: list[bytes], cached: list[bytes], depth
     while done < len(kinds):
         while inflight < depth and sent < len(kinds):
             seq += 1
-            slot = (sent % 32) * object_bytes
+            slot = ((sent * per_message) % 32) * object_bytes
             if kinds[sent] == "s":
-                stored.append(next(ks))
-                req = m.Store(rid=seq, registration=REG_ID, keys=[stored[-1]], block_ids=ids, staging_offset=slot,
-                              staging_seq=seq)
+                new = [next(ks) for _ in range(per_message)]
+                stored.extend(new)
+                req = m.Store(rid=seq, registration=REG_ID, keys=new, block_ids=ids, staging_offset=slot,
+                              staging_seq=seq, chains=chains)
             else:
-                key = stored[-L1_OBJECTS // 4] if len(stored) >= L1_OBJECTS // 4 else cached[kr % len(cached)]
-                req = m.Retrieve(rid=seq, registration=REG_ID, keys=[key], block_ids=ids, staging_offset=slot,
-                                 staging_seq=seq)
-                kr += 1
+                want = []
+                for _ in range(per_message):
+                    want.append(stored[-L1_OBJECTS // 4 - len(want)] if len(stored) >= L1_OBJECTS // 4 + per_message
+                                else cached[kr % len(cached)])
+                    kr += 1
+                req = m.Retrieve(rid=seq, registration=REG_ID, keys=want, block_ids=ids, staging_offset=slot,
+                                 staging_seq=seq, chains=chains)
             sock.send(codec.encode(req))
             sent += 1
             inflight += 1
@@ -200,17 +212,20 @@ def _phase(sock, kinds: list[str], keys: list[bytes], cached: list[bytes], depth
         moved = getattr(reply, "stored", None)
         if moved is None:
             moved = getattr(reply, "retrieved", 0)
-        if not moved:
-            raise RuntimeError(f"a request moved nothing: {reply}")
+        if moved != per_message:
+            raise RuntimeError(f"a request moved {moved} of its {per_message} chunks: {reply}")
         inflight -= 1
         done += 1
-    return done
+    return done * per_message
 
 
-def measure(requests: int, depth: int, repeat: int = 3, copy_call: bool = False) -> dict:
+def measure(requests: int, depth: int, repeat: int = 3, copy_call: bool = False, per_message: int = 1) -> dict:
     """Start the daemon, run the three phases ``repeat`` times each, stop it; per phase the
-    repetition with the least loop CPU per request (and all of them under ``runs``).
-    ``copy_call``: see the module's docstring (needs ``cc``)."""
+    repetition with the least loop CPU per chunk (and all of them under ``runs``).
+    ``copy_call``: see the module's docstring (needs ``cc``). ``per_message``: one-chunk
+    prompts per request (``requests`` counts chunks; a divisor of 32)."""
+    if 32 % per_message:
+        raise ValueError("per_message must divide 32 (the staging slots)")
     from kvdepot.protocol.transport import StreamSocket, stream_path
 
     with tempfile.TemporaryDirectory(prefix="kvd-loop-") as sock_dir:
@@ -228,22 +243,24 @@ def measure(requests: int, depth: int, repeat: int = 3, copy_call: bool = False)
             keys = [os.urandom(16) for _ in range(2 * repeat * requests + 2 * L1_OBJECTS)]
             # warm up (and fill L1, so that every later store evicts), then keep the newest keys
             _phase(sock, ["s"] * (2 * L1_OBJECTS), keys[:2 * L1_OBJECTS], [], depth, object_bytes)
+            msgs = requests // per_message
             cached = keys[L1_OBJECTS:2 * L1_OBJECTS]
             rest = keys[2 * L1_OBJECTS:]
             out = {"object_bytes": object_bytes, "depth": depth, "requests": requests, "copy_call": copy_call,
-                   "phases": {}}
-            plans = {"store": ["s"] * requests, "retrieve": ["r"] * requests, "both": ["s", "r"] * (requests // 2)}
+                   "per_message": per_message, "phases": {}}
+            plans = {"store": ["s"] * msgs, "retrieve": ["r"] * msgs, "both": ["s", "r"] * (msgs // 2)}
             for name, kinds in plans.items():
                 runs = []
                 for _ in range(repeat):
-                    n_new = kinds.count("s")
+                    n_new = kinds.count("s") * per_message
                     new, rest = rest[:n_new], rest[n_new:]
                     c0, t0 = _main_thread_cpu_s(proc.pid), time.perf_counter()
-                    done = _phase(sock, kinds, new, cached, depth, object_bytes)
+                    done = _phase(sock, kinds, new, cached, depth, object_bytes, per_message)
                     wall_s, cpu_s = time.perf_counter() - t0, _main_thread_cpu_s(proc.pid) - c0
                     if name != "retrieve":
                         cached = (cached + new)[-L1_OBJECTS // 2:]
                     runs.append({"loop_us_per_request": 1e6 * cpu_s / done, "requests_per_s": done / wall_s,
+                                 "loop_us_per_message": 1e6 * cpu_s * per_message / done,
                                  "loop_cores": cpu_s / wall_s, "gbps_at_this_rate": done / wall_s * object_bytes / 1e9})
                 # the least loop CPU of the repetitions: other tenants of a VM only ever add to it
                 out["phases"][name] = dict(min(runs, key=lambda r: r["loop_us_per_request"]), runs=runs)
@@ -262,6 +279,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="runs of each phase (the least loop CPU is reported)")
     p.add_argument("--copy-call", action="store_true",
                    help="copies through the daemon's CudaDevicePath and a stand-in kernel library (needs cc)")
+    p.add_argument("--per-message", type=int, default=1,
+                   help="one-chunk prompts per request (Store / Retrieve chains; a divisor of 32); the figures "
+                        "stay per chunk ('request' = one prompt's chunk)")
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # (the daemon's own process)
     p.add_argument("--stub-lib", default=None, help=argparse.SUPPRESS)
@@ -269,9 +289,10 @@ def main(argv=None) -> int:
     if args.serve:
         _serve(args.serve, args.stub_lib)
         return 0
-    r = measure(args.requests, args.depth, args.repeat, args.copy_call)
+    r = measure(args.requests, args.depth, args.repeat, args.copy_call, args.per_message)
     print(f"daemon event loop, staged one-chunk requests of {r['object_bytes'] / 2**20:.2f} MiB "
-          f"(Llama-3.1-70B TP8, 64 tokens), {r['depth']} in flight, copies stubbed"
+          f"(Llama-3.1-70B TP8, 64 tokens), {args.per_message} per message, {r['depth']} messages in flight, "
+          f"copies stubbed"
           f"{' below CudaDevicePath.copy_staged (the kernel library call included)' if r['copy_call'] else ''}:")
     for name, ph in r["phases"].items():
         print(f"  {name:<8} {ph['loop_us_per_request']:6.1f} us of loop CPU per request, "

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipelined: one thread per direction keeps --outstanding requests in flight on one client "
                         "(submit_store / submit_retrieve); threads: --outstanding threads per direction, one "
                         "blocking request each")
+    p.add_argument("--per-message", type=int, default=1,
+                   help="pipelined: one-chunk prompts per STORE / RETRIEVE message (submit_store_many / "
+                        "submit_retrieve_many; default 1: one request per prompt); lone requests stay one chunk")
     p.add_argument("--spin-us", type=float, default=200.0, help="the clients' spin before a wait sleeps")
     p.add_argument("--bytes-per-point", type=float, default=2e9, help="bytes per stream measurement (about)")
     p.add_argument("--baseline-bytes", type=float, default=5e8, help="bytes per baseline measurement (about)")
@@ -155,22 +158,24 @@ def run_points(args, endpoint: str, dev: torch.device, zmq_us: float, doc: dict,
         want = [w.strip().lower() for w in args.shapes.split(",") if w.strip()]
         shapes = [s for s in SHAPES if any(w in s.name.lower() for w in want)]
     k = args.outstanding
+    kc = k * (args.per_message if args.client_mode == "pipelined" else 1)  # chunks in flight per direction
     clients = [KVDepotClient(endpoint, timeout_s=120, name=f"bench-{i}", spin_us=args.spin_us) for i in range(2 * k)]
     try:
         streams = [torch.cuda.Stream(dev) for _ in range(2 * k)]
         points = [(s, cs) for s in shapes for cs in chunk_sizes]
-        max_bytes = max(chunks_for(s, cs, args.bytes_per_point, k) * s.token_bytes * cs for s, cs in points)
+        max_bytes = max(chunks_for(s, cs, args.bytes_per_point, kc) * s.token_bytes * cs for s, cs in points)
         host = [torch.empty(max_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         devbuf = [torch.randint(0, 256, (max_bytes,), dtype=torch.uint8, device=dev) for _ in range(2)]
         ctx = Ctx(args, dev, clients, streams, host, devbuf, zmq_us, daemon_pid)
-        say(f"device {doc['device']}, torch {torch.__version__}; {k} requests outstanding per direction; "
+        say(f"device {doc['device']}, torch {torch.__version__}; {k} requests outstanding per direction"
+            f"{f', {args.per_message} one-chunk prompts per request' if kc != k else ''}; "
             f"up to {max_bytes / 1e9:.2f} GB per measurement")
         say(HEADER)
         for shape in shapes:
             cs_list = [cs for cs in chunk_sizes if all(cs % g.tokens_per_block == 0 for g in shape.groups)]
             if not cs_list:
                 continue
-            max_tokens = max(chunks_for(shape, cs, args.bytes_per_point, k) * cs for cs in cs_list)
+            max_tokens = max(chunks_for(shape, cs, args.bytes_per_point, kc) * cs for cs in cs_list)
             num_blocks = [2 * max_tokens // g.tokens_per_block + 16 for g in shape.groups]
             cache = ShmKVCache(list(shape.groups), num_blocks, shape.layout, device=dev)
             cache.storage.random_()

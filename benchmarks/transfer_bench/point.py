@@ -82,12 +82,14 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
     a = ctx.args
     t_start = time.perf_counter()
     k = a.outstanding
-    n = chunks_for(shape, chunk_size, a.bytes_per_point, k)
+    per = a.per_message if a.client_mode == "pipelined" else 1
+    n = chunks_for(shape, chunk_size, a.bytes_per_point, k * per)
     main = ctx.clients[0]
     staging = {}
     if a.staging == "engine":  # the ring holds every request in flight in both directions twice over
         ob_guess = shape.token_bytes * chunk_size
-        staging = dict(local_storages=[cache.storage], staging_bytes=max(256 << 20, 2 * (2 * k + 1) * ob_guess))
+        staging = dict(local_storages=[cache.storage],
+                       staging_bytes=max(256 << 20, 2 * (2 * k * per + 1) * ob_guess))
     reg = main.register(f"bench/{shape.name}", shape.shard, chunk_size, *specs, device=cache.register_device,
                         **staging)
     if a.staging == "engine" and reg.staging is None:
@@ -96,7 +98,7 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
     assert ob == shape.token_bytes * chunk_size, (ob, shape.token_bytes, chunk_size)
     total = n * ob
     res: dict = {"shape": shape.name, "chunk_tokens": chunk_size, "object_bytes": ob, "chunks": n, "bytes": total,
-                 "outstanding": k, "client_mode": a.client_mode, "staging": a.staging, "spin_us": a.spin_us}
+                 "outstanding": k, "per_message": per, "client_mode": a.client_mode, "staging": a.staging, "spin_us": a.spin_us}
     try:
         main.flush()
         src = [blocks.chunk("src", j, chunk_size) for j in range(n)]
@@ -151,12 +153,12 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
 
         def store_tasks(w: _Work) -> list:
             if a.client_mode == "pipelined":
-                return [store_pipelined(st_clients[0], reg, st_streams[0], w, k)]
+                return [store_pipelined(st_clients[0], reg, st_streams[0], w, k, per)]
             return [store_task(c, reg, s, w) for c, s in zip(st_clients, st_streams)]
 
         def retrieve_tasks(w: _Work) -> list:
             if a.client_mode == "pipelined":
-                return [retrieve_pipelined(rt_clients[0], reg, rt_streams[0], w, k)]
+                return [retrieve_pipelined(rt_clients[0], reg, rt_streams[0], w, k, per)]
             return [retrieve_task(c, reg, s, w) for c, s in zip(rt_clients, rt_streams)]
 
         meter = CpuMeter(ctx.daemon_pid)

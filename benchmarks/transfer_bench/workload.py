@@ -1,5 +1,6 @@
 """Request streams: items handed to threads, one-chunk STORE / RETRIEVE tasks (blocking, or
-pipelined on one client as an engine's worker would), and fresh keys."""
+pipelined on one client as an engine's worker would, one or several one-chunk prompts per
+request), and fresh keys."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 import torch
 
-from kvdepot.client import KVDepotClient
+from kvdepot.client import KVDepotClient, RetrieveItem, StoreItem
 
 
 class _Work:
@@ -89,16 +90,30 @@ def retrieve_task(client: KVDepotClient, reg, stream, work: _Work):
     return fn
 
 
-def store_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: int):
+def _take(work: _Work, count: int) -> list:
+    items = []
+    while len(items) < count and (item := work.next()) is not None:
+        items.append(item)
+    return items
+
+
+def store_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: int, per_message: int = 1):
     """One thread keeping ``depth`` STOREs in flight on one client (`submit_store`); each reply
-    comes once its chunk is in the daemon's L1."""
+    comes once its chunks are in the daemon's L1. ``per_message`` > 1: each STORE carries that
+    many one-chunk prompts (`submit_store_many`: one region, one gather, one message)."""
 
     def fn() -> None:
         q: collections.deque = collections.deque()
         while True:
-            while len(q) < depth and (item := work.next()) is not None:
-                key, ids = item
-                q.append(client.submit_store(reg, [key], ids, after=stream))
+            while len(q) < depth:
+                items = _take(work, per_message)
+                if not items:
+                    break
+                if per_message == 1:
+                    key, ids = items[0]
+                    q.append(client.submit_store(reg, [key], ids, after=stream))
+                else:
+                    q.append(client.submit_store_many(reg, [StoreItem([k], ids) for k, ids in items], after=stream))
             if not q:
                 return
             work.add_done(q.popleft().result().stored)
@@ -106,9 +121,10 @@ def store_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: int)
     return fn
 
 
-def retrieve_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: int):
-    """One thread keeping ``depth`` RETRIEVEs in flight on one client (`submit_retrieve`); the
-    stream (engine-side staging: where the scatters run) is synchronized at the end."""
+def retrieve_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: int, per_message: int = 1):
+    """One thread keeping ``depth`` RETRIEVEs in flight on one client (`submit_retrieve`, or with
+    ``per_message`` > 1 `submit_retrieve_many` of that many one-chunk prompts); the stream
+    (engine-side staging: where the scatters run) is synchronized at the end."""
 
     # engine-side staging: each result enqueues its scatter, on the stream given to it
     before = stream if reg.staging is not None else None
@@ -116,9 +132,15 @@ def retrieve_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: i
     def fn() -> None:
         q: collections.deque = collections.deque()
         while True:
-            while len(q) < depth and (item := work.next()) is not None:
-                key, ids = item
-                q.append(client.submit_retrieve(reg, [key], ids))
+            while len(q) < depth:
+                items = _take(work, per_message)
+                if not items:
+                    break
+                if per_message == 1:
+                    key, ids = items[0]
+                    q.append(client.submit_retrieve(reg, [key], ids))
+                else:
+                    q.append(client.submit_retrieve_many(reg, [RetrieveItem([k], ids) for k, ids in items]))
             if not q:
                 break
             work.add_done(q.popleft().result(before))

@@ -2,7 +2,8 @@
 
 from kvdepot.client.client import KVDepotClient, Registration
 from kvdepot.client.hashing import chunk_keys, namespace_seed, shard_name
+from kvdepot.client.many import RetrieveItem, StoreItem
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
-__all__ = ["KVDepotClient", "Registration", "chunk_keys", "namespace_seed", "shard_name", "ErrorCode",
-           "KVDepotError"]
+__all__ = ["KVDepotClient", "Registration", "StoreItem", "RetrieveItem", "chunk_keys", "namespace_seed", "shard_name",
+           "ErrorCode", "KVDepotError"]

@@ -32,6 +32,7 @@ import msgspec.structs
 import zmq
 
 from kvdepot import trace
+from kvdepot.client.many import ManyRequests
 from kvdepot.client.pending import LinkPace, PendingRetrieve, PendingStore
 from kvdepot.client.registration import Registration, engine_staging
 from kvdepot.client.staged import StagedStores
@@ -68,7 +69,16 @@ def timer_slack_s() -> float:
     return got
 
 
-class KVDepotClient(StagedStores):
+def _check_chains(reg: Registration, single_run_field) -> None:
+    """Raises KVDepotError: UNSUPPORTED (the daemon takes no chains), INVALID_ARGUMENT (the
+    single-run ``parent`` / ``skip_tokens`` given beside them)."""
+    if not reg.chains:
+        raise KVDepotError(ErrorCode.UNSUPPORTED, "this daemon takes no Store / Retrieve chains (RegisterReply.chains)")
+    if single_run_field:
+        raise KVDepotError(ErrorCode.INVALID_ARGUMENT, "with chains, each run's parent / skip_tokens is in its chain")
+
+
+class KVDepotClient(StagedStores, ManyRequests):
     """Blocking client.
 
     Args:
@@ -437,7 +447,7 @@ class KVDepotClient(StagedStores):
             staging = None
             req.staging = None
         return Registration(r.registration, r.layout_fingerprint, r.object_bytes, r.boot_id, req, staging,
-                            storage_fds)
+                            storage_fds, r.chains)
 
     def reregister(self, reg: Registration) -> Registration:
         """Register ``reg``'s caches again (after a daemon restart). The staging ring starts
@@ -476,7 +486,8 @@ class KVDepotClient(StagedStores):
 
     def submit_store(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
                      parent: bytes = b"", cache_salt: str = "", request: str = "", after=None,
-                     early: bool = False, wait_for_room: bool = True, staged=None) -> PendingStore | None:
+                     early: bool = False, wait_for_room: bool = True, staged=None,
+                     chains: Sequence[m.Chain] = ()) -> PendingStore | None:
         """`store` without waiting: ``.result()`` of the returned handle gives the `StoreReply`.
         Unstaged, the blocks must not be overwritten before then. ``early``: ignored.
 
@@ -489,7 +500,11 @@ class KVDepotClient(StagedStores):
         ``after`` so far. ``wait_for_room=False``: if the ring has no room for the chunks now,
         nothing is sent and None is returned (never blocks). ``staged``: the region a
         `stage_store` of these chunks returned (nothing is gathered here; on an error the
-        region is given up, `abandon_region`)."""
+        region is given up, `abandon_region`). ``chains``: ``keys`` / ``block_ids`` are several
+        prompts' runs (`kvdepot.protocol.messages.Chain`; ``parent`` empty), see
+        `submit_store_many`."""
+        if chains:
+            _check_chains(reg, parent)
         offset = -1
         fence = 0
         region = staged
@@ -517,7 +532,7 @@ class KVDepotClient(StagedStores):
             rid = self.submit(m.Store(rid=0, registration=reg.id, keys=list(keys),
                                       block_ids=[list(b) for b in block_ids], parent=parent, cache_salt=cache_salt,
                                       request=request, staging_offset=offset, fence=fence,
-                                      staging_seq=region.seq if region is not None else 0))
+                                      staging_seq=region.seq if region is not None else 0, chains=list(chains)))
         except BaseException:
             if gather_after_send:
                 region.fenced = False
@@ -554,7 +569,8 @@ class KVDepotClient(StagedStores):
         return self.submit_retrieve(reg, keys, block_ids, skip_tokens, request).result(before, cpu_wait=cpu_wait)
 
     def submit_retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
-                        skip_tokens: int = 0, request: str = "", wait_for_room: bool = True) -> PendingRetrieve | None:
+                        skip_tokens: int = 0, request: str = "", wait_for_room: bool = True,
+                        chains: Sequence[m.Chain] = ()) -> PendingRetrieve | None:
         """`retrieve` without waiting: ``.result(before)`` of the returned handle gives the
         number of chunks written (and makes ``before`` wait for them).
 
@@ -564,7 +580,10 @@ class KVDepotClient(StagedStores):
         event costs the waiting stream tens of microseconds). With engine-side staging each
         ``result`` enqueues its own scatter, so pass ``before`` to every one.
         ``wait_for_room=False``: if the staging ring has no room now, nothing is sent and None
-        is returned. A block id of -1 leaves that block unwritten."""
+        is returned. A block id of -1 leaves that block unwritten. ``chains``: several prompts'
+        runs (``skip_tokens`` 0), see `submit_retrieve_many`."""
+        if chains:
+            _check_chains(reg, skip_tokens)
         region = None
         if reg.staging is not None and keys:
             region = reg.staging.ring.alloc(len(keys) * reg.object_bytes, self, wait=wait_for_room)
@@ -576,14 +595,14 @@ class KVDepotClient(StagedStores):
             rid = self.submit(m.Retrieve(rid=0, registration=reg.id, keys=list(keys),
                                          block_ids=[list(b) for b in block_ids], skip_tokens=skip_tokens,
                                          request=request, staging_offset=region.offset if region else -1,
-                                         staging_seq=region.seq if region else 0))
+                                         staging_seq=region.seq if region else 0, chains=list(chains)))
         except BaseException:
             if region is not None:
                 region.release()
             raise
         pending = PendingRetrieve(self, rid)
         if region is not None:
-            pending._staged(reg, region, block_ids, len(keys), skip_tokens)
+            pending._staged(reg, region, block_ids, len(keys), skip_tokens, chains)
         return pending
 
 

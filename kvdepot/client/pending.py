@@ -191,6 +191,9 @@ class PendingRetrieve:
         self._done_seq: int | None = None  # staged with fence words: its word holds this once the scatter ran
         self._scatter_stream = None  # the stream the scatter was enqueued on
         self._reply: m.RetrieveReply | None = None  # staged: the reply, once taken by done()
+        self._chains = ()  # staged with `Retrieve.chains`: the runs (the scatter masks what was not found)
+        # with `Retrieve.chains`: each run's leading chunks written, once `result` returned
+        self.chains_retrieved: list[int] = []
 
     def done(self) -> bool:
         """Whether `result` returns without waiting on the daemon: its reply (or error, or loss)
@@ -209,9 +212,10 @@ class PendingRetrieve:
                 self._error = exc
         return True
 
-    def _staged(self, reg: Registration, region, block_ids, num_chunks: int, skip_tokens: int) -> None:
+    def _staged(self, reg: Registration, region, block_ids, num_chunks: int, skip_tokens: int,
+                chains=()) -> None:
         self._reg, self._region, self._block_ids = reg, region, block_ids
-        self._num_chunks, self._skip_tokens = num_chunks, skip_tokens
+        self._num_chunks, self._skip_tokens, self._chains = num_chunks, skip_tokens, chains
         region.is_free = self._region_free
         region.reclaim = self._reclaim
 
@@ -268,6 +272,7 @@ class PendingRetrieve:
                 self._error = exc
                 raise
             self.client._last_scatter = (None, None)  # the reply comes once the blocks are written
+            self.chains_retrieved = list(r.chains)
             return r.retrieved
         if self._retrieved is not None:  # already scattered (by a ring reclaim): order `before` after it
             ev = self._event() if before is not None and before is not self._scatter_stream else None
@@ -292,15 +297,22 @@ class PendingRetrieve:
         staging = self._reg.staging
         stream = before if before is not None else torch.cuda.current_stream(staging.device)
         # the reply comes once the daemon's copies into the ring completed: scatter at once
+        self.chains_retrieved = list(r.chains)
         if r.retrieved:
             self._scatter_stream = stream
+            block_ids, upto = self._block_ids, r.retrieved
+            if self._chains:  # one scatter over every run's positions, what was not found left alone
+                from kvdepot.client.many import masked_block_ids
+
+                block_ids = masked_block_ids(self._reg, block_ids, self._chains, r.chains, self._num_chunks)
+                upto = self._num_chunks
             if staging.fence is not None:  # the region frees by its fence word: no event per retrieve
-                staging.scatter(self._block_ids, self._num_chunks, r.retrieved, self._region.offset,
+                staging.scatter(block_ids, self._num_chunks, upto, self._region.offset,
                                 self._skip_tokens, stream, done_seq=self._region.seq)
                 self._done_seq = self._region.seq
                 self._region.fenced = True  # a ring reset keeps it until the scatter ran
             else:
-                staging.scatter(self._block_ids, self._num_chunks, r.retrieved, self._region.offset,
+                staging.scatter(block_ids, self._num_chunks, upto, self._region.offset,
                                 self._skip_tokens, stream)
                 done = torch.cuda.Event()
                 done.record(stream)

@@ -20,6 +20,8 @@ class Registration:
         object_bytes: bytes of one chunk object.
         boot_id: daemon boot the registration belongs to.
         request: the `Register` message (kept to re-register after a daemon restart).
+        chains: the daemon takes several prompts' runs in one Store / Retrieve
+            (`RegisterReply.chains`; `KVDepotClient.submit_store_many`).
     """
 
     id: str
@@ -33,6 +35,7 @@ class Registration:
     # CPU engines with sealed memfds: the descriptor of each "memfd" storage (None for others),
     # passed to the daemon again at every (re)registration
     storage_fds: list | None = dataclasses.field(default=None, repr=False, compare=False)
+    chains: bool = False
 
     @property
     def model(self) -> str:

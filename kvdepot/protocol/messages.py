@@ -246,6 +246,31 @@ class Lookup(Msg, tag="look"):
     pin_request: Name = ""
 
 
+class Chain(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """One prompt's run of chunks in a `Store` or `Retrieve` that carries several (``chains``):
+    the requests of several prompts in one message, moved through one staging region, one
+    copy call and one reply.
+
+    start: index in the message's ``keys`` (and chunk index in its ``block_ids`` and staging
+        region) of the run's first chunk; the run ends where the next one starts.
+    parent: Store: the key of the chunk before ``keys[start]`` (empty: the prompt's chunk 0).
+    skip_tokens: Retrieve: leading tokens of ``keys[start]`` whose blocks are not written.
+    """
+
+    start: NonNegInt
+    parent: Annotated[bytes, Meta(max_length=64)] = b""
+    skip_tokens: NonNegInt = 0
+
+
+class ChainStored(msgspec.Struct, array_like=True, frozen=True):
+    """`StoreReply.chains`: what became of one `Chain`'s chunks (stored + present + skipped =
+    its chunks)."""
+
+    stored: int
+    present: int
+    skipped: int
+
+
 class Store(Msg, tag="store"):
     """Copy whole chunks from engine blocks into the daemon.
 
@@ -270,6 +295,11 @@ class Store(Msg, tag="store"):
         goes, nothing copied). 0: the
         gather already completed.
     staging_seq: staged: the staging region's number (`Drain`); 0: none given.
+    chains: empty: ``keys`` are one run after ``parent``. Else several prompts' runs
+        (`Chain`, ``chains[0].start == 0``, starts increasing; ``parent`` must be empty): each
+        run chains onto its own parent, a missing parent skips only its own run, and the reply
+        gives each run's counts. Only to a daemon whose `RegisterReply.chains` is set (an older
+        one would read the runs as one chain).
     Reply: `StoreReply`.
     """
 
@@ -284,6 +314,7 @@ class Store(Msg, tag="store"):
     staging_offset: Annotated[int, Meta(ge=-1)] = -1
     fence: NonNegInt = 0
     staging_seq: NonNegInt = 0
+    chains: list[Chain] = msgspec.field(default_factory=list)
 
 
 class Retrieve(Msg, tag="get"):
@@ -298,6 +329,10 @@ class Retrieve(Msg, tag="get"):
         scatters it after the reply, applying ``skip_tokens`` itself. -1: the daemon writes the
         blocks.
     staging_seq: staged: the staging region's number (`Drain`); 0: none given.
+    chains: empty: ``keys`` are one run. Else several prompts' runs (`Chain`, as in `Store`;
+        each with its own ``skip_tokens``, the message's must be 0); the leading chunks of each
+        run that are cached are written (`RetrieveReply.chains`). A CUDA engine must stage such
+        a retrieve (``staging_offset`` >= 0).
     Reply: `RetrieveReply`; only its ``retrieved`` leading chunks were written.
     """
 
@@ -308,6 +343,7 @@ class Retrieve(Msg, tag="get"):
     request: Name = ""
     staging_offset: Annotated[int, Meta(ge=-1)] = -1
     staging_seq: NonNegInt = 0
+    chains: list[Chain] = msgspec.field(default_factory=list)
 
 
 class Drain(Msg, tag="drain"):
@@ -363,7 +399,8 @@ class RegisterReply(Msg, tag="regR"):
     """registration: id to use in Store/Retrieve; layout_fingerprint: hex digest of what the
     chunk bytes mean (the client seeds chunk keys with it); object_bytes: bytes per chunk;
     staging: the daemon serves `Register.staging` (requests may give ``staging_offset``);
-    fence: it polls `Register.fence` (staged stores may give ``fence``)."""
+    fence: it polls `Register.fence` (staged stores may give ``fence``); chains: it takes
+    `Store.chains` / `Retrieve.chains` (several prompts' runs in one request)."""
 
     registration: str
     layout_fingerprint: str
@@ -371,6 +408,7 @@ class RegisterReply(Msg, tag="regR"):
     boot_id: str
     staging: bool = False
     fence: bool = False
+    chains: bool = False
 
 
 class OkReply(Msg, tag="ok"):
@@ -389,21 +427,26 @@ class StoreReply(Msg, tag="storeR"):
     copied); skipped: not stored (parent missing or L1 full). stored + present + skipped ==
     len(keys). event (``reply_early`` only): interprocess CUDA event handle after which the
     engine may overwrite the blocks; stored_event (``reply_early`` only): one after which the
-    bytes are in L1 (the chunks become visible to lookups once the daemon has seen that too)."""
+    bytes are in L1 (the chunks become visible to lookups once the daemon has seen that too).
+    chains: for a `Store` with ``chains``, each run's counts (the fields above are their sums)."""
 
     stored: int
     present: int
     skipped: int
     event: bytes = b""
     stored_event: bytes = b""
+    chains: list[ChainStored] = msgspec.field(default_factory=list)
 
 
 class RetrieveReply(Msg, tag="getR"):
-    """retrieved: leading chunks written into the engine's blocks; event: interprocess CUDA
-    event handle the engine must wait on before reading them (CUDA engines only)."""
+    """retrieved: leading chunks written into the engine's blocks (with ``Retrieve.chains``: the
+    sum over the runs); event: interprocess CUDA event handle the engine must wait on before
+    reading them (CUDA engines only); chains: for a `Retrieve` with ``chains``, each run's
+    leading chunks written (staged: in the staging region at the runs' own chunk positions)."""
 
     retrieved: int
     event: bytes = b""
+    chains: list[NonNegInt] = msgspec.field(default_factory=list)
 
 
 class DescribeReply(Msg, tag="descR"):

@@ -42,6 +42,7 @@ class TransferHandlers:
         keys = req.keys
         n = len(keys)
         self._check_block_ids(reg, req.block_ids, n)
+        runs = _store_runs(req, n) if req.chains else ((0, n, req.parent),)
         if reg.files:
             reg.check_memory()
         staged = req.staging_offset >= 0  # a CPU registration has no staging: refused in _staging_base
@@ -58,8 +59,9 @@ class TransferHandlers:
         held: list[Entry] = []  # present entries kept from eviction while this store allocates
         new: list[tuple[int, Entry]] = []
         present = 0
-        reason = ""
-        parent = req.parent
+        skipped_by: dict[str, int] = {}
+        per_chain: list[m.ChainStored] | None = [] if req.chains else None
+        full = False  # L1 had no room: nothing more of this request is stored
         # A parent (or a chunk of this request) still being written by an earlier store counts
         # as present: an engine whose stores are in flight sends a request's next chunks before
         # the previous ones are in L1. Their children stay invisible until every chunk before
@@ -68,43 +70,59 @@ class TransferHandlers:
         # A parent or chunk that only a lower tier (L2) holds counts as present too: the chunk is
         # not stored again, and its children are stored unlinked (`ChunkIndex.begin_write`).
         l2 = self.l2
-        if parent:
-            p = index.get(parent)
-            if p is None:
-                if l2 is None or l2.ready(parent) is None:
-                    reason = "parent_missing"
-            elif p.state is READY:
-                index.acquire(p)
-                held.append(p)
-        if not reason:
-            for j, key in enumerate(keys):
-                e = index.get(key)
-                if e is None and l2 is not None:
-                    d = l2.ready(key)
-                    if d is not None and d.size_bytes == ob:
-                        present += 1
-                        parent = key
-                        continue
-                if e is not None:
-                    if e.size_bytes != ob:
-                        reason = "parent_missing"  # another object format under this key: never chain onto it
-                        break
-                    if e.state is READY:  # (else WRITING: no reader may hold it; its children keep it)
-                        index.acquire(e)
-                        held.append(e)
-                    present += 1
-                else:
-                    off = self._alloc(ob)
-                    if off is None:
-                        reason = "capacity"
-                        break
-                    new.append((j, index.begin_write(key, parent, off, ob, reg.model, req.cache_salt, lay.fingerprint)))
-                parent = key
+        for start, end, parent in runs:
+            reason = "capacity" if full else ""
+            c_present = 0
+            c_new = len(new)
+            if parent and not reason:
+                p = index.get(parent)
+                if p is None:
+                    if l2 is None or l2.ready(parent) is None:
+                        reason = "parent_missing"
+                elif p.state is READY:
+                    index.acquire(p)
+                    held.append(p)
+            if not reason:
+                for j in range(start, end):
+                    key = keys[j]
+                    e = index.get(key)
+                    if e is None and l2 is not None:
+                        d = l2.ready(key)
+                        if d is not None and d.size_bytes == ob:
+                            c_present += 1
+                            parent = key
+                            continue
+                    if e is not None:
+                        if e.size_bytes != ob:
+                            reason = "parent_missing"  # another object format under this key: never chain onto it
+                            break
+                        if e.state is READY:  # (else WRITING: no reader may hold it; its children keep it)
+                            index.acquire(e)
+                            held.append(e)
+                        c_present += 1
+                    else:
+                        off = self._alloc(ob)
+                        if off is None:
+                            reason = "capacity"
+                            full = True
+                            break
+                        new.append((j, index.begin_write(key, parent, off, ob, reg.model, req.cache_salt,
+                                                         lay.fingerprint)))
+                    parent = key
+            present += c_present
+            c_stored = len(new) - c_new
+            c_skipped = end - start - c_present - c_stored
+            if c_skipped:
+                skipped_by[reason] = skipped_by.get(reason, 0) + c_skipped
+            if per_chain is not None:
+                per_chain.append(m.ChainStored(c_stored, c_present, c_skipped))
         skipped = n - present - len(new)
-        if reason:
-            self.metrics.store_skipped_chunks.labels(reason).inc(skipped)
+        for reason, count in skipped_by.items():
+            self.metrics.store_skipped_chunks.labels(reason).inc(count)
         # Every store is answered once its copies completed (`Store.reply_early` is ignored).
         reply = m.StoreReply(rid=req.rid, stored=len(new), present=present, skipped=skipped)
+        if per_chain is not None:
+            reply.chains = per_chain
         if not new:
             self._store_release(held, keys)
             return reply
@@ -198,14 +216,15 @@ class TransferHandlers:
         self._check_block_ids(reg, req.block_ids, n)
         if reg.files:
             reg.check_memory()
-        if req.skip_tokens and (req.skip_tokens >= n * lay.chunk_size
-                                or any(req.skip_tokens % t for t in lay.tokens_per_block)):
-            raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                               f"skip_tokens {req.skip_tokens} must be a multiple of every group's tokens per block "
-                               f"{lay.tokens_per_block} and less than {n * lay.chunk_size}")
+        runs = _retrieve_runs(req, n, lay) if req.chains else None
+        if runs is None and req.skip_tokens:
+            _check_skip(req.skip_tokens, n, lay)
         # staged: chunk j at staged_base + j * object_bytes in the engine's ring (refused here,
         # before acquiring anything)
         staged = req.staging_offset >= 0
+        if runs is not None and not staged and reg.cuda_device is not None:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "a CUDA engine's retrieve with chains must be staged "
+                                                           "(staging_offset >= 0)")
         staged_base = self._staging_base(reg, req.staging_offset, n) if staged else 0
         if promote:
             seq = self._staged_accept(reg, req.staging_seq) if staged and req.staging_seq else 0
@@ -218,16 +237,33 @@ class TransferHandlers:
         index = self.index
         ob = lay.object_bytes
         entries: list[Entry] = []
-        for key in keys:
-            e = index.get(key)
-            if e is None or e.state is not READY or e.size_bytes != ob:
-                break
-            index.acquire(e)
-            entries.append(e)
+        if runs is None:
+            for key in keys:
+                e = index.get(key)
+                if e is None or e.state is not READY or e.size_bytes != ob:
+                    break
+                index.acquire(e)
+                entries.append(e)
+            at = skips = counts = None
+        else:  # each run's cached leading chunks, at their own chunk positions
+            at, skips, counts = [], [], []
+            cs = lay.chunk_size
+            for start, end, c in runs:
+                before = len(entries)
+                for j in range(start, end):
+                    e = index.get(keys[j])
+                    if e is None or e.state is not READY or e.size_bytes != ob:
+                        break
+                    index.acquire(e)
+                    entries.append(e)
+                    at.append(j)
+                    skips.append(min(max(c.skip_tokens - (j - start) * cs, 0), cs))
+                counts.append(len(entries) - before)
         if reg.cuda_device is not None:
-            return self._retrieve_cuda(identity, reg, req, entries, staged_base if staged else None)
+            return self._retrieve_cuda(identity, reg, req, entries, staged_base if staged else None,
+                                       at, skips, counts)
         if not entries:
-            return m.RetrieveReply(rid=req.rid, retrieved=0)
+            return m.RetrieveReply(rid=req.rid, retrieved=0, chains=counts or [])
         reg.active += 1
         t0 = time.perf_counter()
         token = self.watch("retrieve", reg.id, identity, req.rid, len(entries) * lay.object_bytes, reply_pending=True)
@@ -247,11 +283,16 @@ class TransferHandlers:
                 self._reply_error(identity, req.rid, err)
                 return
             self._count_transfer(reg, "retrieve", len(entries), time.perf_counter() - t0)
-            self._reply(identity, m.RetrieveReply(rid=req.rid, retrieved=len(entries)))
+            self._reply(identity, m.RetrieveReply(rid=req.rid, retrieved=len(entries), chains=counts or []))
 
+        if runs is None:
+            cs = lay.chunk_size
+            writes = [(j, e, min(max(req.skip_tokens - j * cs, 0), cs)) for j, e in enumerate(entries)]
+        else:
+            writes = list(zip(at, entries, skips))
         trace_point(req.rid, "enqueue")
         try:
-            self._in_executor(finish, self._scatter, reg, req.block_ids, req.skip_tokens, entries)
+            self._in_executor(finish, self._scatter, reg, req.block_ids, writes)
         except BaseException as exc:
             finish(exc)
             return None
@@ -259,15 +300,17 @@ class TransferHandlers:
         return None
 
     def _retrieve_cuda(self, identity: bytes, reg: Registration, req: m.Retrieve, entries: list[Entry],
-                       staged_base: int | None) -> m.Msg | None:
+                       staged_base: int | None, at: list[int] | None = None, skips: list[int] | None = None,
+                       counts: list[int] | None = None) -> m.Msg | None:
         """Enqueue the copies; reply once they completed (the engine's blocks or staging ring
         hold the chunks then: an interprocess event handed out for the engine to wait on was
         found to report a record complete before the copies ran, `KVDepotClient._fence`).
         The entries stay acquired until then. ``staged_base``: chunk 0's address in the
         engine's staging ring (chunk j at ``+ j * object_bytes``; staged), else None (the
-        daemon scatters)."""
+        daemon scatters). With ``Retrieve.chains`` (staged only): ``at`` / ``skips`` give each
+        entry's chunk position and tokens left alone, ``counts`` each run's chunks found."""
         if not entries:
-            return m.RetrieveReply(rid=req.rid, retrieved=0)
+            return m.RetrieveReply(rid=req.rid, retrieved=0, chains=counts or [])
         reg.active += 1
         seq = req.staging_seq if staged_base is not None else 0
         self._staged_begin(reg, seq)
@@ -275,12 +318,21 @@ class TransferHandlers:
         t0 = time.monotonic()
         token = self.watch("retrieve", reg.id, identity, req.rid, len(entries) * ob, True, t0)
         enqueued = [True]  # set False below if nothing could be enqueued (`_retrieve_cuda_done`)
-        done = functools.partial(self._retrieve_cuda_done, identity, reg, req.rid, entries, seq, token, t0, enqueued)
+        done = functools.partial(self._retrieve_cuda_done, identity, reg, req.rid, entries, counts, seq, token, t0,
+                                 enqueued)
         if _TRACE is not None:
             trace_point(req.rid, "enqueue")
         base = self.pool.base_ptr
         try:
-            if staged_base is not None:
+            if at is not None:  # chains: wholly skipped chunks need no copy
+                cs = reg.layout.chunk_size
+                srcs = [base + e.offset for e, k in zip(entries, skips) if k < cs]
+                if srcs:
+                    self._cuda.path(reg.cuda_device).copy_staged(
+                        False, srcs, [staged_base + j * ob for j, k in zip(at, skips) if k < cs], ob, None, done)
+                else:
+                    done(None)
+            elif staged_base is not None:
                 first = req.skip_tokens // reg.layout.chunk_size  # wholly skipped chunks need no copy
                 if first < len(entries):
                     self._cuda.path(reg.cuda_device).copy_staged(
@@ -302,10 +354,12 @@ class TransferHandlers:
         self.index.touch_chain([e.key for e in entries])
         return None
 
-    def _retrieve_cuda_done(self, identity: bytes, reg: Registration, rid: int, entries: list[Entry], seq: int,
-                            token: int, t0: float, enqueued: list[bool], err: BaseException | None) -> None:
+    def _retrieve_cuda_done(self, identity: bytes, reg: Registration, rid: int, entries: list[Entry],
+                            counts: list[int] | None, seq: int, token: int, t0: float, enqueued: list[bool],
+                            err: BaseException | None) -> None:
         """A CUDA retrieve's copies ended (on the loop): release its entries and reply.
-        ``enqueued[0]`` False: nothing was enqueued and the caller answers the exception."""
+        ``enqueued[0]`` False: nothing was enqueued and the caller answers the exception.
+        ``counts``: each run's chunks found (``Retrieve.chains``), else None."""
         if _TRACE is not None:
             trace_point(rid, "gpu_done")
         self._finish_transfer(reg, seq)
@@ -322,7 +376,7 @@ class TransferHandlers:
             return
         self._op_metrics(reg, "retrieve")[2].observe(time.monotonic() - t0)
         if not stuck:
-            self._reply(identity, m.RetrieveReply(rid=rid, retrieved=len(entries)))
+            self._reply(identity, m.RetrieveReply(rid=rid, retrieved=len(entries), chains=counts or []))
 
     # ------------------------------------------------------------------ Drain (lost staged requests)
 
@@ -372,14 +426,67 @@ class TransferHandlers:
             return None
         return m.OkReply(rid=req.rid)
 
-    def _scatter(self, reg: Registration, block_ids, skip_tokens: int, entries: list[Entry]) -> None:
+    def _scatter(self, reg: Registration, block_ids, writes: list[tuple[int, Entry, int]]) -> None:
+        """CPU engines, on a copy thread: write each (chunk position, entry, leading tokens to
+        leave alone) into the engine's blocks."""
         eng, cs = reg.engine, reg.layout.chunk_size
-        for j, e in enumerate(entries):
-            skip = min(max(skip_tokens - j * cs, 0), cs)
-            if skip == cs:
-                continue
-            eng.scatter(self.pool.buffer(e.offset, e.size_bytes), self._chunk_block_ids(reg, block_ids, j), skip)
+        for j, e, skip in writes:
+            if skip < cs:
+                eng.scatter(self.pool.buffer(e.offset, e.size_bytes), self._chunk_block_ids(reg, block_ids, j), skip)
 
+
+def _runs(req, n: int) -> list[tuple[int, int, m.Chain]]:
+    """(start, end, chain) of each run of ``req.chains`` over its ``n`` keys.
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): the first run does not start at 0, starts do not
+            increase, or one lies past the keys.
+    """
+    chains = req.chains
+    starts = [c.start for c in chains]
+    if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= n:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                           f"chains must start at 0 with increasing starts below the {n} keys; got starts {starts}")
+    ends = starts[1:] + [n]
+    return list(zip(starts, ends, chains))
+
+
+def _store_runs(req: m.Store, n: int) -> list[tuple[int, int, bytes]]:
+    """(start, end, parent) of each run of a `Store` with ``chains`` (see `_runs`).
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): as `_runs`, or ``parent`` given beside ``chains``.
+    """
+    if req.parent:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, "a store with chains gives each run's parent in its chain; "
+                                                       "its parent field must be empty")
+    return [(s, e, c.parent) for s, e, c in _runs(req, n)]
+
+
+def _check_skip(skip_tokens: int, num_chunks: int, lay) -> None:
+    """Raises RequestError(INVALID_ARGUMENT) unless ``skip_tokens`` is a multiple of every
+    group's tokens per block and less than the ``num_chunks`` chunks' tokens."""
+    if skip_tokens >= num_chunks * lay.chunk_size or any(skip_tokens % t for t in lay.tokens_per_block):
+        raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                           f"skip_tokens {skip_tokens} must be a multiple of every group's tokens per block "
+                           f"{lay.tokens_per_block} and less than {num_chunks * lay.chunk_size}")
+
+
+def _retrieve_runs(req: m.Retrieve, n: int, lay) -> list[tuple[int, int, m.Chain]]:
+    """`_runs` of a `Retrieve` with ``chains``, each run's ``skip_tokens`` checked (`_check_skip`).
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): as `_runs` or `_check_skip`, or ``skip_tokens`` given
+            beside ``chains``.
+    """
+    if req.skip_tokens:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, "a retrieve with chains gives each run's skip_tokens in its "
+                                                       "chain; its skip_tokens field must be 0")
+    runs = _runs(req, n)
+    for s, e, c in runs:
+        if c.skip_tokens:
+            _check_skip(c.skip_tokens, e - s, lay)
+    return runs
 
 
 def _stalled(stall_s: float, fn, *args):

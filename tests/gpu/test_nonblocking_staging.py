@@ -133,3 +133,70 @@ def test_a_full_ring_is_answered_with_none_never_a_wait(daemon):
         assert a.submit_store(reg, reg.keys([9] * CHUNK), ids, after=s, wait_for_room=False) is not None
     finally:
         a.close()
+
+
+def test_several_prompts_per_request_staged_store_and_retrieve_exactly_their_bytes(daemon):
+    """`submit_store_many` / `submit_retrieve_many` with engine-side staging: one region, one
+    gather and one scatter for several prompts' runs; each run chains onto its own parent, a
+    run whose chunks the daemon lacks is left alone by the one scatter, and so are a run's
+    skipped tokens; every other byte of the target engine stays as it was."""
+    from kvdepot.client import RetrieveItem, StoreItem
+
+    rng = random.Random(17)
+    a, cache_a, groups, reg_a = _engine(daemon, "LBNHC")
+    b, cache_b, _, reg_b = _engine(daemon, "LBHNC")
+    try:
+        assert reg_a.chains
+        a.flush()
+        bpc = [CHUNK // g.tokens_per_block for g in groups]
+        free_a = [rng.sample(range(NUM_BLOCKS), NUM_BLOCKS) for _ in groups]
+        free_b = [rng.sample(range(NUM_BLOCKS), NUM_BLOCKS) for _ in groups]
+
+        def take(free, chunks):
+            out = []
+            for g, f in enumerate(free):
+                out.append(f[:chunks * bpc[g]])
+                del f[:chunks * bpc[g]]
+            return out
+
+        sizes = (1, 3, 2, 2)
+        keys = [reg_a.keys([rng.randrange(1 << 20) for _ in range(k * CHUNK)]) for k in sizes]
+        ids_a = [take(free_a, k) for k in sizes]
+        cache_a.storage.random_(0, 256)  # the "forward", on the current stream
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())  # the gather follows it
+        ghost = reg_a.keys([rng.randrange(1 << 20) for _ in range(CHUNK)])[0]
+        items = [StoreItem(keys[0], ids_a[0]), StoreItem(keys[1], ids_a[1]),
+                 StoreItem(keys[2][1:], [x[bpc[g]:] for g, x in enumerate(ids_a[2])], parent=ghost),
+                 StoreItem(keys[3], ids_a[3])]
+        p = a.submit_store_many(reg_a, items, after=s, wait_for_room=False)
+        assert p is not None
+        r = p.result()
+        assert [(c.stored, c.present, c.skipped) for c in r.chains] == [(1, 0, 0), (3, 0, 0), (0, 0, 1), (2, 0, 0)]
+
+        cache_b.storage.random_(0, 256)
+        torch.cuda.synchronize()
+        before = cache_b.storage.clone()
+        ids_b = [take(free_b, k) for k in sizes]
+        skip = 32  # prompt 1: its first 32 tokens are B's already (a multiple of both groups' 16 / 32)
+        pr = b.submit_retrieve_many(reg_b, [RetrieveItem(keys[0], ids_b[0]),
+                                            RetrieveItem(keys[1], ids_b[1], skip_tokens=skip),
+                                            RetrieveItem(keys[2], ids_b[2]), RetrieveItem(keys[3], ids_b[3])])
+        assert pr.result(s) == 6 and pr.chains_retrieved == [1, 3, 0, 2]
+        s.synchronize()
+
+        # expected: B as before, with exactly the retrieved blocks' tokens copied from A
+        got = cache_b.storage.clone()
+        cache_b.storage.copy_(before)
+        for i, k_written, sk in ((0, 1, 0), (1, 3, skip), (3, 2, 0)):
+            for li, gid in enumerate(cache_a.layer_gids):
+                tpb = groups[gid].tokens_per_block
+                xs = ids_a[i][gid][sk // tpb:k_written * bpc[gid]]
+                ys = ids_b[i][gid][sk // tpb:k_written * bpc[gid]]
+                cache_b.write_tokens(li, ys, cache_a.read_tokens(li, xs, as_bytes=True), as_bytes=True)
+        torch.cuda.synchronize()
+        assert torch.equal(got, cache_b.storage)
+    finally:
+        torch.cuda.synchronize()
+        a.close()
+        b.close()

@@ -167,7 +167,7 @@ def test_missing_trailing_defaults_are_filled():
 def test_extra_trailing_fields_are_ignored():
     # a newer peer's appended fields do not break an older decoder
     assert decode_request(_raw(["ping", 3, "future", 1])) == Ping(rid=3)
-    assert decode_reply(_raw(["getR", 3, 2, b"", "future"])) == RetrieveReply(rid=3, retrieved=2)
+    assert decode_reply(_raw(["getR", 3, 2, b"", [1], "future"])) == RetrieveReply(rid=3, retrieved=2, chains=[1])
 
 
 def test_error_frame():
