@@ -187,6 +187,10 @@ def _phase(sock, kinds: list[str], keys: list[bytes], cached: list[bytes], depth
     seq = 0
     ks, kr = iter(keys), 0
     stored: list[bytes] = []  # keys stored in this phase (a retrieve reads one L1 / 4 stores old)
+    # ... or older than every store that may still be in flight (their chunks are not READY yet)
+    back = max(L1_OBJECTS // 4, (depth // 2 + 2) * per_message)
+    if back + per_message > L1_OBJECTS // 2:
+        raise ValueError(f"depth {depth} x per_message {per_message}: retrieves would miss L1's {L1_OBJECTS} chunks")
     inflight = 0
     while done < len(kinds):
         while inflight < depth and sent < len(kinds):
@@ -200,7 +204,7 @@ def _phase(sock, kinds: list[str], keys: list[bytes], cached: list[bytes], depth
             else:
                 want = []
                 for _ in range(per_message):
-                    want.append(stored[-L1_OBJECTS // 4 - len(want)] if len(stored) >= L1_OBJECTS // 4 + per_message
+                    want.append(stored[-back - len(want)] if len(stored) >= back + per_message
                                 else cached[kr % len(cached)])
                     kr += 1
                 req = m.Retrieve(rid=seq, registration=REG_ID, keys=want, block_ids=ids, staging_offset=slot,

@@ -34,10 +34,15 @@ class ExtentAllocator:
     Free extents are kept address-ordered (``_starts`` sorted, ``_sizes[start]``) and
     coalesced with both neighbours on free. With ``segment_bytes`` no extent ever crosses a
     multiple of it (the L1 arena is page-locked one segment per ``cudaHostRegister`` call, and
-    one async copy cannot span two registrations). Not thread-safe: the event loop owns it.
+    one async copy cannot span two registrations). ``segment_gap_bytes``: that many bytes at the
+    end of every segment but the last are never allocated, so that no two extents of different
+    segments are adjacent in memory: the kernel library merges copies whose host and device
+    sides both continue the copy before into one (`dma_issue` in ``kvd_lanes.cuh``), and such a
+    merged copy must not run into the next registration. Not thread-safe: the event loop owns it.
     """
 
-    def __init__(self, capacity_bytes: int, align_bytes: int = ALIGN_BYTES, segment_bytes: int | None = None) -> None:
+    def __init__(self, capacity_bytes: int, align_bytes: int = ALIGN_BYTES, segment_bytes: int | None = None,
+                 segment_gap_bytes: int = 0) -> None:
         if capacity_bytes < 0:
             raise ValueError("capacity_bytes must be >= 0")
         if segment_bytes is not None and (segment_bytes <= 0 or segment_bytes % align_bytes):
@@ -47,7 +52,11 @@ class ExtentAllocator:
         self.segment_bytes = segment_bytes or max(self.capacity_bytes, align_bytes)
         seg = self.segment_bytes
         self._starts: list[int] = list(range(0, self.capacity_bytes, seg))
-        self._sizes: dict[int, int] = {s: min(seg, self.capacity_bytes - s) for s in self._starts}
+        if segment_gap_bytes < 0 or segment_gap_bytes % align_bytes or (
+                segment_gap_bytes >= seg and self.capacity_bytes > seg):
+            raise ValueError("segment_gap_bytes must be a multiple of align_bytes below segment_bytes")
+        self._sizes: dict[int, int] = {s: min(seg, self.capacity_bytes - s) - (
+            segment_gap_bytes if s + seg < self.capacity_bytes else 0) for s in self._starts}
         self._allocated: dict[int, int] = {}  # start -> size (rounded)
         self.used_bytes = 0
 
@@ -128,8 +137,9 @@ class HostPool:
     name = "l1"
 
     def __init__(self, capacity_bytes: int, segment_bytes: int = PIN_SEGMENT_BYTES) -> None:
+        # a page left free at the end of every segment: no copy the kernel library merges spans two
         self.allocator = ExtentAllocator(capacity_bytes, segment_bytes=min(segment_bytes, max(
-            capacity_bytes // ALIGN_BYTES * ALIGN_BYTES, ALIGN_BYTES)))
+            capacity_bytes // ALIGN_BYTES * ALIGN_BYTES, ALIGN_BYTES)), segment_gap_bytes=ALIGN_BYTES)
         self.usable_bytes = self.allocator.capacity_bytes  # shrinks to the pinned part while pinning
         n = self.allocator.capacity_bytes
         self._mmap = mmap.mmap(-1, max(n, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -204,3 +204,21 @@ def test_alloc_limit_restricts_to_the_pinned_prefix():
     assert a.alloc(seg, limit_bytes=seg) == 0
     assert a.alloc(ALIGN_BYTES, limit_bytes=seg) is None
     assert a.alloc(ALIGN_BYTES, limit_bytes=2 * seg) == seg
+
+
+def test_a_segment_gap_keeps_extents_of_different_segments_apart():
+    """HostPool's allocator leaves the last page of every segment but the last free: the kernel
+    library merges copies that continue each other, and a merged copy must not run from one
+    cudaHostRegister segment into the next."""
+    seg = 4 * ALIGN_BYTES
+    a = ExtentAllocator(12 * ALIGN_BYTES, segment_bytes=seg, segment_gap_bytes=ALIGN_BYTES)
+    got = []
+    while (off := a.alloc(ALIGN_BYTES)) is not None:
+        got.append(off)
+    assert got == [x * ALIGN_BYTES for x in (0, 1, 2, 4, 5, 6, 8, 9, 10, 11)]
+    for off in got:
+        a.free(off)
+    assert a.num_free_extents == 3 and a.alloc(4 * ALIGN_BYTES) == 8 * ALIGN_BYTES  # the last segment is whole
+    assert a.alloc(4 * ALIGN_BYTES) is None and a.alloc(3 * ALIGN_BYTES) == 0
+    with pytest.raises(ValueError):
+        ExtentAllocator(12 * ALIGN_BYTES, segment_bytes=seg, segment_gap_bytes=100)

@@ -193,9 +193,21 @@ static int dma_issue(KvdLane* lane, const uint64_t* srcs, const uint64_t* dsts, 
                      int to_host, cudaEvent_t out_event, int fd, uint64_t token, int* notified) {
   const cudaMemcpyKind kind = to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
   int rc = KVD_OK;
-  for (int64_t k = 0; !rc && k < n; ++k)
-    rc = kvd_check(cudaMemcpyAsync(reinterpret_cast<void*>(dsts[k]), reinterpret_cast<const void*>(srcs[k]), bytes,
-                                   kind, lane->ds));
+  // Copies that continue the one before on both sides (a batched request's chunks: one staging
+  // region, and L1 extents the first-fit allocator handed out back to back) go as one: each
+  // cudaMemcpyAsync leaves the copy engine idle ~3 us between copies (H200: 97.9% of the link
+  // with 8 MiB copies, 93-94% with 2.5 MiB ones).
+  for (int64_t k = 0; !rc && k < n;) {
+    const uint64_t s = srcs[k], d = dsts[k];
+    uint64_t len = bytes;
+    int64_t j = k + 1;
+    while (j < n && srcs[j] == s + len && dsts[j] == d + len) {
+      len += bytes;
+      ++j;
+    }
+    rc = kvd_check(cudaMemcpyAsync(reinterpret_cast<void*>(d), reinterpret_cast<const void*>(s), len, kind, lane->ds));
+    k = j;
+  }
   if (!rc && out_event != nullptr) rc = kvd_check(cudaEventRecord(out_event, lane->ds));
   // a failed enqueue is reported through the watch too (bit 63): the request completes once
   // what was enqueued has drained, as failed
