@@ -195,13 +195,16 @@ static int dma_issue(KvdLane* lane, const uint64_t* srcs, const uint64_t* dsts, 
   int rc = KVD_OK;
   // Copies that continue the one before on both sides (a batched request's chunks: one staging
   // region, and L1 extents the first-fit allocator handed out back to back) go as one: each
-  // cudaMemcpyAsync leaves the copy engine idle ~3 us between copies (H200: 97.9% of the link
-  // with 8 MiB copies, 93-94% with 2.5 MiB ones).
+  // cudaMemcpyAsync leaves the copy engine idle a few us between copies (H200: 97.9% of the link
+  // with 8 MiB copies, 93-94% with 2.5 MiB ones). L1 keeps a free page at the end of each
+  // page-locked segment, so a merged copy never spans two registrations ($KVDEPOT_NO_MERGED_COPIES:
+  // one copy each, for comparisons).
+  static const bool merge = getenv("KVDEPOT_NO_MERGED_COPIES") == nullptr;
   for (int64_t k = 0; !rc && k < n;) {
     const uint64_t s = srcs[k], d = dsts[k];
     uint64_t len = bytes;
     int64_t j = k + 1;
-    while (j < n && srcs[j] == s + len && dsts[j] == d + len) {
+    while (merge && j < n && srcs[j] == s + len && dsts[j] == d + len) {
       len += bytes;
       ++j;
     }
