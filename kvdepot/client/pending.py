@@ -266,14 +266,16 @@ class PendingRetrieve:
         if self._region is None:
             if self._error is not None:
                 raise self._error
-            try:
-                r = self.client.wait(self.rid, timeout_s)
-            except KVDepotError as exc:
-                self._error = exc
-                raise
+            if self._retrieved is None:  # (a batch's runs may each ask: the reply is taken once)
+                try:
+                    r = self.client.wait(self.rid, timeout_s)
+                except KVDepotError as exc:
+                    self._error = exc
+                    raise
+                self.chains_retrieved = list(r.chains)
+                self._retrieved = r.retrieved
             self.client._last_scatter = (None, None)  # the reply comes once the blocks are written
-            self.chains_retrieved = list(r.chains)
-            return r.retrieved
+            return self._retrieved
         if self._retrieved is not None:  # already scattered (by a ring reclaim): order `before` after it
             ev = self._event() if before is not None and before is not self._scatter_stream else None
             if ev is not None:

@@ -400,3 +400,42 @@ def test_transfers_run_off_the_engine_thread_and_no_per_layer_calls(shared_daemo
     assert per_layer and not any(per_layer)
     assert a.runs[ra].computed == 200 + 1
     assert b.runs[rb].computed == 200 - 3 * CHUNK + 1 and b.runs[rb].outputs == a.runs[ra].outputs
+
+
+def test_a_steps_stores_and_loads_of_several_requests_go_in_one_request(shared_daemon, cfg, engines, monkeypatch):
+    """Several requests' pieces queued together go to the daemon as one request
+    (`KVDepotClient.submit_store_many` / `submit_retrieve_many`: one message, one reply), each
+    request's chunks chained onto its own parent, and every request loads exactly its own bytes."""
+    from kvdepot.client import KVDepotClient
+
+    runs = {"store": [], "load": []}
+    store_many, retrieve_many = KVDepotClient.submit_store_many, KVDepotClient.submit_retrieve_many
+
+    def counting_store(self, reg, items, *a, **kw):
+        runs["store"].append(len(items))
+        return store_many(self, reg, items, *a, **kw)
+
+    def counting_retrieve(self, reg, items, *a, **kw):
+        runs["load"].append(len(items))
+        return retrieve_many(self, reg, items, *a, **kw)
+
+    monkeypatch.setattr(KVDepotClient, "submit_store_many", counting_store)
+    monkeypatch.setattr(KVDepotClient, "submit_retrieve_many", counting_retrieve)
+    a = engines(cfg(shared_daemon.endpoint, layout="LBNHC"))
+    prompts = [H.tokens(40 + i, 2 * CHUNK + 3) for i in range(4)]
+    ids = [a.add(p, max_tokens=2) for p in prompts]  # all four prefill in one step
+    a.run()
+    assert a.worker_conn.worker.stats["stored_chunks"] == 8 and a.worker_conn.worker.stats["store_failures"] == 0
+    assert stored_chunks(shared_daemon.endpoint, a) == 8
+    assert runs["store"] and max(runs["store"]) >= 2, runs
+
+    b = engines(cfg(shared_daemon.endpoint, layout="LBHNC"))
+    b.add(H.tokens(98, 40), max_tokens=1)  # other block ids than A's
+    b.run()
+    got = [b.add(p, max_tokens=2) for p in prompts]
+    b.run()
+    assert runs["load"] and max(runs["load"]) >= 2, runs
+    for ra, rb in zip(ids, got):
+        assert b.runs[rb].computed == 3 + 1, "each request loads its 2 chunks and computes the rest"
+        assert b.runs[rb].outputs == a.runs[ra].outputs
+    assert b.worker_conn.worker.stats["loaded_chunks"] == 8

@@ -36,6 +36,7 @@ daemon down; its request keeps its blocks until the answer, the daemon's restart
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import queue
 import threading
@@ -44,6 +45,7 @@ import time
 import torch
 
 from kvdepot.client.client import KVDepotClient
+from kvdepot.client.many import RetrieveItem, StoreItem
 from kvdepot.client.vllm.jobs import DOWN, JobPieces
 from kvdepot.client.vllm.pieces import LoadOutcomes, Op, Piece, Preemption, Results
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
@@ -54,6 +56,7 @@ _REPLY_POLL_S = 1e-3  # while replies are due: the socket is watched this long a
 _ROOM_POLL_S = 100e-6  # while pieces wait for ring room and no reply is due
 _IDLE_S = 0.05  # nothing in flight: wait this long for a command at a time
 _FULL_PASS_S = 0.01  # ops in flight: look at them at least this often (timeouts), replies or not
+_MAX_RUNS = 64  # queued pieces sent in one request at most (`TransferThread._batch`)
 
 
 class TransferThread(JobPieces):
@@ -249,9 +252,12 @@ class TransferThread(JobPieces):
         elif kind == "load":
             _, jobs, null_id, event = cmd
             ready = self.side.ready()
-            for job in jobs:  # each job's first pieces go out before the next job is planned
+            # the first job's pieces go out before the others are planned; the others' pieces
+            # then go together (`_batch`: several requests' small pieces in one request)
+            for i, job in enumerate(jobs):
                 self._load(job, ready, null_id, event)
-                self._pump()
+                if i == 0 or i == len(jobs) - 1:
+                    self._pump()
         elif kind == "save":
             _, jobs, event, staged = cmd
             if isinstance(event, torch.cuda.Stream):  # no sliding-window group: `WorkerSide.wait_for_save`
@@ -384,16 +390,16 @@ class TransferThread(JobPieces):
                 self._queue.popleft()
                 side.stats["store_failures"] += 1
                 continue
-            if stream is not None and p.after is not None and p.after is not waited:
-                stream.wait_event(p.after)  # GPU-side: after the engine's forward / block allocation
-                waited = p.after
+            batch = self._batch(kvreg)
+            for q in batch:
+                if stream is not None and q.after is not None and q.after is not waited:
+                    stream.wait_event(q.after)  # GPU-side: after the engine's forward / block allocation
+                    waited = q.after
             try:
-                if p.kind == "store":
-                    pending = c.submit_store(kvreg, p.keys, p.block_ids, p.parent, p.cache_salt, p.req_id,
-                                             after=stream, wait_for_room=False)
-                else:
-                    pending = c.submit_retrieve(kvreg, p.keys, p.block_ids, p.skip_tokens, p.req_id,
-                                                wait_for_room=False)
+                pending = self._submit(kvreg, batch, stream)
+                if pending is None and len(batch) > 1:  # no room for all of them: the first alone
+                    batch = batch[:1]
+                    pending = self._submit(kvreg, batch, stream)
             except KVDepotError as exc:
                 if exc.code in DOWN:
                     c.mark_down()
@@ -417,8 +423,49 @@ class TransferThread(JobPieces):
                     p.waited = True
                     side.stats["pieces_queued"] += 1
                 break
-            self._queue.popleft()
-            self._ops.append(Op(p, pending, c.generation, time.monotonic()))
+            now = time.monotonic()
+            if len(batch) == 1:
+                self._queue.popleft()
+                self._ops.append(Op(p, pending, c.generation, now))
+                continue
+            for i, q in enumerate(batch):
+                self._queue.popleft()
+                self._ops.append(Op(q, pending, c.generation, now, run=i))
+
+    def _batch(self, kvreg) -> list[Piece]:
+        """The queue's first piece, and the pieces right behind it that may go in the same request
+        (`KVDepotClient.submit_store_many` / `submit_retrieve_many`): same kind, stores of one
+        cache salt whose requests still store, at most a piece's chunks in all (a quarter of the
+        ring), and a daemon that takes several runs per request (CUDA retrieves: staged only)."""
+        q = self._queue
+        first = q[0]
+        if len(q) == 1 or not kvreg.chains or (
+                first.kind == "load" and kvreg.staging is None and kvreg.request.device == "cuda"):
+            return [first]
+        room = self._piece_chunks() - len(first.keys)
+        out = [first]
+        for p in itertools.islice(q, 1, _MAX_RUNS):
+            if (p.kind != first.kind or len(p.keys) > room or not p.keys
+                    or (p.kind == "store" and (p.cache_salt != first.cache_salt or p.req_id in self._stopped))):
+                break
+            out.append(p)
+            room -= len(p.keys)
+        return out
+
+    def _submit(self, kvreg, batch: list[Piece], stream):
+        """Send ``batch`` (`_batch`) as one request; None: no room in the staging ring now."""
+        c = self.client
+        if len(batch) == 1:
+            p = batch[0]
+            if p.kind == "store":
+                return c.submit_store(kvreg, p.keys, p.block_ids, p.parent, p.cache_salt, p.req_id,
+                                      after=stream, wait_for_room=False)
+            return c.submit_retrieve(kvreg, p.keys, p.block_ids, p.skip_tokens, p.req_id, wait_for_room=False)
+        if batch[0].kind == "store":
+            return c.submit_store_many(kvreg, [StoreItem(p.keys, p.block_ids, p.parent) for p in batch],
+                                       batch[0].cache_salt, after=stream, wait_for_room=False)
+        return c.submit_retrieve_many(kvreg, [RetrieveItem(p.keys, p.block_ids, p.skip_tokens) for p in batch],
+                                      wait_for_room=False)
 
     def _drop(self, p: Piece, why: str) -> None:
         if p.kind == "store":
@@ -443,12 +490,16 @@ class TransferThread(JobPieces):
                 try:
                     if p.kind == "store":
                         r = op.pending.result()
+                        if op.run >= 0:
+                            r = r.chains[op.run]
                         side.stats["stores"] += 1
                         side.stats["stored_chunks"] += r.stored
                         if r.skipped:
                             self._stopped.add(p.req_id)
                     else:
                         got = op.pending.result(before=self._side)
+                        if op.run >= 0:
+                            got = op.pending.chains_retrieved[op.run]
                         self._scattered = True
                         self._loads.piece_ended(p, got)
                 except KVDepotError as exc:

@@ -45,6 +45,7 @@ class Op:
     generation: int  # the client's boot generation when sent
     sent_at: float
     late: bool = False  # rpc_timeout_s passed (logged, daemon marked down)
+    run: int = -1  # sent with other pieces in one request (`TransferThread._batch`): its run there
 
 
 class Preemption:
