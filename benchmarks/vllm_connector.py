@@ -8,7 +8,9 @@ on the current stream. Per shape:
 
 * engine A prefills ``--requests`` prompts of 16 chunks each, one prompt per step (16 chunks
   stored per step); engine B (another engine on the same daemon, other block ids) runs the same
-  prompts and loads them.
+  prompts and loads them. ``--prompt-chunks K``: prompts of K chunks, 16 / K of them per step
+  (``--prompt-chunks 1``: sixteen one-chunk requests stored per step, which the connector sends
+  to the daemon together).
 * ``step_us``: wall time spent inside the connector's methods per engine step, scheduler side
   (lookup answer, allocation, metadata, finished requests) plus worker side (bind, load, save,
   results), median and p99 over the steps that stored 16 chunks / that loaded; per method too.
@@ -292,10 +294,11 @@ def roofline(nbytes: int) -> dict:
 
 
 def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int, requests: int,
-                device: str = "cuda", staging_bytes: int = 0) -> dict:
-    tokens = CHUNKS_PER_STEP * chunk
+                device: str = "cuda", staging_bytes: int = 0, prompt_chunks: int = CHUNKS_PER_STEP) -> dict:
+    tokens = CHUNKS_PER_STEP * chunk  # per step (vLLM's max_num_batched_tokens)
+    prompt_tokens = prompt_chunks * chunk
     block_bytes = sum(s.page_size_bytes for s in specs.values())
-    num_blocks = (requests + 4) * tokens // 16 + 64
+    num_blocks = (requests * prompt_tokens + 4 * tokens) // 16 + 64
     model = H.model_dir(workdir)
 
     def engine():
@@ -306,9 +309,9 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
                                         "lookup_timeout_s": 5.0, "hold_max_s": 60.0})
         return FillEngine(cfg, specs, num_blocks=num_blocks)
 
-    prompts = [H.tokens(1000 + i, tokens) for i in range(requests)]
-    res = {"shape": name, "chunk_tokens": chunk, "requests": requests, "chunk_bytes": block_bytes * chunk // 16,
-           "staging_bytes": staging_bytes}
+    prompts = [H.tokens(1000 + i, prompt_tokens) for i in range(requests)]
+    res = {"shape": name, "chunk_tokens": chunk, "requests": requests, "prompt_chunks": prompt_chunks,
+           "chunk_bytes": block_bytes * chunk // 16, "staging_bytes": staging_bytes}
     a = engine()
     try:
         a.add(H.tokens(8, 1000), max_tokens=1)  # connect, register, first kernels: not measured
@@ -369,7 +372,8 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
 def report(r: dict) -> str:
     calls = lambda op: ", ".join(f"{k} {v:.0f}" for k, v in sorted(r[f"{op}_per_call_us_median"].items(),  # noqa: E731
                                                                    key=lambda kv: -kv[1]) if v >= 1)
-    return (f"{r['shape']:<24} chunk {r['chunk_tokens']:>3}, ring {r['staging_bytes'] >> 20} MiB:\n"
+    return (f"{r['shape']:<24} chunk {r['chunk_tokens']:>3}, ring {r['staging_bytes'] >> 20} MiB, "
+            f"{r['requests']} prompts of {r['prompt_chunks']} chunks:\n"
             f"  store: {r['store_gbps']:.1f} GB/s = {100 * r['store_vs_roofline']:.1f}% of {r['roofline_d2h_gbps']:.1f}"
             f" (direct {r['direct_store_gbps']:.1f} = {100 * r['direct_store_vs_roofline']:.1f}%); wall"
             f" {1e3 * r['store_wall_s']:.0f} ms = {100 * r['store_vs_bound']:.1f}% of max(link {1e3 * r['store_link_s']:.0f},"
@@ -389,7 +393,7 @@ def report(r: dict) -> str:
             f"  decode step (8 requests, nothing moved): +{r['decode_step_us_median']:.0f} us median,"
             f" {r['decode_step_us_p99']:.0f} p99, waiting {r['decode_step_wait_us_median']:.0f} (the timer's own {r['timer_overhead_us_per_call']:.2f} us per call"
             f" taken off every figure, {r['timer_in_layer_extra_us_per_call']:.2f} more per per-layer call)\n"
-            f"  on_new_request (keys of {CHUNKS_PER_STEP * r['chunk_tokens']} tokens, lookup sent) "
+            f"  on_new_request (keys of {r['prompt_chunks'] * r['chunk_tokens']} tokens, lookup sent) "
             f"{r['load_on_new_request_us_per_request']:.0f} us per request;"
             f" chunks stored {r['stored_chunks']}, loaded {r['loaded_chunks']}, direct {r['direct_store_chunks']}/"
             f"{r['direct_retrieve_chunks']}" + "".join(_stages_line(r, op) + _timeline_line(r, op)
@@ -420,7 +424,10 @@ def _stages_line(r: dict, op: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--chunk", type=int, default=256, help="tokens per chunk (default 256)")
-    p.add_argument("--requests", type=int, default=24, help="prompts of 16 chunks per shape (default 24)")
+    p.add_argument("--requests", type=int, default=24, help="prompts per shape (default 24)")
+    p.add_argument("--prompt-chunks", type=int, default=CHUNKS_PER_STEP,
+                   help=f"chunks per prompt (default {CHUNKS_PER_STEP}: one prompt per step; 1: {CHUNKS_PER_STEP} "
+                        "one-chunk prompts per step, whose stores and loads the connector sends together)")
     p.add_argument("--shapes", default="", help="comma-separated subset of the shape names")
     p.add_argument("--l1-bytes", default="24g")
     p.add_argument("--staging-bytes", type=int, default=0,
@@ -466,7 +473,8 @@ def main(argv=None) -> int:
                     continue
                 with KVDepotClient(ep, timeout_s=60) as c:
                     c.flush()
-                r = bench_shape(name, specs, ep, wd, args.chunk, args.requests, args.device, args.staging_bytes)
+                r = bench_shape(name, specs, ep, wd, args.chunk, args.requests, args.device, args.staging_bytes,
+                                args.prompt_chunks)
                 print(report(r) if "store_vs_roofline" in r else json.dumps(r), flush=True)
                 results.append(r)
         finally:
