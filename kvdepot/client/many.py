@@ -83,9 +83,10 @@ class ManyRequests:
     """`submit_store_many` / `submit_retrieve_many` (see the module docstring)."""
 
     def submit_store_many(self, reg: Registration, items: Sequence[StoreItem], cache_salt: str = "",
-                          request: str = "", after=None, wait_for_room: bool = True):
+                          request: str = "", after=None, wait_for_room: bool = True, staged=None):
         """Store several prompts' runs (`StoreItem`) in one request; as `submit_store` otherwise
-        (engine-side staging: one region and one gather on ``after`` for all of them). The
+        (engine-side staging: one region and one gather on ``after`` for all of them; ``staged``:
+        the region a `stage_store` of all the items' block ids, laid end to end, returned). The
         reply's ``chains`` give each item's stored / present / skipped counts in order; a
         missing parent skips only its own item.
 
@@ -99,7 +100,7 @@ class ManyRequests:
         """
         keys, ids, chains = join_runs(items, True)
         return self.submit_store(reg, keys, ids, b"", cache_salt, request, after, wait_for_room=wait_for_room,
-                                 chains=chains)
+                                 staged=staged, chains=chains)
 
     def store_many(self, reg: Registration, items: Sequence[StoreItem], cache_salt: str = "",
                    after=None) -> m.StoreReply:

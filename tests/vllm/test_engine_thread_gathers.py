@@ -50,15 +50,20 @@ class _Client:
         self.sent.append(dict(keys=list(keys), block_ids=block_ids, parent=parent, request=request, staged=staged))
         return types.SimpleNamespace(done=lambda: False)
 
+    def submit_store_many(self, kvreg, items, cache_salt="", request="", after=None, wait_for_room=True,
+                          staged=None):
+        self.sent.append(dict(items=list(items), cache_salt=cache_salt, staged=staged))
+        return types.SimpleNamespace(done=lambda: False)
+
     def mark_down(self):
         self.up = False
 
 
-def _thread(ring_objects: int = 16):
+def _thread(ring_objects: int = 16, chains: bool = False):
     ring = StagingRing(ring_objects * OBJECT_BYTES)
     client = _Client(ring)
     kvreg = types.SimpleNamespace(staging=types.SimpleNamespace(fence_active=True, ring=ring),
-                                  object_bytes=OBJECT_BYTES)
+                                  object_bytes=OBJECT_BYTES, chains=chains)
     reg = types.SimpleNamespace(device="cuda", ratio=[1, 1], groups=[types.SimpleNamespace(tokens_per_block=TPB)] * 2,
                                 expand=lambda g, ids: list(ids))
     side = types.SimpleNamespace(cfg=types.SimpleNamespace(chunk_size=CHUNK, rpc_timeout_s=1.0), client=client,
@@ -176,3 +181,24 @@ def test_wait_for_save_of_a_dense_model_leaves_the_event_to_the_transfer_thread(
     w.reg = types.SimpleNamespace(device="cpu")  # CPU engines: nothing to order on a stream
     w.wait_for_save()
     assert posted[-1] == ("save", jobs, None, None)
+
+
+def test_one_piece_stores_of_several_requests_share_one_gather_and_one_request():
+    """A daemon that takes several runs per request: the step's one-piece stores (one-chunk
+    requests, many per step) are gathered by one call into one region and sent as one request,
+    a run per request; a store of several pieces keeps its own."""
+    mv, client, side = _thread(chains=True)
+    jobs = [_job("a", 1, 0, parent=b"p" * 16), _job("big", 6, 40), _job("b", 2, 100), _job("c", 1, 200)]
+    staged = mv.stage_saves(jobs, object())
+    # one gather for a, b and c (4 chunks: a piece), then big's two pieces
+    assert [n for _, n, _ in client.staged] == [4, 4, 2]
+    assert client.staged[0][0][0] == list(range(0, 4)) + list(range(100, 108)) + list(range(200, 204))
+    mv._send_staged(jobs, staged)
+    together = client.sent[0]
+    mask = shard_mask(b"s" * 16, "tp0of1")
+    assert [it.keys for it in together["items"]] == [shard_keys(j.chain, [mask])[0] for j in (jobs[0], jobs[2], jobs[3])]
+    assert together["items"][0].parent == shard_keys([b"p" * 16], [mask])[0][0]
+    assert [it.parent for it in together["items"][1:]] == [b"", b""]
+    assert [s.get("request") for s in client.sent[1:]] == ["big", "big"]
+    assert sorted((op.piece.req_id, op.run) for op in mv._ops) == [("a", 0), ("b", 1), ("big", -1), ("big", -1),
+                                                                   ("c", 2)]
