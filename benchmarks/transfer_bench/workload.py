@@ -90,11 +90,16 @@ def retrieve_task(client: KVDepotClient, reg, stream, work: _Work):
     return fn
 
 
-def _take(work: _Work, count: int) -> list:
-    items = []
-    while len(items) < count and (item := work.next()) is not None:
-        items.append(item)
-    return items
+def _fill(q: collections.deque, work: _Work, depth: int, per_message: int, one, many) -> None:
+    """Submit requests until ``depth`` are in ``q``: ``one(key, block_ids)`` per item, or with
+    ``per_message`` > 1 ``many(items)`` per ``per_message`` items."""
+    while len(q) < depth:
+        items = []
+        while len(items) < per_message and (item := work.next()) is not None:
+            items.append(item)
+        if not items:
+            return
+        q.append(one(*items[0]) if per_message == 1 else many(items))
 
 
 def store_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: int, per_message: int = 1):
@@ -102,18 +107,16 @@ def store_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: int,
     comes once its chunks are in the daemon's L1. ``per_message`` > 1: each STORE carries that
     many one-chunk prompts (`submit_store_many`: one region, one gather, one message)."""
 
+    def one(key, ids):
+        return client.submit_store(reg, [key], ids, after=stream)
+
+    def many(items):
+        return client.submit_store_many(reg, [StoreItem([k], ids) for k, ids in items], after=stream)
+
     def fn() -> None:
         q: collections.deque = collections.deque()
         while True:
-            while len(q) < depth:
-                items = _take(work, per_message)
-                if not items:
-                    break
-                if per_message == 1:
-                    key, ids = items[0]
-                    q.append(client.submit_store(reg, [key], ids, after=stream))
-                else:
-                    q.append(client.submit_store_many(reg, [StoreItem([k], ids) for k, ids in items], after=stream))
+            _fill(q, work, depth, per_message, one, many)
             if not q:
                 return
             work.add_done(q.popleft().result().stored)
@@ -129,18 +132,16 @@ def retrieve_pipelined(client: KVDepotClient, reg, stream, work: _Work, depth: i
     # engine-side staging: each result enqueues its scatter, on the stream given to it
     before = stream if reg.staging is not None else None
 
+    def one(key, ids):
+        return client.submit_retrieve(reg, [key], ids)
+
+    def many(items):
+        return client.submit_retrieve_many(reg, [RetrieveItem([k], ids) for k, ids in items])
+
     def fn() -> None:
         q: collections.deque = collections.deque()
         while True:
-            while len(q) < depth:
-                items = _take(work, per_message)
-                if not items:
-                    break
-                if per_message == 1:
-                    key, ids = items[0]
-                    q.append(client.submit_retrieve(reg, [key], ids))
-                else:
-                    q.append(client.submit_retrieve_many(reg, [RetrieveItem([k], ids) for k, ids in items]))
+            _fill(q, work, depth, per_message, one, many)
             if not q:
                 break
             work.add_done(q.popleft().result(before))
