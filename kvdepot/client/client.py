@@ -32,7 +32,7 @@ import msgspec.structs
 import zmq
 
 from kvdepot import trace
-from kvdepot.client.many import ManyRequests
+from kvdepot.client.many import ManyRequests, check_chains
 from kvdepot.client.pending import LinkPace, PendingRetrieve, PendingStore
 from kvdepot.client.registration import Registration, engine_staging
 from kvdepot.client.staged import StagedStores
@@ -67,15 +67,6 @@ def timer_slack_s() -> float:
                 got = ns / 1e9
         _slack.s = got
     return got
-
-
-def _check_chains(reg: Registration, single_run_field) -> None:
-    """Raises KVDepotError: UNSUPPORTED (the daemon takes no chains), INVALID_ARGUMENT (the
-    single-run ``parent`` / ``skip_tokens`` given beside them)."""
-    if not reg.chains:
-        raise KVDepotError(ErrorCode.UNSUPPORTED, "this daemon takes no Store / Retrieve chains (RegisterReply.chains)")
-    if single_run_field:
-        raise KVDepotError(ErrorCode.INVALID_ARGUMENT, "with chains, each run's parent / skip_tokens is in its chain")
 
 
 class KVDepotClient(StagedStores, ManyRequests):
@@ -504,7 +495,7 @@ class KVDepotClient(StagedStores, ManyRequests):
         prompts' runs (`kvdepot.protocol.messages.Chain`; ``parent`` empty), see
         `submit_store_many`."""
         if chains:
-            _check_chains(reg, parent)
+            check_chains(reg, parent)
         offset = -1
         fence = 0
         region = staged
@@ -583,7 +574,7 @@ class KVDepotClient(StagedStores, ManyRequests):
         is returned. A block id of -1 leaves that block unwritten. ``chains``: several prompts'
         runs (``skip_tokens`` 0), see `submit_retrieve_many`."""
         if chains:
-            _check_chains(reg, skip_tokens)
+            check_chains(reg, skip_tokens)
         region = None
         if reg.staging is not None and keys:
             region = reg.staging.ring.alloc(len(keys) * reg.object_bytes, self, wait=wait_for_room)

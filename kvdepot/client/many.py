@@ -33,6 +33,19 @@ class RetrieveItem(NamedTuple):
     skip_tokens: int = 0
 
 
+def check_chains(reg: Registration, single_run_field) -> None:
+    """Whether a request with ``chains`` may go to ``reg``'s daemon.
+
+    Raises:
+        KVDepotError: UNSUPPORTED (the daemon takes no chains: `Registration.chains`),
+            INVALID_ARGUMENT (the single-run ``parent`` / ``skip_tokens`` given beside them).
+    """
+    if not reg.chains:
+        raise KVDepotError(ErrorCode.UNSUPPORTED, "this daemon takes no Store / Retrieve chains (RegisterReply.chains)")
+    if single_run_field:
+        raise KVDepotError(ErrorCode.INVALID_ARGUMENT, "with chains, each run's parent / skip_tokens is in its chain")
+
+
 def join_runs(items: Sequence[StoreItem] | Sequence[RetrieveItem], store: bool):
     """(keys, block_ids per gid, chains) of ``items`` laid end to end.
 

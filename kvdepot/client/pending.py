@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from kvdepot.client.many import masked_block_ids
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
@@ -304,8 +305,6 @@ class PendingRetrieve:
             self._scatter_stream = stream
             block_ids, upto = self._block_ids, r.retrieved
             if self._chains:  # one scatter over every run's positions, what was not found left alone
-                from kvdepot.client.many import masked_block_ids
-
                 block_ids = masked_block_ids(self._reg, block_ids, self._chains, r.chains, self._num_chunks)
                 upto = self._num_chunks
             if staging.fence is not None:  # the region frees by its fence word: no event per retrieve
