@@ -157,7 +157,7 @@ class JobPieces:
     def _stage_together(self, kvreg, jobs: list[StoreJob], stream):
         """`stage_saves`'s shared gather: the jobs whose store is one piece, of the first such
         job's cache salt, as many as fit in a piece, in one region by one gather call. Returns
-        (region, {request ids}) or None (fewer than two such jobs, or no room now: each job is
+        (region, {request id: (job, its registered block ids)}) or None (fewer than two such jobs, or no room now: each job is
         then staged alone)."""
         per = self._piece_chunks()
         picked, n = [], 0
@@ -172,8 +172,10 @@ class JobPieces:
             return None
         reg = self.side.reg
         flat = [[] for _ in reg.groups]
+        ids_of = {}
         for job in picked:
-            for out, ids in zip(flat, self._store_pieces(job)[0][2]):
+            ids_of[job.req_id] = job_ids = self._store_pieces(job)[0][2]
+            for out, ids in zip(flat, job_ids):
                 out.extend(ids)
         try:
             region = self.client.stage_store(kvreg, flat, n, stream, wait_for_room=False)
@@ -182,7 +184,7 @@ class JobPieces:
             return None
         if region is None:
             return None
-        return region, {job.req_id: job for job in picked}
+        return region, {job.req_id: (job, ids_of[job.req_id]) for job in picked}
 
     def _send_staged(self, jobs: list[StoreJob], staged: tuple) -> None:
         """Send the stores `stage_saves` gathered; give up the regions of those that cannot go
@@ -235,20 +237,19 @@ class JobPieces:
         live = list(jobs.values())  # (one stopped since its gather still stores what was gathered: its bytes are right)
         if not ok:
             c.abandon_region(kvreg, region)
-            for job in live:
+            for job, _ in live:
                 side.stats["store_failures"] += 1
                 self._stopped.add(job.req_id)
             return ok
         pieces, items = [], []
-        for job in live:
+        for job, ids in live:
             keys = self._keys(job.chain, job.seed)
             parent = self._keys([job.parent], job.seed)[0] if job.parent else b""
-            ids = self._store_pieces(job)[0][2]
             pieces.append(Piece(job.req_id, "store", keys, ids, parent=parent, cache_salt=job.cache_salt,
                                 queued_at=now))
             items.append(StoreItem(keys, ids, parent))
         try:
-            pending = c.submit_store_many(kvreg, items, live[0].cache_salt, staged=region)
+            pending = c.submit_store_many(kvreg, items, live[0][0].cache_salt, staged=region)
         except KVDepotError as exc:  # the region was given up
             if exc.code in DOWN:
                 c.mark_down()
