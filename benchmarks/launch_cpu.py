@@ -1,7 +1,8 @@
 """What the engine side's kernel-library calls cost the thread that makes them, inside a run of
 `benchmarks/vllm_connector.py` (GPU): per thread (the engine's main thread; the workers'
 ``kvdepot-*`` transfer threads) and per call (``engine_gather``, which also enqueues a staged
-store's fence-word write; ``engine_signal``; ``engine_scatter``), the wall time and the
+store's fence-word write; ``engine_gather_pieces``, the same for all pieces of a job at once;
+``engine_signal``; ``engine_scatter``), the wall time and the
 thread's CPU time (``time.thread_time``) of each call, median and p90.
 
 Why both: a call that waits for the GIL back (ctypes drops it; the other thread may hold it)
@@ -28,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-CALLS = ("engine_gather", "engine_signal", "engine_scatter")
+CALLS = ("engine_gather", "engine_gather_pieces", "engine_signal", "engine_scatter")
 
 
 def _wrap(records: dict, kernels_cls, name: str) -> None:

@@ -66,6 +66,40 @@ class StagedStores:
             raise
         return region
 
+    def stage_store_pieces(self, reg: Registration, block_ids: Sequence[Sequence[int]], piece_chunks: Sequence[int],
+                           after) -> list | None:
+        """`stage_store` of chunks that go to the daemon as several requests (pieces of
+        ``piece_chunks[q]`` chunks, in order): a region per piece, all filled by one call on
+        ``after`` (a ``torch.cuda.Stream``; one launch per stretch of regions end to end), after
+        which the GPU writes every piece's fence word (`EngineStaging.gather_pieces`). Fence
+        words only; never waits for room. ``block_ids``: registered block ids per KV-cache
+        group, of all the pieces' chunks, chunk after chunk.
+
+        Returns the regions (piece q's to pass to its `submit_store`); None: not staged (no
+        fence words in use, or no room for all of them now: stage them one by one instead).
+
+        Raises:
+            KernelError: the gather could not be enqueued (nothing is allocated then).
+        """
+        staging = reg.staging
+        if staging is None or not staging.fence_active or not piece_chunks:
+            return None
+        regions = staging.ring.alloc_pieces([n * reg.object_bytes for n in piece_chunks], self, fenced=True)
+        if regions is None:
+            return None
+        try:
+            staging.gather_pieces(block_ids, regions, piece_chunks, after)
+        except BaseException:
+            try:
+                self._fence(after)  # no word will come: wait until what was enqueued ran
+            except Exception:  # noqa: BLE001 - a context that fails this runs nothing more
+                pass
+            for r in regions:
+                r.fenced = False
+                r.release()
+            raise
+        return regions
+
     def _gather(self, reg: Registration, region, block_ids: Sequence[Sequence[int]], num_chunks: int,
                 after=None) -> None:
         """Enqueue on ``after`` (default: the current stream) the gather into ``region``, then

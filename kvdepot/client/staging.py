@@ -169,6 +169,37 @@ class StagingRing:
                 return None
             time.sleep(20e-6)
 
+    def alloc_pieces(self, sizes_bytes: Sequence[int], owner: object = None,
+                     fenced: bool = False) -> list[StagingRegion] | None:
+        """Regions of ``sizes_bytes``, numbered one after another, for requests whose chunks
+        one call gathers (`EngineStaging.gather_pieces`): placed as `alloc` would place them one
+        after another (end to end where the ring has the room in one stretch), all or none,
+        never waiting. None: no room for all of them now, or a size is 0."""
+        if not sizes_bytes or any(n <= 0 for n in sizes_bytes):
+            return None
+        with self._lock:
+            while self.live and self.live[0].is_free():
+                self.live.popleft()
+            if len(self.live) + len(sizes_bytes) > self.max_live:
+                return None
+            head, seq = self.head, self._seq
+            out = []
+            for n in sizes_bytes:
+                n = (n + _ALIGN - 1) // _ALIGN * _ALIGN
+                off = self._fit(n) if n <= self.size_bytes else None
+                if off is None:
+                    for _ in out:  # as if none was placed (their numbers were never seen)
+                        self.live.pop()
+                    self.head, self._seq = head, seq
+                    return None
+                self._seq += 1
+                region = StagingRegion(off, n, owner, self._seq, fenced)
+                self.live.append(region)
+                self.head = off + n
+                out.append(region)
+            return out
+
+
 class FenceWords:
     """``words`` uint64 words of host memory in a sealed memfd, mapped for this process's GPU
     to write (`Kernels.host_register_mapped`) and passed to the daemon (`Register.fence`),
@@ -303,6 +334,23 @@ class EngineStaging:
         word = 0 if fence_seq is None else self.fence.word_ptr(fence_seq)
         self.kernels.engine_gather(self.handle, self.flat_ids(block_ids), num_chunks, self.base_ptr + offset,
                                    stream.cuda_stream, word, fence_seq or 0)
+
+    def gather_pieces(self, block_ids: Sequence[Sequence[int]], regions: Sequence[StagingRegion],
+                      piece_chunks: Sequence[int], stream) -> None:
+        """Enqueue on ``stream`` the gather of several requests' chunks (``block_ids``: per KV-cache
+        group, every piece's chunks in order) into their ``regions`` (`StagingRing.alloc_pieces`;
+        piece q: ``piece_chunks[q]`` chunks), then the write of each region's number into its
+        fence word, in one call (`Kernels.engine_gather_pieces`).
+
+        Raises:
+            KernelError: as `Kernels.engine_gather_pieces` (no word is written then).
+        """
+        base, fence = self.base_ptr, self.fence
+        self.kernels.engine_gather_pieces(self.handle, self.flat_ids(block_ids),
+                                          array.array("Q", [base + r.offset for r in regions]),
+                                          array.array("q", piece_chunks),
+                                          array.array("Q", [fence.word_ptr(r.seq) for r in regions]),
+                                          array.array("Q", [r.seq for r in regions]), stream.cuda_stream)
 
     def scatter(self, block_ids: Sequence[Sequence[int]], num_chunks: int, retrieved: int, offset: int,
                 skip_tokens: int, stream, done_seq: int | None = None) -> None:

@@ -40,7 +40,7 @@ ENV_NO_JIT = "KVDEPOT_NO_JIT"
 # "1": the engine side's kernel launches keep the GIL (`Kernels`); anything else: they drop it
 # built at install (setup.py) for `build.INSTALL_ARCHS` when nvcc was there
 PACKAGED_SO = Path(__file__).parent / "_lib" / "libkvdepot_kernels.so"
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 KVD_OK, KVD_EINVAL, KVD_EALIGN, KVD_ECUDA = 0, 1, 2, 3
 
@@ -122,6 +122,7 @@ class Kernels:
         lib.kvd_store.argtypes = [vp, vp, vp, i64, vp, i64, vp, i32, ctypes.c_uint64, vp]
         lib.kvd_retrieve.argtypes = [vp, vp, vp, i64, i64, vp, i64, vp, i32, ctypes.c_uint64, vp]
         lib.kvd_engine_gather.argtypes = [vp, vp, i64, vp, vp, ctypes.c_uint64, vp]
+        lib.kvd_engine_gather_pieces.argtypes = [vp, vp, i64, i32, vp, vp, vp, vp, vp]
         lib.kvd_engine_scatter.argtypes = [vp, vp, i64, i64, vp, i64, vp, ctypes.c_uint64, vp]
         set_copy_argtypes(lib)
         lib.kvd_engine_signal.argtypes = [vp, ctypes.c_uint64, vp]
@@ -250,6 +251,31 @@ class Kernels:
         """
         self._check(self.lib.kvd_engine_gather(engine, flat_ids.buffer_info()[0], total_chunks, dst_ptr,
                                                fence_word_ptr, fence_value, stream), "kvd_engine_gather")
+
+    def engine_gather_pieces(self, engine: int, flat_ids, dst_ptrs, piece_chunks, fence_words, fence_values,
+                             stream: int) -> None:
+        """Engine side: `engine_gather` of the chunks of several requests in one call: piece q's
+        ``piece_chunks[q]`` chunks (the next ones of ``flat_ids``, an int32 ``array.array`` per
+        layer group in order, every piece's chunks) into ``dst_ptrs[q]`` (256-byte aligned),
+        one launch per run of pieces whose regions lie end to end; then the GPU's write of
+        ``fence_values[q]`` into fence word ``fence_words[q]`` (device addresses, 8-byte
+        aligned) for every piece, after the whole gather. ``dst_ptrs``, ``fence_words``,
+        ``fence_values``: ``array.array("Q")``; ``piece_chunks``: ``array.array("q")``; all of
+        one length.
+
+        Raises:
+            KernelError: bad arguments (lengths, counts, a pointer 0 or misaligned: nothing
+                enqueued), or the CUDA launch error (a launch enqueued before it may still run;
+                no word is written).
+        """
+        n = len(piece_chunks)
+        if not (len(dst_ptrs) == len(fence_words) == len(fence_values) == n):
+            raise KernelError(f"kvd_engine_gather_pieces: {n} pieces, {len(dst_ptrs)} regions, "
+                              f"{len(fence_words)} words, {len(fence_values)} values")
+        self._check(self.lib.kvd_engine_gather_pieces(engine, flat_ids.buffer_info()[0], sum(piece_chunks), n,
+                                                      dst_ptrs.buffer_info()[0], piece_chunks.buffer_info()[0],
+                                                      fence_words.buffer_info()[0], fence_values.buffer_info()[0],
+                                                      stream), "kvd_engine_gather_pieces")
 
     def engine_scatter(self, engine: int, flat_ids, total_chunks: int, nchunks: int, src_ptr: int,
                        skip_tokens: int, stream: int, done_word_ptr: int = 0, done_value: int = 0) -> None:

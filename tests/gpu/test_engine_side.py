@@ -4,7 +4,8 @@ fused launches (one launch for all groups, up to 800 block slots per launch, a l
 crossing from one group into the next), groups of different block sizes, layer counts, dtypes
 and copy widths (a 132-byte indexer row forces 4-byte words on every group of the launch),
 skipped leading tokens and vLLM's null block (-1) in a scatter, and the fence word written
-after the gather and after the scatter. Skipped cleanly without CUDA."""
+after the gather and after the scatter (one word per request after a gather of several
+requests' regions, `kvd_engine_gather_pieces`). Skipped cleanly without CUDA."""
 
 from __future__ import annotations
 
@@ -84,6 +85,25 @@ def test_engine_gather_and_scatter_of_every_group_match_the_cpu_engine(groups, l
         stream.synchronize()
         assert torch.equal(ring[off:off + nchunks * lay.object_bytes].cpu(), ref)
         assert word.item() == 77
+        # the same chunks as three requests' regions, the first two end to end, the third
+        # elsewhere: one call (two launches), then each request's word (`kvd_engine_gather_pieces`)
+        ring.fill_(0x5A)
+        words = torch.zeros(3, dtype=torch.int64, device=dev)
+        n1, n2 = nchunks // 3, nchunks // 3
+        n3 = nchunks - n1 - n2
+        ob = lay.object_bytes
+        other = torch.full((n3 * ob + 256,), 0x5A, dtype=torch.uint8, device=dev)
+        other_base = (other.data_ptr() + 255) // 256 * 256
+        kernels.engine_gather_pieces(handles[0], flat, array.array("Q", [base, base + n1 * ob, other_base]),
+                                     array.array("q", [n1, n2, n3]),
+                                     array.array("Q", [words.data_ptr() + 8 * q for q in range(3)]),
+                                     array.array("Q", [5, 6, 7]), stream.cuda_stream)
+        stream.synchronize()
+        o = other_base - other.data_ptr()
+        assert torch.equal(ring[off:off + (n1 + n2) * ob].cpu(), ref[:(n1 + n2) * ob])
+        assert torch.equal(other[o:o + n3 * ob].cpu(), ref[(n1 + n2) * ob:])
+        assert words.tolist() == [5, 6, 7]
+        ring[off + (n1 + n2) * ob:off + nchunks * ob] = other[o:o + n3 * ob]  # the whole request for the scatter
 
         # scatter the leading nchunks - 1 chunks into other blocks, skipping the first two of
         # the largest block size's tokens; one block of the last group is the null block (-1)

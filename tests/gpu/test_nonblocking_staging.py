@@ -200,3 +200,44 @@ def test_several_prompts_per_request_staged_store_and_retrieve_exactly_their_byt
         torch.cuda.synchronize()
         a.close()
         b.close()
+
+
+def test_pieces_gathered_by_one_call_store_exactly_their_bytes_after_the_forward_overwrote_them(daemon):
+    """`stage_store_pieces`: one gather for three requests' regions end to end, each sent with
+    its own region (its fence word written after the one gather), the next "forward" on the
+    same stream overwriting the blocks at once; another engine retrieves the chunks and gets
+    the bytes as they were before the overwrite."""
+    rng = random.Random(23)
+    a, cache_a, groups, reg_a = _engine(daemon, "LBNHC")
+    b, cache_b, _, reg_b = _engine(daemon, "LBHNC")
+    try:
+        a.flush()
+        bpc = [CHUNK // g.tokens_per_block for g in groups]
+        sizes = (2, 3, 1)
+        n = sum(sizes)
+        ids_a = [rng.sample(range(NUM_BLOCKS), n * k) for k in bpc]
+        keys = reg_a.keys([rng.randrange(1 << 20) for _ in range(n * CHUNK)])
+        cache_a.storage.random_(0, 256)
+        stream = torch.cuda.current_stream()
+        regions = a.stage_store_pieces(reg_a, ids_a, sizes, stream)
+        assert regions is not None and [r.seq for r in regions] == list(range(regions[0].seq, regions[0].seq + 3))
+        assert [r.offset for r in regions[1:]] == [r.offset + r.size_bytes for r in regions[:-1]]
+        want = _tokens_of(cache_a, groups, ids_a)  # enqueued after the gather on the same stream
+        cache_a.storage.random_(0, 256)  # the next forward: the gather ran before it, in stream order
+        pendings, first = [], 0
+        for k, region in zip(sizes, regions):
+            ids = [x[first * m:(first + k) * m] for x, m in zip(ids_a, bpc)]
+            parent = keys[first - 1] if first else b""
+            pendings.append(a.submit_store(reg_a, keys[first:first + k], ids, parent=parent, staged=region))
+            first += k
+        assert [p.result().stored for p in pendings] == list(sizes)
+
+        ids_b = [rng.sample(range(NUM_BLOCKS), n * k) for k in bpc]
+        assert b.retrieve(reg_b, keys, ids_b) == n
+        torch.cuda.synchronize()
+        got = _tokens_of(cache_b, groups, ids_b)
+        assert all(torch.equal(x, y) for x, y in zip(got, want))
+    finally:
+        torch.cuda.synchronize()
+        a.close()
+        b.close()

@@ -46,19 +46,24 @@ def engine(tmp_path: Path, endpoint: str, model_id: str, **scenario) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("specs", ["dense", "hybrid"])
-def test_engine_a_stores_engine_b_in_another_process_loads_every_byte(tmp_path, daemon, specs):
-    """A (LBNHC) stores a 300-token prompt; B (another process, LBHNC, other block ids after a
+@pytest.mark.parametrize("specs,tokens,ring", [("dense", 300, 0), ("hybrid", 300, 0), ("hybrid", 1000, 1 << 20)],
+                         ids=["dense", "hybrid", "hybrid-pieces"])
+def test_engine_a_stores_engine_b_in_another_process_loads_every_byte(tmp_path, daemon, specs, tokens, ring):
+    """A (LBNHC) stores a prompt of ``tokens``; B (another process, LBHNC, other block ids after a
     warm-up request) loads the cached chunks and its forward finds every KV byte as A computed
     it; both sample the same tokens. ``hybrid``: two KV-cache groups (full attention, 16 tokens
-    per block; sliding window, 32 tokens per block)."""
+    per block; sliding window, 32 tokens per block). ``hybrid-pieces``: a 1000-token prompt
+    and a 1 MiB staging ring (21 chunks of 48 KiB, pieces of 5): the engine thread gathers the
+    step's three pieces with one call (`KVDepotClient.stage_store_pieces`)."""
     ep, _ = daemon
-    a = engine(tmp_path, ep, f"gpu-{specs}", specs=specs)
-    assert a["computed"] == 300 + 2
-    assert a["stats"][0]["stored_chunks"] == 300 // CHUNK and a["stats"][0]["store_failures"] == 0
-    b = engine(tmp_path, ep, f"gpu-{specs}", specs=specs, layout="LBHNC", warmup=[98, 40])
-    assert b["stats"][0]["loaded_chunks"] == 300 // CHUNK
-    assert b["computed"] == 300 - (300 // CHUNK) * CHUNK + 2
+    extra = {"staging_bytes": ring} if ring else {}
+    name = f"gpu-{specs}-{tokens}"
+    a = engine(tmp_path, ep, name, specs=specs, prompt=[5, tokens], extra=extra)
+    assert a["computed"] == tokens + 2
+    assert a["stats"][0]["stored_chunks"] == tokens // CHUNK and a["stats"][0]["store_failures"] == 0
+    b = engine(tmp_path, ep, name, specs=specs, prompt=[5, tokens], layout="LBHNC", warmup=[98, 40], extra=extra)
+    assert b["stats"][0]["loaded_chunks"] == tokens // CHUNK
+    assert b["computed"] == tokens - tokens // CHUNK * CHUNK + 2
     assert b["outputs"] == a["outputs"]
     print(f"\n{specs}: stubbed compiled vLLM modules: {a['stubbed']}")
 

@@ -371,3 +371,20 @@ def test_a_staged_retrieve_with_fence_words_frees_its_region_by_its_word_not_an_
         assert region.is_free()
     finally:
         c.close()
+
+
+def test_pieces_are_placed_as_one_by_one_allocations_numbered_in_order_all_or_none():
+    """`StagingRing.alloc_pieces`: regions for requests one call gathers (`EngineStaging.gather_pieces`)."""
+    ring = StagingRing(4096, max_live=6)
+    a = ring.alloc(1536)
+    run = ring.alloc_pieces([512, 1000, 256], fenced=True)  # 1000: rounded up to 1024
+    assert [(r.offset, r.size_bytes, r.seq) for r in run] == [(1536, 512, 2), (2048, 1024, 3), (3072, 256, 4)]
+    assert all(r.fenced for r in run) and ring.head == 3328
+    live = list(ring.live)
+    assert ring.alloc_pieces([512, 512]) is None  # the first fits at the end, the second nowhere
+    assert list(ring.live) == live and ring.head == 3328 and ring.last_seq == 4  # as if never asked
+    assert ring.alloc_pieces([256, 256, 256]) is None  # room, but seven live regions (max_live 6)
+    assert ring.alloc_pieces([]) is None and ring.alloc_pieces([0]) is None
+    a.release()
+    run2 = ring.alloc_pieces([512, 1024])  # the first at the end, the second wraps to the start
+    assert [(r.offset, r.seq) for r in run2] == [(3328, 5), (0, 6)] and ring.head == 1024

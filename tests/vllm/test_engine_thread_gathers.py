@@ -27,7 +27,8 @@ class _Client:
     def __init__(self, ring: StagingRing) -> None:
         self.ring = ring
         self.generation, self.up = 0, True
-        self.staged: list[tuple] = []  # (block ids, chunks, stream)
+        self.staged: list[tuple] = []  # (block ids, chunks, stream) per gather call
+        self.runs: list[list[int]] = []  # per `stage_store_pieces` call: its pieces' chunks
         self.sent: list[dict] = []
         self.abandoned: list = []
         self.refuse = False
@@ -37,6 +38,13 @@ class _Client:
         if region is not None:
             self.staged.append((block_ids, num_chunks, after))
         return region
+
+    def stage_store_pieces(self, kvreg, block_ids, piece_chunks, after):
+        regions = self.ring.alloc_pieces([n * OBJECT_BYTES for n in piece_chunks], self, fenced=True)
+        if regions is not None:
+            self.staged.append((block_ids, sum(piece_chunks), after))
+            self.runs.append(list(piece_chunks))
+        return regions
 
     def abandon_region(self, kvreg, region):
         self.abandoned.append(region)
@@ -87,9 +95,13 @@ def test_staged_pieces_gather_on_the_given_stream_and_go_out_with_their_parents(
     jobs = [_job("a", 6, 0, parent=b"p" * 16), _job("b", 2, 100)]
     staged = mv.stage_saves(jobs, stream)
     assert staged is not None
-    # a: pieces of 4 + 2 chunks (a quarter of the ring each at most); b: one piece
-    assert [(n, s is stream) for _, n, s in client.staged] == [(4, True), (2, True), (2, True)]
-    assert client.staged[1][0] == [list(range(16, 24)), list(range(1016, 1024))]
+    # a: pieces of 4 + 2 chunks (a quarter of the ring each at most), gathered by one call into
+    # regions end to end; b: one piece
+    assert [(n, s is stream) for _, n, s in client.staged] == [(6, True), (2, True)] and client.runs == [[4, 2]]
+    assert client.staged[0][0] == [list(range(0, 24)), list(range(1000, 1024))]
+    a1, a2 = staged[2][0][0][3], staged[2][0][1][3]
+    assert (a2.offset, a2.seq) == (a1.offset + a1.size_bytes, a1.seq + 1)
+    assert staged[2][0][1][2] == [list(range(16, 24)), list(range(1016, 1024))]
     mv._send_staged(jobs, staged)
     mask = shard_mask(b"s" * 16, "tp0of1")
     keys_a = shard_keys(jobs[0].chain, [mask])[0]
@@ -190,8 +202,8 @@ def test_one_piece_stores_of_several_requests_share_one_gather_and_one_request()
     mv, client, side = _thread(chains=True)
     jobs = [_job("a", 1, 0, parent=b"p" * 16), _job("big", 6, 40), _job("b", 2, 100), _job("c", 1, 200)]
     staged = mv.stage_saves(jobs, object())
-    # one gather for a, b and c (4 chunks: a piece), then big's two pieces
-    assert [n for _, n, _ in client.staged] == [4, 4, 2]
+    # one gather for a, b and c (4 chunks: a piece), then one for big's two pieces
+    assert [n for _, n, _ in client.staged] == [4, 6] and client.runs == [[4, 2]]
     assert client.staged[0][0][0] == list(range(0, 4)) + list(range(100, 108)) + list(range(200, 204))
     mv._send_staged(jobs, staged)
     together = client.sent[0]
@@ -202,3 +214,31 @@ def test_one_piece_stores_of_several_requests_share_one_gather_and_one_request()
     assert [s.get("request") for s in client.sent[1:]] == ["big", "big"]
     assert sorted((op.piece.req_id, op.run) for op in mv._ops) == [("a", 0), ("b", 1), ("big", -1), ("big", -1),
                                                                    ("c", 2)]
+
+
+def test_a_job_of_several_pieces_is_gathered_by_one_call_wherever_its_pieces_fit(monkeypatch):
+    """All of a job's pieces are placed as they would be one by one (end to end, or the later
+    ones wrapped to the ring's start) and gathered by one call; where not all fit, each piece
+    is staged alone as before (the rest of the job skipped). ``$KVDEPOT_NO_JOB_GATHER`` (for
+    comparisons) stages them one by one always."""
+    from kvdepot.client.vllm import jobs as jobs_mod
+
+    mv, client, side = _thread(ring_objects=12)  # pieces of 3 chunks
+    first = client.ring.alloc(4 * OBJECT_BYTES, object())  # [0, 4)
+    client.ring.alloc(5 * OBJECT_BYTES, object())  # [4, 9)
+    first.release()  # free: [9, 12) and [0, 4)
+    staged = mv.stage_saves([_job("a", 6, 0)], object())
+    assert client.runs == [[3, 3]] and [p[3].offset for p in staged[2][0]] == [9 * OBJECT_BYTES, 0]
+
+    mv, client, side = _thread(ring_objects=12)
+    held = client.ring.alloc(4 * OBJECT_BYTES, object())  # [0, 4)
+    client.ring.alloc(6 * OBJECT_BYTES, object())  # [4, 10)
+    held.release()  # free: [10, 12) and [0, 4): the 3 + 2 chunks of b do not both fit
+    staged = mv.stage_saves([_job("b", 5, 0)], object())
+    assert client.runs == [] and [n for _, n, _ in client.staged] == [3]  # the first piece alone fits
+    assert staged[2][0][1][3] is None  # the second found no room: the rest of b is skipped
+
+    monkeypatch.setattr(jobs_mod, "ONE_GATHER", False)
+    mv, client, side = _thread()
+    mv.stage_saves([_job("c", 6, 0)], object())
+    assert client.runs == [] and [n for _, n, _ in client.staged] == [4, 2]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 
 from kvdepot.client.hashing import shard_keys, shard_mask
@@ -21,7 +22,10 @@ log = logging.getLogger("kvdepot.vllm")
 # errors after which the daemon is treated as down (pinged until it answers) rather than as
 # having refused one request
 DOWN = (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE, ErrorCode.DISCONNECTED, ErrorCode.INTERNAL)
-TOGETHER = "together"  # `JobPieces.stage_saves`: this job's chunks are in the step's shared region
+TOGETHER = "together"
+# `stage_saves`: a job of several pieces gathered by one call (`_stage_pieces`); off
+# ($KVDEPOT_NO_JOB_GATHER set): one call per piece, for comparisons
+ONE_GATHER = not os.environ.get("KVDEPOT_NO_JOB_GATHER")  # `JobPieces.stage_saves`: this job's chunks are in the step's shared region
 
 
 class JobPieces:
@@ -102,11 +106,18 @@ class JobPieces:
                     kept.append(p)
             self._queue = kept
 
-    def _store_pieces(self, job: StoreJob) -> list[tuple[int, int, list[list[int]]]]:
-        """A store job's pieces: (first chunk, end chunk, registered block ids per daemon gid)."""
+    def _job_ids(self, job: StoreJob) -> list[list[int]]:
+        """A store job's registered block ids per daemon gid, all its chunks."""
+        reg = self.side.reg
+        return [self._block_ids(reg, g, b, None) for g, b in enumerate(job.block_ids)]
+
+    def _store_pieces(self, job: StoreJob, ids: list[list[int]] | None = None) -> list[tuple[int, int, list[list[int]]]]:
+        """A store job's pieces: (first chunk, end chunk, registered block ids per daemon gid);
+        ``ids``: `_job_ids`, if the caller has them."""
         reg, n = self.side.reg, len(job.chain)
         per = self._piece_chunks()
-        ids = [self._block_ids(reg, g, b, None) for g, b in enumerate(job.block_ids)]
+        if ids is None:
+            ids = self._job_ids(job)
         bpc = [self.cfg.chunk_size // gs.tokens_per_block for gs in reg.groups]
         return [(s, min(n, s + per), [x[s * k:min(n, s + per) * k] for x, k in zip(ids, bpc)])
                 for s in range(0, n, per)]
@@ -121,7 +132,8 @@ class JobPieces:
 
         Several jobs of one piece each (one-chunk requests, many per step) are gathered together
         into one region by one call (`_stage_together`), where the daemon takes several runs
-        per request: each gather call costs the engine thread ~30 us.
+        per request; the pieces of a job of several are gathered by one call into their regions
+        (`_stage_pieces`): each gather call costs the engine thread ~30 us.
 
         Returns (client generation, registration, per job: None (skipped), its pieces
         [(first chunk, end chunk, block ids, region or None)], or ``TOGETHER`` (in the shared
@@ -141,8 +153,14 @@ class JobPieces:
             if job.req_id in self._stopped or not job.chain:
                 out.append(None)
                 continue
+            ids = self._job_ids(job)
+            parts = self._store_pieces(job, ids)
+            pieces = self._stage_pieces(kvreg, job, ids, parts, stream) if len(parts) > 1 and ONE_GATHER else None
+            if pieces is not None:
+                out.append(pieces)
+                continue
             pieces = []
-            for s, e, ids in self._store_pieces(job):
+            for s, e, ids in parts:
                 try:
                     region = c.stage_store(kvreg, ids, e - s, stream, wait_for_room=False)
                 except KernelError as exc:
@@ -153,6 +171,19 @@ class JobPieces:
                     break  # the rest would have no parent
             out.append(pieces)
         return c.generation, kvreg, out, together
+
+    def _stage_pieces(self, kvreg, job: StoreJob, ids: list[list[int]], parts: list, stream) -> list | None:
+        """`stage_saves` of a job of several pieces (``ids``: all its chunks' block ids): one
+        gather call for all of them, each into its own region (`KVDepotClient.stage_store_pieces`);
+        None: no room for all of them now (the caller stages them one by one)."""
+        try:
+            regions = self.client.stage_store_pieces(kvreg, ids, [e - s for s, e, _ in parts], stream)
+        except KernelError as exc:
+            log.warning("kvdepot: gather of request %s's chunks failed: %s", job.req_id, exc)
+            return None
+        if regions is None:
+            return None
+        return [(s, e, ids, region) for (s, e, ids), region in zip(parts, regions)]
 
     def _stage_together(self, kvreg, jobs: list[StoreJob], stream):
         """`stage_saves`'s shared gather: the jobs whose store is one piece, of the first such

@@ -414,7 +414,7 @@ int kvd_lane_synchronize(KvdLane* lane) {
 
 int kvd_ipc_handle_bytes(void) { return (int)sizeof(cudaIpcMemHandle_t); }
 
-int kvd_abi_version(void) { return 11; }
+int kvd_abi_version(void) { return 12; }
 
 // First 16 hex digits of the SHA-256 of this file, passed by the build (-DKVD_SOURCE_HASH=...);
 // the loader refuses a library built from other source (a stale build would misread arguments).
