@@ -60,7 +60,6 @@ import json
 import os
 import pstats
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -78,6 +77,7 @@ from kvdepot.client import KVDepotClient  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from connector_probes import CallTimer, LayerProbe, StageTimers, Timeline, less_probe  # noqa: E402
+from transfer_bench.procs import DaemonProc  # noqa: E402
 
 CHUNKS_PER_STEP = 16
 SCHED_CALLS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
@@ -430,6 +430,8 @@ def main(argv=None) -> int:
                         "one-chunk prompts per step, whose stores and loads the connector sends together)")
     p.add_argument("--shapes", default="", help="comma-separated subset of the shape names")
     p.add_argument("--l1-bytes", default="24g")
+    p.add_argument("--pin-wait-s", type=float, default=120.0,
+                   help="wait at most this long for the daemon to page-lock L1 before measuring (default 120)")
     p.add_argument("--staging-bytes", type=int, default=0,
                    help="the connector's staging ring (its staging_bytes setting; default 0: its auto size)")
     p.add_argument("--out", default="", help="write the results as JSON here")
@@ -462,11 +464,15 @@ def main(argv=None) -> int:
         prof.enable()  # Python >= 3.12: every thread (the workers' transfer threads too)
     with tempfile.TemporaryDirectory() as td:
         wd = Path(td)
-        ep = f"ipc://{wd / 'kvdepot.sock'}"
-        d = subprocess.Popen([sys.executable, "-m", "kvdepot", "serve", "--endpoint", ep, "--l1-bytes",
-                              args.l1_bytes], stdout=subprocess.PIPE, text=True)
+        d = DaemonProc(args.l1_bytes, [], str(wd / "daemon.log"), pin=args.device == "cuda")
+        ep = d.endpoint
         try:
-            assert "ready" in d.stdout.readline()
+            d.wait_ready()
+            # a store into L1 that is not page-locked yet is refused (capacity), and a 2 GiB
+            # cudaHostRegister stalls the daemon's copies: measure once L1 is pinned
+            pinned, waited_s = d.wait_pinned(args.pin_wait_s)
+            if d.pin:
+                print(f"L1 {'pinned' if pinned else 'NOT pinned'} after {waited_s:.1f} s", flush=True)
             wanted = [s for s in args.shapes.split(",") if s]
             for name, specs in shapes().items():
                 if wanted and name not in wanted:
@@ -478,9 +484,7 @@ def main(argv=None) -> int:
                 print(report(r) if "store_vs_roofline" in r else json.dumps(r), flush=True)
                 results.append(r)
         finally:
-            d.terminate()
-            d.wait(30)
-            d.stdout.close()
+            d.stop()
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if prof is not None:
