@@ -149,12 +149,14 @@ class DaemonProc:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, cwd=str(REPO),
                                      env=env)
         self._ready = threading.Event()
-        threading.Thread(target=self._drain, name="daemon-stdout", daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain, name="daemon-stdout", daemon=True)
+        self._drainer.start()
 
     def _drain(self) -> None:
-        for line in self.proc.stdout:
-            if "kvdepot ready" in line:
-                self._ready.set()
+        with self.proc.stdout:  # closed at the daemon's exit (EOF)
+            for line in self.proc.stdout:
+                if "kvdepot ready" in line:
+                    self._ready.set()
 
     def log_tail(self, n: int = 40) -> str:
         with contextlib.suppress(OSError):
@@ -193,5 +195,6 @@ class DaemonProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._drainer.join(5)
         self._log.close()
         return self.proc.returncode
