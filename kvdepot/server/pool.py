@@ -59,6 +59,7 @@ class ExtentAllocator:
             segment_gap_bytes if s + seg < self.capacity_bytes else 0) for s in self._starts}
         self._allocated: dict[int, int] = {}  # start -> size (rounded)
         self.used_bytes = 0
+        self.allocatable_bytes = sum(self._sizes.values())  # capacity less the segment gaps
 
     def alloc(self, size_bytes: int, limit_bytes: int | None = None) -> int | None:
         """Offset of a new extent of at least ``size_bytes``, or None if no free extent fits.
@@ -112,7 +113,8 @@ class ExtentAllocator:
 
     @property
     def free_bytes(self) -> int:
-        return self.capacity_bytes - self.used_bytes
+        """Bytes not allocated, less the segment gaps (never allocated)."""
+        return self.allocatable_bytes - self.used_bytes
 
     @property
     def num_free_extents(self) -> int:

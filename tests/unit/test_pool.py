@@ -216,8 +216,10 @@ def test_a_segment_gap_keeps_extents_of_different_segments_apart():
     while (off := a.alloc(ALIGN_BYTES)) is not None:
         got.append(off)
     assert got == [x * ALIGN_BYTES for x in (0, 1, 2, 4, 5, 6, 8, 9, 10, 11)]
+    assert a.free_bytes == 0  # the two gap pages are never free to allocate
     for off in got:
         a.free(off)
+    assert a.free_bytes == 10 * ALIGN_BYTES
     assert a.num_free_extents == 3 and a.alloc(4 * ALIGN_BYTES) == 8 * ALIGN_BYTES  # the last segment is whole
     assert a.alloc(4 * ALIGN_BYTES) is None and a.alloc(3 * ALIGN_BYTES) == 0
     with pytest.raises(ValueError):
