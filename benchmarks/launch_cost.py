@@ -2,7 +2,10 @@
 fence word's ``cuStreamWriteValue64`` when a word is given) costs the calling thread's CPU on a
 GPU host, by itself and in the conditions of a vLLM engine: after a torch "forward" on the same
 stream, on the legacy default stream, and while another thread of the process makes CUDA
-calls. Next to it, in the same run, the references: one torch kernel launch (``x.add_(1)``), a
+calls; the same for a two-group engine (gpt-oss-20b's shape), whose groups go in fused
+launches, a store of three pieces by one call (`Kernels.engine_gather_pieces`), and while
+another process on the GPU copies over PCIe and / or spins on its events (as the daemon does). Next to it,
+in the same run, the references: one torch kernel launch (``x.add_(1)``), a
 ``torch.cuda.Event.record``, the fence word's write alone, and a trivial ctypes call into the
 kernel library (the call's own floor).
 
@@ -24,6 +27,7 @@ import argparse
 import array
 import ctypes
 import mmap
+import subprocess
 import sys
 import threading
 import time
@@ -35,6 +39,34 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "gpu"), str(ROOT / "tests")]
 import torch  # noqa: E402
 
 CHUNK = 256
+# the other process of the "another process" cases: 64 MiB copies device -> pinned host in a
+# loop ("copies"), a thread spinning on cudaEventQuery ("polls"), or both
+_OTHER = r"""
+import sys, threading, torch
+what = sys.argv[1]
+dev = torch.device("cuda")
+src = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
+dst = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+s = torch.cuda.Stream()
+def copies():
+    while True:
+        with torch.cuda.stream(s):
+            dst.copy_(src, non_blocking=True)
+        s.synchronize()
+def polls():
+    ev = torch.cuda.Event()
+    q = torch.cuda.Stream()
+    while True:
+        ev.record(q)
+        while not ev.query():
+            pass
+if "copies" in what:
+    threading.Thread(target=copies, daemon=True).start()
+if "polls" in what:
+    threading.Thread(target=polls, daemon=True).start()
+print("running", flush=True)
+threading.Event().wait()
+"""
 
 
 def _median_p90_us(ts: list[float]) -> tuple[float, float]:
@@ -144,6 +176,47 @@ def main(argv=None) -> int:
         rows.append((f"gather 8 + word while another thread is {name}", cpu(lambda: gather8(sp), every=50)))
         stop[0] = True
         th.join()
+    # gpt-oss-20b's two KV-cache groups (12 full + 12 sliding-window layers, 8 KV heads, head dim
+    # 64, bf16, 16 tokens per block): every group in fused launches (`kvd_engine_gather`), and a
+    # 16-chunk store in three pieces by one call (`kvd_engine_gather_pieces`)
+    hyb = _cache([KVGroupShape(0, 12, 8, 64, 16, torch.bfloat16), KVGroupShape(1, 12, 8, 64, 16, torch.bfloat16)],
+                 "LBNHC", nb, 2)
+    hlay = group_layers(hyb.layer_specs(), hyb.group_specs(), CHUNK, [hyb.size_bytes])
+    hblocks = hyb.storage.to(dev)
+    hyb.close()
+    hdescs = [KvdGroupDesc.from_group(g, hlay.object_bytes, hlay.chunk_size) for g in hlay.groups]
+    hptrs = [[hblocks.data_ptr() + off for _, off in g.offsets] for g in hlay.groups]
+    heng = k.engine_create(0, hdescs, hptrs, hlay.chunk_size, hlay.object_bytes)
+    hring = torch.empty(16 * hlay.object_bytes + 256, dtype=torch.uint8, device=dev)
+    hbase = (hring.data_ptr() + 255) // 256 * 256
+    for nch in (1, 7, 16):
+        hids = array.array("i", [b % nb for b in range(nch * 16)] * 2)
+        rows.append((f"two groups (gpt-oss): gather {nch} chunk(s) + word",
+                     cpu(lambda: k.engine_gather(heng, hids, nch, hbase, sp, hword, nxt()))))
+    hids = array.array("i", [b % nb for b in range(16 * 16)] * 2)
+    x0 = torch.zeros(16, device=dev)
+    ob = hlay.object_bytes
+    dsts = array.array("Q", [hbase, hbase + 7 * ob, hbase + 14 * ob])
+    pieces = array.array("q", [7, 7, 2])
+    words = array.array("Q", [hword] * 3)
+
+    def three() -> None:
+        v = nxt()
+        k.engine_gather_pieces(heng, hids, dsts, pieces, words, array.array("Q", [v, v, v]), sp)
+
+    rows.append(("two groups (gpt-oss): 16 chunks as 3 pieces, one call, 3 words", cpu(three)))
+    # another process on the GPU, as the daemon beside an engine: copying pinned memory over PCIe
+    # (its DMA lanes) and/or polling its events from a spinning thread (its completion watcher)
+    for what in ("copies", "polls", "copies+polls"):
+        other = subprocess.Popen([sys.executable, "-c", _OTHER, what], stdout=subprocess.PIPE, text=True)
+        try:
+            assert other.stdout.readline().strip() == "running"
+            rows.append((f"two groups, 16 chunks + word, another process {what}",
+                         cpu(lambda: k.engine_gather(heng, hids, 16, hbase, sp, hword, nxt()), n=args.calls // 2)))
+            rows.append((f"reference: torch x.add_(1), another process {what}", cpu(lambda: x0.add_(1), n=args.calls // 2)))
+        finally:
+            other.kill()
+            other.wait()
     rows.append(("reference: the fence word's write alone (mapped host word)", cpu(lambda: k.engine_signal(hword, nxt(), sp))))
     x = torch.zeros(16, device=dev)
     with torch.cuda.stream(s):
@@ -155,6 +228,7 @@ def main(argv=None) -> int:
     for name, (med, p90) in rows:
         print(f"  {name:<66} median {med:6.1f} us, p90 {p90:6.1f}")
     k.engine_destroy(eng)
+    k.engine_destroy(heng)
     return 0
 
 
