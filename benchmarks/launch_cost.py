@@ -4,7 +4,8 @@ GPU host, by itself and in the conditions of a vLLM engine: after a torch "forwa
 stream, on the legacy default stream, and while another thread of the process makes CUDA
 calls; the same for a two-group engine (gpt-oss-20b's shape), whose groups go in fused
 launches, a store of three pieces by one call (`Kernels.engine_gather_pieces`), and while
-another process on the GPU copies over PCIe and / or spins on its events (as the daemon does). Next to it,
+another process on the GPU copies over PCIe and / or spins on its events, or copies out of this
+process's ring through CUDA IPC (as the daemon does). Next to it,
 in the same run, the references: one torch kernel launch (``x.add_(1)``), a
 ``torch.cuda.Event.record``, the fence word's write alone, and a trivial ctypes call into the
 kernel library (the call's own floor).
@@ -67,6 +68,19 @@ if "polls" in what:
 print("running", flush=True)
 threading.Event().wait()
 """
+
+
+def _copy_from(ring: torch.Tensor, ready, stop) -> None:
+    """The other process of the IPC case: copies the first 64 MiB of ``ring`` (another process's
+    device memory, received through CUDA IPC) to pinned host memory until ``stop``."""
+    n = min(64 << 20, ring.numel())
+    dst = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    s = torch.cuda.Stream()
+    ready.set()
+    while not stop.is_set():
+        with torch.cuda.stream(s):
+            dst.copy_(ring[:n], non_blocking=True)
+        s.synchronize()
 
 
 def _median_p90_us(ts: list[float]) -> tuple[float, float]:
@@ -217,6 +231,22 @@ def main(argv=None) -> int:
         finally:
             other.kill()
             other.wait()
+    # the daemon's own case: another process copying out of THIS process's staging ring (CUDA IPC)
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    ready, stop_ev = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_copy_from, args=(hring, ready, stop_ev), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(120), "the copying process did not start"
+        rows.append(("two groups, 16 chunks + word, another process copies out of our ring (IPC)",
+                     cpu(lambda: k.engine_gather(heng, hids, 16, hbase, sp, hword, nxt()), n=args.calls // 2)))
+        rows.append(("reference: torch x.add_(1), another process copies out of our ring (IPC)",
+                     cpu(lambda: x0.add_(1), n=args.calls // 2)))
+    finally:
+        stop_ev.set()
+        child.join(30)
     rows.append(("reference: the fence word's write alone (mapped host word)", cpu(lambda: k.engine_signal(hword, nxt(), sp))))
     x = torch.zeros(16, device=dev)
     with torch.cuda.stream(s):
