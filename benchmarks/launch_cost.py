@@ -15,7 +15,7 @@ per call (`benchmarks/launch_cpu.py`, gpt-oss-20b), which is most of a sliding-w
 ``wait_for_save``; this says what the call costs without the connector around it.
 
 Every figure is the median (and p90) of ``time.thread_time`` around the call over ``--calls``
-calls, the stream synchronized every 100 (50 for the contended cases) calls.
+calls (and the median wall time, which also counts a wait for the GIL), the stream synchronized every 100 (50 for the contended cases) calls.
 
     python benchmarks/launch_cost.py [--calls 3000]
 
@@ -127,18 +127,19 @@ def main(argv=None) -> int:
         value[0] += 1
         return value[0]
 
-    def cpu(fn, n=args.calls, every=100, before=None) -> tuple[float, float]:
-        ts = []
+    def cpu(fn, n=args.calls, every=100, before=None) -> tuple[float, float, float]:
+        ts, ws = [], []
         for i in range(n):
             if i % every == 0:
                 torch.cuda.synchronize()
             if before is not None:
                 before()
-            c = time.thread_time()
+            w, c = time.perf_counter(), time.thread_time()
             fn()
             ts.append(time.thread_time() - c)
+            ws.append(time.perf_counter() - w)
         torch.cuda.synchronize()
-        return _median_p90_us(ts)
+        return (*_median_p90_us(ts), _median_p90_us(ws)[0])
 
     rows = []
     sp = s.cuda_stream
@@ -183,11 +184,44 @@ def main(argv=None) -> int:
                 x.add_(1)
             time.sleep(0)
 
-    for name, fn in (("recording / querying events", recorder), ("launching kernels", launcher)):
+    def syncing() -> None:  # another thread reading a small tensor back (a synchronous copy, as .cpu())
+        y = torch.zeros(4, device=dev)
+        while not stop[0]:
+            with torch.cuda.stream(side):
+                y.add_(1)
+                y.cpu()
+
+    def python() -> None:  # another thread running Python only (the GIL)
+        n = 0
+        while not stop[0]:
+            n += 1
+
+    def bursts() -> None:  # another thread running Python 100 us at a time, then sleeping 100 us
+        while not stop[0]:
+            t = time.perf_counter() + 100e-6
+            while time.perf_counter() < t:
+                pass
+            time.sleep(100e-6)
+
+    # the same call through ctypes.PyDLL, which keeps the GIL during the call (CDLL drops it)
+    pyk = ctypes.PyDLL(k.path).kvd_engine_gather
+    pyk.argtypes = k.lib.kvd_engine_gather.argtypes
+    ids8_ptr = ids8.buffer_info()[0]
+
+    def gather8_pydll() -> None:
+        if pyk(eng, ids8_ptr, 8, base, hword, nxt(), sp) != 0:
+            raise RuntimeError("kvd_engine_gather failed")
+
+    rows.append(("gather 8 + word through PyDLL (keeps the GIL)", cpu(gather8_pydll)))
+    for name, fn in (("recording / querying events", recorder), ("launching kernels", launcher),
+                     ("copying small tensors back (.cpu())", syncing), ("running Python only", python),
+                     ("running Python in 100 us bursts", bursts)):
         stop[0] = False
         th = threading.Thread(target=fn, daemon=True)
         th.start()
         rows.append((f"gather 8 + word while another thread is {name}", cpu(lambda: gather8(sp), every=50)))
+        if fn in (python, bursts):
+            rows.append(("  the same through PyDLL (keeps the GIL)", cpu(gather8_pydll, every=50)))
         stop[0] = True
         th.join()
     # gpt-oss-20b's two KV-cache groups (12 full + 12 sliding-window layers, 8 KV heads, head dim
@@ -255,8 +289,8 @@ def main(argv=None) -> int:
     rows.append(("reference: torch.cuda.Event.record", cpu(lambda: ev.record(s))))
     rows.append(("reference: a trivial ctypes call into the library", cpu(lambda: k.lib.kvd_ipc_handle_bytes())))
     print(f"{torch.cuda.get_device_name()}: CPU of the calling thread per call")
-    for name, (med, p90) in rows:
-        print(f"  {name:<66} median {med:6.1f} us, p90 {p90:6.1f}")
+    for name, (med, p90, wall) in rows:
+        print(f"  {name:<66} median {med:6.1f} us, p90 {p90:6.1f} (wall median {wall:7.1f})")
     k.engine_destroy(eng)
     k.engine_destroy(heng)
     return 0
