@@ -37,7 +37,6 @@ log = logging.getLogger("kvdepot.kernels")
 
 ENV_SO = "KVDEPOT_KERNELS_SO"
 ENV_NO_JIT = "KVDEPOT_NO_JIT"
-# "1": the engine side's kernel launches keep the GIL (`Kernels`); anything else: they drop it
 # built at install (setup.py) for `build.INSTALL_ARCHS` when nvcc was there
 PACKAGED_SO = Path(__file__).parent / "_lib" / "libkvdepot_kernels.so"
 ABI_VERSION = 12

@@ -22,10 +22,10 @@ log = logging.getLogger("kvdepot.vllm")
 # errors after which the daemon is treated as down (pinged until it answers) rather than as
 # having refused one request
 DOWN = (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE, ErrorCode.DISCONNECTED, ErrorCode.INTERNAL)
-TOGETHER = "together"
+TOGETHER = "together"  # `JobPieces.stage_saves`: this job's chunks are in the step's shared region
 # `stage_saves`: a job of several pieces gathered by one call (`_stage_pieces`); off
 # ($KVDEPOT_NO_JOB_GATHER set): one call per piece, for comparisons
-ONE_GATHER = not os.environ.get("KVDEPOT_NO_JOB_GATHER")  # `JobPieces.stage_saves`: this job's chunks are in the step's shared region
+ONE_GATHER = not os.environ.get("KVDEPOT_NO_JOB_GATHER")
 
 
 class JobPieces:
@@ -160,13 +160,13 @@ class JobPieces:
                 out.append(pieces)
                 continue
             pieces = []
-            for s, e, ids in parts:
+            for s, e, piece_ids in parts:
                 try:
-                    region = c.stage_store(kvreg, ids, e - s, stream, wait_for_room=False)
+                    region = c.stage_store(kvreg, piece_ids, e - s, stream, wait_for_room=False)
                 except KernelError as exc:
                     log.warning("kvdepot: gather of request %s's chunks failed: %s", job.req_id, exc)
                     region = None
-                pieces.append((s, e, ids, region))
+                pieces.append((s, e, piece_ids, region))
                 if region is None:
                     break  # the rest would have no parent
             out.append(pieces)
@@ -183,7 +183,7 @@ class JobPieces:
             return None
         if regions is None:
             return None
-        return [(s, e, ids, region) for (s, e, ids), region in zip(parts, regions)]
+        return [(s, e, piece_ids, region) for (s, e, piece_ids), region in zip(parts, regions)]
 
     def _stage_together(self, kvreg, jobs: list[StoreJob], stream):
         """`stage_saves`'s shared gather: the jobs whose store is one piece, of the first such
