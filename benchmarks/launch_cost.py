@@ -106,17 +106,23 @@ def main(argv=None) -> int:
         print("the kernel library could not be loaded", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    # Llama-3.1-8B's per-token KV (32 layers, 8 KV heads, head dim 128, bf16), 16 tokens per block
     nb = 60 * CHUNK // 16 + 8
-    src = _cache([KVGroupShape(0, 32, 8, 128, 16, torch.bfloat16)], "LBNHC", nb, 1)
-    lay = group_layers(src.layer_specs(), src.group_specs(), CHUNK, [src.size_bytes])
-    blocks = src.storage.to(dev)
-    src.close()
-    descs = [KvdGroupDesc.from_group(g, lay.object_bytes, lay.chunk_size) for g in lay.groups]
-    ptrs = [[blocks.data_ptr() + off for _, off in g.offsets] for g in lay.groups]
-    eng = k.engine_create(0, descs, ptrs, lay.chunk_size, lay.object_bytes)
-    ring = torch.empty(50 * lay.object_bytes + 256, dtype=torch.uint8, device=dev)
-    base = (ring.data_ptr() + 255) // 256 * 256
+
+    def engine(groups, seed: int, ring_chunks: int):
+        """An engine of ``groups`` (``nb`` random blocks on the GPU) and a ring of ``ring_chunks``
+        chunks: (engine handle, 256-aligned ring address, what must stay alive)."""
+        src = _cache(groups, "LBNHC", nb, seed)
+        lay = group_layers(src.layer_specs(), src.group_specs(), CHUNK, [src.size_bytes])
+        blocks = src.storage.to(dev)
+        src.close()
+        descs = [KvdGroupDesc.from_group(g, lay.object_bytes, lay.chunk_size) for g in lay.groups]
+        ptrs = [[blocks.data_ptr() + off for _, off in g.offsets] for g in lay.groups]
+        handle = k.engine_create(0, descs, ptrs, lay.chunk_size, lay.object_bytes)
+        ring = torch.empty(ring_chunks * lay.object_bytes + 256, dtype=torch.uint8, device=dev)
+        return handle, (ring.data_ptr() + 255) // 256 * 256, (blocks, ring, lay)
+
+    # Llama-3.1-8B's per-token KV (32 layers, 8 KV heads, head dim 128, bf16), 16 tokens per block
+    eng, base, _keep = engine([KVGroupShape(0, 32, 8, 128, 16, torch.bfloat16)], 1, 50)
     s, side = torch.cuda.Stream(), torch.cuda.Stream()
     dword = torch.zeros(8, dtype=torch.int64, device=dev)
     page = mmap.mmap(-1, 4096)
@@ -227,16 +233,8 @@ def main(argv=None) -> int:
     # gpt-oss-20b's two KV-cache groups (12 full + 12 sliding-window layers, 8 KV heads, head dim
     # 64, bf16, 16 tokens per block): every group in fused launches (`kvd_engine_gather`), and a
     # 16-chunk store in three pieces by one call (`kvd_engine_gather_pieces`)
-    hyb = _cache([KVGroupShape(0, 12, 8, 64, 16, torch.bfloat16), KVGroupShape(1, 12, 8, 64, 16, torch.bfloat16)],
-                 "LBNHC", nb, 2)
-    hlay = group_layers(hyb.layer_specs(), hyb.group_specs(), CHUNK, [hyb.size_bytes])
-    hblocks = hyb.storage.to(dev)
-    hyb.close()
-    hdescs = [KvdGroupDesc.from_group(g, hlay.object_bytes, hlay.chunk_size) for g in hlay.groups]
-    hptrs = [[hblocks.data_ptr() + off for _, off in g.offsets] for g in hlay.groups]
-    heng = k.engine_create(0, hdescs, hptrs, hlay.chunk_size, hlay.object_bytes)
-    hring = torch.empty(16 * hlay.object_bytes + 256, dtype=torch.uint8, device=dev)
-    hbase = (hring.data_ptr() + 255) // 256 * 256
+    heng, hbase, (hblocks, hring, hlay) = engine([KVGroupShape(0, 12, 8, 64, 16, torch.bfloat16),
+                                                  KVGroupShape(1, 12, 8, 64, 16, torch.bfloat16)], 2, 16)
     for nch in (1, 7, 16):
         hids = array.array("i", [b % nb for b in range(nch * 16)] * 2)
         rows.append((f"two groups (gpt-oss): gather {nch} chunk(s) + word",
