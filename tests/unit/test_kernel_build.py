@@ -80,6 +80,26 @@ def test_engine_launches_check_their_arguments(built):
     ids = array.array("i", [0])
     assert k.lib.kvd_engine_gather(8, ids.buffer_info()[0], 1, 256, 12, 1, 0) == 2  # KVD_EALIGN
 
+    # several pieces by one call: every region, word and count is checked before the engine is read
+    def q(*xs):
+        return array.array("Q", xs)
+
+    with pytest.raises(KernelError, match="kvd_engine_gather_pieces"):
+        k.engine_gather_pieces(0, ids, q(256), array.array("q", [1]), q(8), q(1), 0)  # no engine
+    with pytest.raises(KernelError, match="2 pieces, 1 regions"):
+        k.engine_gather_pieces(8, ids, q(256), array.array("q", [1, 1]), q(8, 16), q(1, 2), 0)
+
+    def raw(total, dsts, chunks, words):
+        return k.lib.kvd_engine_gather_pieces(8, ids.buffer_info()[0], total, len(chunks), dsts.buffer_info()[0],
+                                              chunks.buffer_info()[0], words.buffer_info()[0],
+                                              q(*[1] * len(chunks)).buffer_info()[0], 0)
+
+    assert raw(2, q(256, 100), array.array("q", [1, 1]), q(8, 16)) == 2  # a region not 256-aligned
+    assert raw(2, q(256, 512), array.array("q", [1, 1]), q(8, 0)) == 2  # a word of 0
+    assert raw(2, q(256, 512), array.array("q", [1, 1]), q(8, 12)) == 2  # a word not 8-byte aligned
+    assert raw(2, q(256, 512), array.array("q", [2, 0]), q(8, 16)) == 1  # a piece of no chunk (KVD_EINVAL)
+    assert raw(3, q(256, 512), array.array("q", [1, 1]), q(8, 16)) == 1  # counts that do not add up
+
 
 def test_the_source_stamp_covers_every_file_of_the_translation_unit(tmp_path, monkeypatch):
     """A change in any file the .cu includes changes the stamp (a library built before it is
