@@ -5,7 +5,9 @@ stream, on the legacy default stream, and while another thread of the process ma
 calls; the same for a two-group engine (gpt-oss-20b's shape), whose groups go in fused
 launches, a store of three pieces by one call (`Kernels.engine_gather_pieces`), and while
 another process on the GPU copies over PCIe and / or spins on its events, or copies out of this
-process's ring through CUDA IPC (as the daemon does). Next to it,
+process's ring through CUDA IPC (as the daemon does); and with the CPU caches flushed before each
+call, or after a 1 ms sleep (an engine's step runs its forward, vLLM's scheduler and Python for
+milliseconds between two such calls). Next to it,
 in the same run, the references: one torch kernel launch (``x.add_(1)``), a
 ``torch.cuda.Event.record``, the fence word's write alone, and a trivial ctypes call into the
 kernel library (the call's own floor).
@@ -263,6 +265,24 @@ def main(argv=None) -> int:
         finally:
             other.kill()
             other.wait()
+    # between two of an engine's steps its forward, vLLM's scheduler and Python run for
+    # milliseconds: the driver's code and data are cold by the next call. Here: 64 MiB of host
+    # memory touched (the caches flushed), or a 1 ms sleep, before each call
+    flush_buf = bytearray(64 << 20)
+
+    def flush() -> None:
+        flush_buf[::4096] = bytes(len(flush_buf) // 4096)  # one write per page
+        bytes(flush_buf)  # and a read of all of it
+
+    rows.append(("two groups, 16 chunks + word, caches flushed before each call",
+                 cpu(lambda: k.engine_gather(heng, hids, 16, hbase, sp, hword, nxt()), n=300, before=flush)))
+    rows.append(("two groups, 16 chunks as 3 pieces by one call, caches flushed", cpu(three, n=300, before=flush)))
+    rows.append(("reference: torch x.add_(1), caches flushed", cpu(lambda: x0.add_(1), n=300, before=flush)))
+    rows.append(("reference: a trivial ctypes call, caches flushed",
+                 cpu(lambda: k.lib.kvd_ipc_handle_bytes(), n=300, before=flush)))
+    rows.append(("two groups, 16 chunks + word, 1 ms sleep before each call",
+                 cpu(lambda: k.engine_gather(heng, hids, 16, hbase, sp, hword, nxt()), n=300,
+                     before=lambda: time.sleep(1e-3))))
     # the daemon's own case: another process copying out of THIS process's staging ring (CUDA IPC)
     import torch.multiprocessing as tmp
 
