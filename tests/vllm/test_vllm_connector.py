@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm_harness as H  # noqa: E402
-from connector_testing import CHUNK, first_output, stored_chunks  # noqa: E402
+from connector_testing import CHUNK, first_output, stored_chunks, wait_for_lookup_answer  # noqa: E402
 from kvdepot.protocol import messages as m  # noqa: E402
 
 
@@ -423,7 +423,9 @@ def test_a_steps_stores_and_loads_of_several_requests_go_in_one_request(shared_d
     monkeypatch.setattr(KVDepotClient, "submit_retrieve_many", counting_retrieve)
     a = engines(cfg(shared_daemon.endpoint, layout="LBNHC"))
     prompts = [H.tokens(40 + i, 2 * CHUNK + 3) for i in range(4)]
-    ids = [a.add(p, max_tokens=2) for p in prompts]  # all four prefill in one step
+    ids = [a.add(p, max_tokens=2) for p in prompts]
+    for r in ids:  # all four lookups answered before the first step: all four prefill in it
+        wait_for_lookup_answer(a, r)
     a.run()
     assert a.worker_conn.worker.stats["stored_chunks"] == 8 and a.worker_conn.worker.stats["store_failures"] == 0
     assert stored_chunks(shared_daemon.endpoint, a) == 8
@@ -433,6 +435,8 @@ def test_a_steps_stores_and_loads_of_several_requests_go_in_one_request(shared_d
     b.add(H.tokens(98, 40), max_tokens=1)  # other block ids than A's
     b.run()
     got = [b.add(p, max_tokens=2) for p in prompts]
+    for r in got:  # (a lookup answered a step later would put its load in a step of its own)
+        wait_for_lookup_answer(b, r)
     b.run()
     assert runs["load"] and max(runs["load"]) >= 2, runs
     for ra, rb in zip(ids, got):
