@@ -468,8 +468,8 @@ def main(argv=None) -> int:
         ep = d.endpoint
         try:
             d.wait_ready()
-            # a store into L1 that is not page-locked yet is refused (capacity), and a 2 GiB
-            # cudaHostRegister stalls the daemon's copies: measure once L1 is pinned
+            # the daemon page-locks L1 in the background and allocates only in the part already
+            # pinned (`HostPool.start_pinning`): measure once all of it is
             pinned, waited_s = d.wait_pinned(args.pin_wait_s)
             if d.pin:
                 print(f"L1 {'pinned' if pinned else 'NOT pinned'} after {waited_s:.1f} s", flush=True)
