@@ -5,7 +5,9 @@ the worker's transfers were sent and answered, and the engine's steps ran)."""
 
 from __future__ import annotations
 
+import gc
 import statistics
+import threading
 import time
 
 
@@ -37,6 +39,59 @@ class LayerProbe:
 
 
 PER_LAYER_CALLS = ("has_connector_metadata", "wait_for_layer_load", "save_kv_layer")
+
+
+class GcClock:
+    """Seconds of Python's garbage collections per thread (``gc.callbacks``; installed on first
+    use): a collection runs on the thread whose allocation triggered it, inside whatever call
+    that was, so `CallTimer` takes the calling thread's collections out of a call's figures
+    and reports them apart (`CallTimer.gc_s`). What triggers one is the whole process's count
+    of allocations (vLLM's mostly); what it costs is the number of objects it scans."""
+
+    by_thread: dict[int, float] = {}
+    _start: dict[int, float] = {}
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if not cls._installed:
+            gc.callbacks.append(cls._cb)
+            cls._installed = True
+
+    @classmethod
+    def _cb(cls, phase: str, info: dict) -> None:
+        t = threading.get_ident()
+        if phase == "start":
+            cls._start[t] = time.perf_counter()
+        else:
+            cls.by_thread[t] = cls.by_thread.get(t, 0.0) + time.perf_counter() - cls._start.pop(t, time.perf_counter())
+
+
+class GcMeter:
+    """Python's garbage collections (``gc.callbacks``) while it is installed: ``take()`` returns
+    and resets (collections, seconds in them) since the last call. A collection runs inside
+    whatever call allocated the object that triggered it, so a connector method's time may
+    hold one that the connector's objects did not cause alone."""
+
+    def __init__(self) -> None:
+        self.count, self.spent_s, self._t0 = 0, 0.0, 0.0
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.count += 1
+            self.spent_s += time.perf_counter() - self._t0
+
+    def take(self) -> tuple[int, float]:
+        out = (self.count, self.spent_s)
+        self.count, self.spent_s = 0, 0.0
+        return out
+
+    def close(self) -> None:
+        if self._cb in gc.callbacks:
+            gc.callbacks.remove(self._cb)
 
 
 def less_probe(work: dict[str, float], calls: dict[str, int]) -> dict[str, float]:
@@ -92,7 +147,7 @@ class Timeline:
 
         def timed_take():
             got = take()
-            if got.sending or got.recving:
+            if got is not None and (got.sending or got.recving):
                 self.reported.append(time.perf_counter())
             return got
 
@@ -143,15 +198,20 @@ class CallTimer:
     It also keeps the calling thread's CPU seconds inside each (``time.thread_time``, which
     takes no lock and does not let another thread run): ``take()`` leaves them in ``cpu_s``. A
     call's wall time beyond its CPU time is time it waited: for the GIL, which another thread of
-    the process (the worker's transfer thread) held, or in a blocking call.
+    the process (the worker's transfer thread) held, or in a blocking call. Garbage collections
+    the calling thread ran inside a call (`GcClock`) are taken out of both and kept apart:
+    ``take()`` leaves them in ``gc_s``.
     """
 
     _overhead_s: float | None = None
 
     def __init__(self, obj, names) -> None:
+        GcClock.install()
         self.spent_s: dict[str, float] = {}
         self.cpu_s: dict[str, float] = {}  # after take(): the taken calls' CPU seconds
         self._cpu_s: dict[str, float] = {}
+        self.gc_s: dict[str, float] = {}  # after take(): the taken calls' garbage collections
+        self._gc_s: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         for name in names:
             if hasattr(obj, name):
@@ -161,17 +221,22 @@ class CallTimer:
                 setattr(obj, name, self._wrap(name, getattr(fn, "timed_fn", fn)))
 
     def _wrap(self, name, fn):
-        clock, cpu_clock = time.perf_counter, time.thread_time
+        clock, cpu_clock, ident, gcs = time.perf_counter, time.thread_time, threading.get_ident, GcClock.by_thread
 
         def timed(*a, **kw):
+            me = ident()
+            g0 = gcs.get(me, 0.0)
             c0 = cpu_clock()
             t0 = clock()
             try:
                 return fn(*a, **kw)
             finally:
                 t1 = clock()
-                self._cpu_s[name] = self._cpu_s.get(name, 0.0) + cpu_clock() - c0
-                self.spent_s[name] = self.spent_s.get(name, 0.0) + t1 - t0
+                g = gcs.get(me, 0.0) - g0
+                self._cpu_s[name] = self._cpu_s.get(name, 0.0) + cpu_clock() - c0 - g
+                self.spent_s[name] = self.spent_s.get(name, 0.0) + t1 - t0 - g
+                if g:
+                    self._gc_s[name] = self._gc_s.get(name, 0.0) + g
                 self.calls[name] = self.calls.get(name, 0) + 1
         timed.timed_fn = fn
         return timed
@@ -206,7 +271,8 @@ class CallTimer:
         # the CPU figures keep the timer's own CPU (a fraction of a microsecond per call): a
         # call's wait is max(0, wall - CPU), never negative because of it
         self.cpu_s = {n: min(v, s.get(n, 0.0)) for n, v in self._cpu_s.items()}
-        self.spent_s, self._cpu_s, self.calls = {}, {}, {}
+        self.gc_s = self._gc_s
+        self.spent_s, self._cpu_s, self._gc_s, self.calls = {}, {}, {}, {}
         return s
 
 

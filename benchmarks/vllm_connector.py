@@ -25,6 +25,10 @@ on the current stream. Per shape:
 * As vLLM's engine core does after start-up (`vllm.utils.gc_utils.freeze_gc_heap`), each engine's
   objects are frozen out of the garbage collector once it is warm, so that a full collection
   does not walk the whole heap of vLLM, torch and the harness in the middle of a measured step.
+  Collections still run (of the objects made since, vLLM's mostly; about 1 ms each on an H200
+  host, in the step that admits 24 requests at once): one that runs inside a connector call
+  is taken out of its figures and reported apart (``gc_in_steps``: every collection in the
+  measured steps, those inside the connector's calls, and the p99 with them counted).
 * Every figure is less the timer's own cost per wrapped call (``timer_overhead_us_per_call``,
   measured in the same process around a method that does nothing), and the per-layer calls
   less what the same timer costs per call in their place in the forward, measured there on a
@@ -76,7 +80,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # n
 from kvdepot.client import KVDepotClient  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from connector_probes import CallTimer, LayerProbe, StageTimers, Timeline, less_probe  # noqa: E402
+from connector_probes import CallTimer, GcMeter, LayerProbe, StageTimers, Timeline, less_probe  # noqa: E402
 from transfer_bench.procs import DaemonProc  # noqa: E402
 
 CHUNKS_PER_STEP = 16
@@ -164,7 +168,8 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
         engine.add(p, max_tokens=1)
     _sync()
     added = sched_t.take()  # on_new_request (keys hashed, lookup sent) at add time, not a step's
-    steps, waits, t0 = [], [], time.perf_counter()
+    gcm = GcMeter()
+    steps, waits, gcs, t0 = [], [], [], time.perf_counter()
     timeline = Timeline(engine, t0)
     forward_steps = 0
     engine_s = 0.0  # the engine's own time (its steps that ran a forward, less the connector's)
@@ -176,8 +181,10 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
         timeline.step(ts, ts + step_s, bool(so.total_num_scheduled_tokens))
         calls = dict(work_t.calls)
         sched, work = sched_t.take(), less_probe(work_t.take(), calls)
+        in_gc = gcm.take()
         if getattr(so.kv_connector_metadata, kind, None):
             steps.append((sched, work))
+            gcs.append((*in_gc, sum(sched_t.gc_s.values()) + sum(work_t.gc_s.values())))
             waits.append(_waited(sched, sched_t.cpu_s) + _waited(work, work_t.cpu_s))
         if so.total_num_scheduled_tokens:
             forward_steps += 1
@@ -187,6 +194,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
         assert time.monotonic() < deadline, "engine did not finish"
     _sync()
     end_s = time.perf_counter()
+    gcm.close()
     total = [1e6 * (sum(a.values()) + sum(b.values())) for a, b in steps]
     names = sorted({n for a, b in steps for n in (*a, *b)})
     per_call = {n: statistics.median([1e6 * (a.get(n, 0.0) + b.get(n, 0.0)) for a, b in steps]) for n in names}
@@ -200,7 +208,14 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
             "sched_us_median": med([1e6 * sum(a.values()) for a, _ in steps]) if steps else None,
             "worker_us_median": med([1e6 * sum(b.values()) for _, b in steps]) if steps else None,
             "per_call_us_median": per_call, "on_new_request_us_per_request": 1e6 * sum(added.values()) / len(prompts),
-            "stages": stages.take(), "stats": stats}
+            "stages": stages.take(), "stats": stats,
+            # garbage collections inside the measured steps (anywhere in the step: vLLM's code too)
+            # and inside the connector's calls: taken out of the figures above (`CallTimer`)
+            "gc_in_steps": {"steps_with_one": sum(1 for n, *_ in gcs if n), "collections": sum(n for n, *_ in gcs),
+                            "us_total": 1e6 * sum(g[1] for g in gcs), "us_max": 1e6 * max((g[1] for g in gcs), default=0.0),
+                            "in_connector_calls_us_total": 1e6 * sum(g[2] for g in gcs),
+                            "in_connector_calls_us_max": 1e6 * max((g[2] for g in gcs), default=0.0),
+                            "step_us_p99_with_them": _pct([t + 1e6 * g[2] for t, g in zip(total, gcs)], 0.99)}}
 
 
 def _waited(wall: dict[str, float], cpu: dict[str, float]) -> float:
@@ -347,7 +362,8 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
         res[f"{op}_wall_s"], res[f"{op}_engine_s"] = d["wall_s"], d["engine_s"]
     for op, d in (("store", store), ("load", load)):
         for k in ("step_us_median", "step_us_p99", "step_wait_us_median", "sched_us_median", "worker_us_median", "per_call_us_median",
-                  "steps_measured", "on_new_request_us_per_request", "stages", "thread_cpu_us_per_step", "timeline"):
+                  "steps_measured", "on_new_request_us_per_request", "stages", "thread_cpu_us_per_step", "timeline",
+                  "gc_in_steps"):
             res[f"{op}_{k}"] = d[k]
     res["store_stats"], res["load_stats"] = store["stats"], load["stats"]
     res["timer_overhead_us_per_call"] = 1e6 * CallTimer.overhead_s()
@@ -369,6 +385,15 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
     return res
 
 
+def _gc(r: dict, op: str) -> str:
+    g = r.get(f"{op}_gc_in_steps")
+    if not g or not g["collections"]:
+        return ""
+    return (f"; garbage collections in {g['steps_with_one']} of the measured steps, {g['us_total']:.0f} us"
+            f" (longest {g['us_max']:.0f}), {g['in_connector_calls_us_total']:.0f} of them inside the connector's calls"
+            f" and not counted above (p99 with them {g['step_us_p99_with_them']:.0f})")
+
+
 def report(r: dict) -> str:
     calls = lambda op: ", ".join(f"{k} {v:.0f}" for k, v in sorted(r[f"{op}_per_call_us_median"].items(),  # noqa: E731
                                                                    key=lambda kv: -kv[1]) if v >= 1)
@@ -381,7 +406,7 @@ def report(r: dict) -> str:
             f" +{r['store_step_us_median']:.0f} us median, {r['store_step_us_p99']:.0f} p99 (waiting"
             f" {r['store_step_wait_us_median']:.0f} of it; scheduler"
             f" {r['store_sched_us_median']:.0f}, worker {r['store_worker_us_median']:.0f}; {calls('store')});"
-            f" transfer thread {r['store_thread_cpu_us_per_step']:.0f} us CPU per forward step\n"
+            f" transfer thread {r['store_thread_cpu_us_per_step']:.0f} us CPU per forward step{_gc(r, 'store')}\n"
             f"  load:  {r['load_gbps']:.1f} GB/s = {100 * r['load_vs_roofline']:.1f}% of {r['roofline_h2d_gbps']:.1f}"
             f" (direct {r['direct_retrieve_gbps']:.1f} = {100 * r['direct_retrieve_vs_roofline']:.1f}%); wall"
             f" {1e3 * r['load_wall_s']:.0f} ms = {100 * r['load_vs_bound']:.1f}% of max(link {1e3 * r['load_link_s']:.0f},"
@@ -389,7 +414,7 @@ def report(r: dict) -> str:
             f" +{r['load_step_us_median']:.0f} us median over {r['load_steps_measured']} steps (waiting"
             f" {r['load_step_wait_us_median']:.0f} of it; scheduler"
             f" {r['load_sched_us_median']:.0f}, worker {r['load_worker_us_median']:.0f}; {calls('load')});"
-            f" transfer thread {r['load_thread_cpu_us_per_step']:.0f} us CPU per forward step\n"
+            f" transfer thread {r['load_thread_cpu_us_per_step']:.0f} us CPU per forward step{_gc(r, 'load')}\n"
             f"  decode step (8 requests, nothing moved): +{r['decode_step_us_median']:.0f} us median,"
             f" {r['decode_step_us_p99']:.0f} p99, waiting {r['decode_step_wait_us_median']:.0f} (the timer's own {r['timer_overhead_us_per_call']:.2f} us per call"
             f" taken off every figure, {r['timer_in_layer_extra_us_per_call']:.2f} more per per-layer call)\n"

@@ -202,11 +202,15 @@ class KVDepotClient(StagedStores, ManyRequests):
         never raises: a connection the daemon closed loses its outstanding requests
         (DISCONNECTED, see `PendingStore.done`). While every reply has been read it looks at
         the socket (for a connection the daemon closed) at most every `_IDLE_POLL_S`: an
-        engine's step calls it several times, and each look is a system call."""
+        engine's step calls it several times, and each look is a system call. The same holds
+        while the only replies due are ones nobody waits for (`forget`: a scheduler's
+        `EndRequest` per finished request; a probe's ping and a reconnect's Hello excepted):
+        they are read in that rhythm, not by every step that polls."""
         sock = self._sock
         if sock is None:
             return
-        if self._unread <= 0 and timeout_s <= 0:
+        if timeout_s <= 0 and (self._unread <= 0 or not (self._outstanding or self._probe_rid is not None
+                                                          or self._hello_rid is not None)):
             now = time.monotonic()
             if now < self._idle_poll_at:
                 return

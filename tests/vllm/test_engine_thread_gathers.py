@@ -167,11 +167,11 @@ def test_wait_for_save_of_a_sliding_window_model_posts_gathered_stores_and_leave
     jobs = [_job("a", 2, 0)]
     w._meta = KVDepotMetadata(stores=jobs)
     w.wait_for_save()
-    assert posted == [("save", jobs, None, ("staged", jobs, stream))] and w._sliding_saves == []
+    assert posted == [("save", jobs, None, ("staged", jobs, stream), None)] and w._sliding_saves == []
     w.mover.stage_saves = lambda jobs, s: None  # no fence words: the thread's way, bind checks it
     w._engine_event = lambda: "event"
     w.wait_for_save()
-    assert posted[-1] == ("save", jobs, "event", None) and [s.seq for s in w._sliding_saves] == [2]
+    assert posted[-1] == ("save", jobs, "event", None, None) and [s.seq for s in w._sliding_saves] == [2]
 
 
 def test_wait_for_save_of_a_dense_model_leaves_the_event_to_the_transfer_thread():
@@ -189,10 +189,45 @@ def test_wait_for_save_of_a_dense_model_leaves_the_event_to_the_transfer_thread(
     jobs = [_job("a", 2, 0)]
     w._meta = KVDepotMetadata(stores=jobs)
     w.wait_for_save()
-    assert posted == [("save", jobs, stream, None)] and w._sliding_saves == []
+    assert posted == [("save", jobs, stream, None, None)] and w._sliding_saves == []
     w.reg = types.SimpleNamespace(device="cpu")  # CPU engines: nothing to order on a stream
     w.wait_for_save()
-    assert posted[-1] == ("save", jobs, None, None)
+    assert posted[-1] == ("save", jobs, None, None, None)
+
+
+def test_a_steps_releases_go_with_its_save_once_and_alone_when_it_saves_nothing():
+    """One wake-up of the transfer thread per store step: the finished requests of the step
+    ride on its "save" command, and get_transfer_results posts them only for a step without
+    stores; never twice."""
+    w = object.__new__(WorkerSide)
+    posted = []
+    w.mover = types.SimpleNamespace(started=True, post=posted.append, take=lambda: None)
+    w.stores_may_wait, w.reg = True, types.SimpleNamespace(device="cpu")
+    w._saves_posted, w._sliding_saves, w._released, w._invalid_blocks = 0, [], None, set()
+    jobs = [_job("a", 2, 0)]
+    w._meta = KVDepotMetadata(stores=jobs, release=["r1"])
+    w.wait_for_save()
+    assert w.get_transfer_results(set()) == (set(), set(), set())
+    assert posted == [("save", jobs, None, None, ["r1"])]
+    w._meta = KVDepotMetadata(release=["r2"])  # a step with nothing to store
+    w.wait_for_save()
+    w.get_transfer_results(set())
+    w.get_transfer_results(set())
+    assert posted[1:] == [("release", ["r2"])]
+
+
+def test_a_save_commands_releases_count_even_when_its_save_fails():
+    """The transfer thread books the releases of a "save" after its stores were queued, and
+    also when handling the save raised: a lost release would keep the request's blocks forever."""
+    mv, client, side = _thread()
+
+    def boom(*a):
+        raise RuntimeError("save failed")
+
+    mv._handle_save = boom
+    with pytest.raises(RuntimeError):
+        mv._handle(("save", [_job("a", 2, 0)], None, None, ["r1"]))
+    assert mv._release == {"r1"}
 
 
 def test_one_piece_stores_of_several_requests_share_one_gather_and_one_request():

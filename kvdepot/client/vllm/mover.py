@@ -104,12 +104,13 @@ class TransferThread(JobPieces):
         self._thread.start()
 
     def post(self, cmd: tuple) -> None:
-        """Queue one command: ("load", jobs, null_id, event), ("save", jobs, event, staged)
-        (``staged``: what `stage_saves` returned, or None: the thread gathers after ``event``;
-        ``event`` may be the engine's stream instead, on which the thread records one when it
-        takes the command: models whose blocks stay with their request until its stores ended),
-        ("release", req_ids) (after the step's save: finished requests, reported in
-        ``sending`` once their transfers ended)."""
+        """Queue one command: ("load", jobs, null_id, event), ("save", jobs, event, staged,
+        release) (``staged``: what `stage_saves` returned, or None: the thread gathers after
+        ``event``; ``event`` may be the engine's stream instead, on which the thread records one
+        when it takes the command: models whose blocks stay with their request until its stores
+        ended; ``release``: the step's finished requests or None, released after the save as
+        by a "release" command), ("release", req_ids) (after the step's save: finished requests,
+        reported in ``sending`` once their transfers ended)."""
         self._inbox.put(cmd)
 
     def preempt(self, req_ids: set[str], timeout_s: float) -> Preemption:
@@ -146,11 +147,11 @@ class TransferThread(JobPieces):
         for k in [k for k in self._gather_events if k <= seq]:
             self._gather_events.pop(k, None)
 
-    def take(self) -> Results:
-        """The results published since the last call (merged)."""
+    def take(self) -> Results | None:
+        """The results published since the last call (merged); None if there are none."""
         box = self._outbox
         if not box:
-            return Results()
+            return None
         out = box.popleft()
         while box:
             more = box.popleft()
@@ -259,36 +260,44 @@ class TransferThread(JobPieces):
                 if i == 0 or i == len(jobs) - 1:
                     self._pump()
         elif kind == "save":
-            _, jobs, event, staged = cmd
-            if isinstance(event, torch.cuda.Stream):  # no sliding-window group: `WorkerSide.wait_for_save`
-                stream, event = event, torch.cuda.Event()
-                event.record(stream)
-            seq = self._saves_gathered + 1
+            _, jobs, event, staged, release = cmd
             try:
-                sliding = not self.side.stores_may_wait
-                if staged is not None:
-                    self._send_staged(jobs, staged)
-                else:
-                    before = {id(op) for op in self._ops} if sliding else None
-                    self._save(jobs, event)
-                    if sliding:
-                        self._await_unstaged([op for op in self._ops if id(op) not in before])
-            finally:  # counted even if it failed: the engine thread may wait for the count
-                if not self.side.stores_may_wait and staged is None:  # only `bind` of those waits on it
-                    ev = None
-                    if self._side is not None:
-                        ev = torch.cuda.Event()
-                        ev.record(self._side)
-                    # before the count: a reader that sees the count sees the event
-                    if seq > self._gathered_forgotten:
-                        self._gather_events[seq] = ev
-                    for k in [k for k in self._gather_events if k <= self._gathered_forgotten]:
-                        self._gather_events.pop(k, None)  # raced with forget_gathered
-                with self._saves_cond:
-                    self._saves_gathered = seq
-                    self._saves_cond.notify_all()
+                self._handle_save(jobs, event, staged)
+            finally:  # after the save's stores were queued (each keeps its request busy until it ends)
+                if release:
+                    self._release.update(release)
         elif kind == "preempt":
             self._preempt(cmd[1])
+
+    def _handle_save(self, jobs, event, staged) -> None:
+        """One step's "save" command (see `post`)."""
+        if isinstance(event, torch.cuda.Stream):  # no sliding-window group: `WorkerSide.wait_for_save`
+            stream, event = event, torch.cuda.Event()
+            event.record(stream)
+        seq = self._saves_gathered + 1
+        try:
+            sliding = not self.side.stores_may_wait
+            if staged is not None:
+                self._send_staged(jobs, staged)
+            else:
+                before = {id(op) for op in self._ops} if sliding else None
+                self._save(jobs, event)
+                if sliding:
+                    self._await_unstaged([op for op in self._ops if id(op) not in before])
+        finally:  # counted even if it failed: the engine thread may wait for the count
+            if not self.side.stores_may_wait and staged is None:  # only `bind` of those waits on it
+                ev = None
+                if self._side is not None:
+                    ev = torch.cuda.Event()
+                    ev.record(self._side)
+                # before the count: a reader that sees the count sees the event
+                if seq > self._gathered_forgotten:
+                    self._gather_events[seq] = ev
+                for k in [k for k in self._gather_events if k <= self._gathered_forgotten]:
+                    self._gather_events.pop(k, None)  # raced with forget_gathered
+            with self._saves_cond:
+                self._saves_gathered = seq
+                self._saves_cond.notify_all()
 
     def _publish(self) -> None:
         sending = set()

@@ -82,6 +82,7 @@ class WorkerSide:
         self._released: KVDepotMetadata | None = None  # the metadata whose releases were posted
         self._invalid_blocks: set[int] = set()  # taken by get_transfer_results, given by the next call
         self._stream: tuple[int, torch.cuda.Stream | None] = (0, None)  # (raw pointer, the current stream)
+        self._stream_src: tuple | None = None  # (torch's raw current-stream call, device index)
 
     @property
     def registration_id(self) -> str | None:
@@ -253,22 +254,33 @@ class WorkerSide:
         if meta is None or not meta.stores or not self._active:
             return
         self._saves_posted += 1
+        # the step's finished requests go with its save (one wake-up of the transfer thread
+        # instead of two; `get_transfer_results` posts them where a step saves nothing)
+        release = self._take_release(meta)
         if not self.stores_may_wait and self.reg is not None and self.reg.device == "cuda":
             # sliding-window models: gathered now, on the engine's stream (none of them for
             # `bind` to wait for), where the ring's fence words are in use
             staged = self.mover.stage_saves(meta.stores, self._current_stream())
             if staged is not None:
-                self.mover.post(("save", meta.stores, None, staged))
+                self.mover.post(("save", meta.stores, None, staged, release))
                 return
         if self.stores_may_wait:
             # the blocks stay the request's until its stores ended, so the gathers may follow a
             # later point of the engine's stream than this one: the transfer thread records the
             # event when it takes the save (an event made and recorded here cost the engine
             # thread 25-36 us per store step on an H100, most of it waiting for the GIL back)
-            self.mover.post(("save", meta.stores, self._stream_now(), None))
+            self.mover.post(("save", meta.stores, self._stream_now(), None, release))
             return
-        self.mover.post(("save", meta.stores, self._engine_event(), None))
+        self.mover.post(("save", meta.stores, self._engine_event(), None, release))
         self._sliding_saves.append(_SlidingSave(self._saves_posted, meta.stores))
+
+    def _take_release(self, meta: KVDepotMetadata):
+        """The step's finished requests (``meta.release``) the first time they are asked for,
+        else None: each step's releases are posted once, after its save."""
+        if not meta.release or meta is self._released:
+            return None
+        self._released = meta
+        return meta.release
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) of this step; never waits. The
@@ -280,6 +292,8 @@ class WorkerSide:
             self._released = meta  # once per step; after its save, so the stores are queued first
             self.mover.post(("release", meta.release))
         out = self.mover.take()
+        if out is None:  # most steps: nothing ended
+            return set(), set(), set()
         if out.scatter_event is not None:
             self._current_stream().wait_event(out.scatter_event)
         self._invalid_blocks |= out.invalid_blocks
@@ -292,8 +306,11 @@ class WorkerSide:
     def _current_stream(self) -> torch.cuda.Stream:
         """``torch.cuda.current_stream()``, without building a new Stream object (several
         microseconds) while the current stream stays the same one."""
-        raw_fn = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        dev = self.reg.local[0].device.index if self.reg.local else None
+        src = self._stream_src
+        if src is None:  # once: the lookups below cost a few microseconds per call
+            src = self._stream_src = (getattr(torch._C, "_cuda_getCurrentRawStream", None),
+                                      self.reg.local[0].device.index if self.reg.local else None)
+        raw_fn, dev = src
         if raw_fn is None or dev is None:
             return torch.cuda.current_stream()
         raw = raw_fn(dev)
