@@ -36,6 +36,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
+
 from kvdepot.server.objfile import (HEADER_BYTES, CorruptObject, ObjectMeta, decode_header, encode_header, file_bytes,
                                     padded, payload_checksum)
 
@@ -48,9 +50,9 @@ class DiskState(enum.Enum):
     DOOMED = 3  # out of the index; its file is deleted once no read uses it (or its write ended)
 
 
-@dataclasses.dataclass(slots=True, eq=False)
-class DiskEntry:
-    """One object in L2."""
+class DiskEntry(msgspec.Struct, gc=False, eq=False):
+    """One object in L2 (never tracked by the garbage collector, as `kvdepot.server.index.Entry`:
+    an L2 of millions of chunks would make every full collection stall the daemon)."""
 
     key: bytes
     parent: bytes

@@ -21,10 +21,11 @@ memory when the last reader leaves.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+
+import msgspec
 
 
 class EntryState(enum.Enum):
@@ -33,9 +34,13 @@ class EntryState(enum.Enum):
     DOOMED = 3  # removed from the index while in use; freed when readers reach 0
 
 
-@dataclasses.dataclass(slots=True, eq=False)
-class Entry:
-    """One cached chunk object in L1."""
+class Entry(msgspec.Struct, gc=False, eq=False):
+    """One cached chunk object in L1.
+
+    Never tracked by Python's garbage collector (``gc=False``: it refers to no container, so
+    it can be in no reference cycle): a daemon holds one per chunk, and a full collection
+    walks every tracked object, stalling the event loop (a million tracked entries: ~240 ms
+    on the dev VM, every time the survivors grew by a quarter)."""
 
     key: bytes  # chunk key (prefix-chained hash)
     parent: bytes  # key of the previous chunk; b"" for chunk 0
