@@ -39,8 +39,8 @@ class Entry(msgspec.Struct, gc=False, eq=False):
 
     Never tracked by Python's garbage collector (``gc=False``: it refers to no container, so
     it can be in no reference cycle): a daemon holds one per chunk, and a full collection
-    walks every tracked object, stalling the event loop (a million tracked entries: ~240 ms
-    on the dev VM, every time the survivors grew by a quarter)."""
+    walks every tracked object, stalling the event loop (a million tracked entries: about a
+    quarter of a second on the dev VM, every time the survivors grew by a quarter)."""
 
     key: bytes  # chunk key (prefix-chained hash)
     parent: bytes  # key of the previous chunk; b"" for chunk 0

@@ -288,9 +288,11 @@ class WorkerSide:
         if not self._active:
             return set(), set(), set()
         meta = self._meta
-        if meta is not None and meta.release and meta is not self._released:
-            self._released = meta  # once per step; after its save, so the stores are queued first
-            self.mover.post(("release", meta.release))
+        # a step that saved posted its releases with the save; the others' go here (after any
+        # save of theirs, so the stores are queued first)
+        release = self._take_release(meta) if meta is not None else None
+        if release:
+            self.mover.post(("release", release))
         out = self.mover.take()
         if out is None:  # most steps: nothing ended
             return set(), set(), set()
