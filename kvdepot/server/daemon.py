@@ -44,6 +44,7 @@ from kvdepot.server.registration import Registration
 from kvdepot.server.front import SocketFront
 from kvdepot.server.faults import ENV_INJECT_FAULTS, InjectedFaults
 from kvdepot.server.fdinbox import FdInbox
+from kvdepot.server.gcpause import GENERATIONS, GcPauses, freeze_heap
 from kvdepot.server.liveness import Liveness
 from kvdepot.server.stream import StreamServer
 from kvdepot.server.tiering import Tiering
@@ -119,6 +120,9 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
         self.boot_id = uuid.uuid4().hex
         self.started = time.monotonic()
         self.metrics = Metrics()
+        self._gc_pauses = GcPauses()
+        for g, name in enumerate(GENERATIONS):
+            self.metrics.gc_pause_seconds.set_function((name,), lambda g=g: self._gc_pauses.seconds[g])
         self.pool = HostPool(config.l1_capacity_bytes)
         self.index = ChunkIndex(self._free_entry)
         self.registrations: dict[str, Registration] = {}
@@ -217,12 +221,15 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
         self._schedule_drain()  # messages may have queued before the reader was added
         log.info("kvdepot %s serving on %s (boot %s, L1 %d bytes, transfer engine %s)", kvdepot.__version__,
                  ", ".join(self.config.endpoints), self.boot_id, self.pool.capacity_bytes, CpuTransferEngine.name)
+        self._gc_pauses.install()
+        freeze_heap()  # what exists now lives as long as the daemon: no full collection walks it again
         self.ready = True
         if on_ready:
             on_ready()
         try:
             await self._stop.wait()
         finally:
+            self._gc_pauses.close()
             self.ready = False
             for sock, _ in self._fronts:
                 loop.remove_reader(sock.getsockopt(zmq.FD))

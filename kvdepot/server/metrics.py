@@ -26,6 +26,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.gc_collector import GCCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -247,8 +248,12 @@ class Metrics:
         self.build_info = GaugeFamily(
             "kvdepot_build_info", "Always 1: the daemon's version, wire protocol version and where its CUDA "
             "kernels come from (see kvdepot.gpu.kernels.kernels_source).", ["version", "protocol", "kernels"])
+        self.gc_pause_seconds = CounterFamily(
+            "kvdepot_gc_pause_seconds", "Seconds in Python's garbage collections, by generation (2: full): the "
+            "event loop answers nothing meanwhile (kvdepot.server.gcpause).", ["generation"])
         self.registry = CollectorRegistry()
         self.registry.register(_Collector([v for v in vars(self).values() if isinstance(v, _Family)]))
+        GCCollector(registry=self.registry)  # python_gc_collections_total etc., by generation
 
     def start(self, version: str, protocol: int, kernels: str, tiers: Sequence[str], error_codes: Sequence[str],
               skip_reasons: Sequence[str], unsized: Sequence[str] = ()) -> None:

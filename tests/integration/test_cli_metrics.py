@@ -119,9 +119,12 @@ def test_prometheus_lookup_tokens_per_model(module_daemon):
         e2.reg.object_bytes
     assert metric(samples, "kvdepot_tier_capacity_bytes", tier="l1") == 256 << 20
     assert ("kvdepot_registered_engines", frozenset()) in samples
+    for gen in ("0", "1", "2"):  # garbage collections' pauses (kvdepot.server.gcpause) and counts
+        assert metric(samples, "kvdepot_gc_pause_seconds_total", generation=gen) >= 0
+        assert metric(samples, "python_gc_collections_total", generation=gen) >= 0
     for (name, labels) in samples:  # labels from small fixed sets only
         allowed = {"version", "protocol", "kernels"} if name == "kvdepot_build_info" else \
-            {"model", "op", "tier", "code", "reason", "type", "le"}
+            {"model", "op", "tier", "code", "reason", "type", "le", "generation"}
         assert set(dict(labels)) <= allowed, (name, labels)
 
 
