@@ -221,8 +221,8 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
         self._schedule_drain()  # messages may have queued before the reader was added
         log.info("kvdepot %s serving on %s (boot %s, L1 %d bytes, transfer engine %s)", kvdepot.__version__,
                  ", ".join(self.config.endpoints), self.boot_id, self.pool.capacity_bytes, CpuTransferEngine.name)
-        self._gc_pauses.install()
         freeze_heap()  # what exists now lives as long as the daemon: no full collection walks it again
+        self._gc_pauses.install()  # serving from here on (the freeze's own collection is not counted)
         self.ready = True
         if on_ready:
             on_ready()
