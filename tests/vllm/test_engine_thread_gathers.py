@@ -216,6 +216,25 @@ def test_a_steps_releases_go_with_its_save_once_and_alone_when_it_saves_nothing(
     assert posted[1:] == [("release", ["r2"])]
 
 
+def test_a_wait_for_save_that_raises_before_posting_leaves_the_releases_to_get_transfer_results():
+    w = object.__new__(WorkerSide)
+    posted = []
+    w.mover = types.SimpleNamespace(started=True, post=posted.append, take=lambda: None,
+                                    stage_saves=lambda jobs, s: pytest.fail("dense models never stage here"))
+    w.stores_may_wait, w.reg = True, types.SimpleNamespace(device="cuda")
+    w._saves_posted, w._sliding_saves, w._released, w._invalid_blocks = 0, [], None, set()
+
+    def broken():
+        raise RuntimeError("no current stream")
+
+    w._stream_now = broken
+    w._meta = KVDepotMetadata(stores=[_job("a", 2, 0)], release=["r1"])
+    with pytest.raises(RuntimeError):
+        w.wait_for_save()
+    w.get_transfer_results(set())
+    assert posted == [("release", ["r1"])]
+
+
 def test_a_save_commands_releases_count_even_when_its_save_fails():
     """The transfer thread books the releases of a "save" after its stores were queued, and
     also when handling the save raised: a lost release would keep the request's blocks forever."""

@@ -255,23 +255,25 @@ class WorkerSide:
             return
         self._saves_posted += 1
         # the step's finished requests go with its save (one wake-up of the transfer thread
-        # instead of two; `get_transfer_results` posts them where a step saves nothing)
-        release = self._take_release(meta)
+        # instead of two; `get_transfer_results` posts them where a step saves nothing). Taken
+        # last in each command, so that a call that raises before the post leaves them to
+        # `get_transfer_results`
+        take = self._take_release
         if not self.stores_may_wait and self.reg is not None and self.reg.device == "cuda":
             # sliding-window models: gathered now, on the engine's stream (none of them for
             # `bind` to wait for), where the ring's fence words are in use
             staged = self.mover.stage_saves(meta.stores, self._current_stream())
             if staged is not None:
-                self.mover.post(("save", meta.stores, None, staged, release))
+                self.mover.post(("save", meta.stores, None, staged, take(meta)))
                 return
         if self.stores_may_wait:
             # the blocks stay the request's until its stores ended, so the gathers may follow a
             # later point of the engine's stream than this one: the transfer thread records the
             # event when it takes the save (an event made and recorded here cost the engine
             # thread 25-36 us per store step on an H100, most of it waiting for the GIL back)
-            self.mover.post(("save", meta.stores, self._stream_now(), None, release))
+            self.mover.post(("save", meta.stores, self._stream_now(), None, take(meta)))
             return
-        self.mover.post(("save", meta.stores, self._engine_event(), None, release))
+        self.mover.post(("save", meta.stores, self._engine_event(), None, take(meta)))
         self._sliding_saves.append(_SlidingSave(self._saves_posted, meta.stores))
 
     def _take_release(self, meta: KVDepotMetadata):
