@@ -49,6 +49,8 @@ class GcClock:
     of allocations (vLLM's mostly); what it costs is the number of objects it scans."""
 
     by_thread: dict[int, float] = {}
+    count = 0  # collections on any thread
+    total_s = 0.0  # their seconds
     _start: dict[int, float] = {}
     _installed = False
 
@@ -64,34 +66,27 @@ class GcClock:
         if phase == "start":
             cls._start[t] = time.perf_counter()
         else:
-            cls.by_thread[t] = cls.by_thread.get(t, 0.0) + time.perf_counter() - cls._start.pop(t, time.perf_counter())
+            spent = time.perf_counter() - cls._start.pop(t, time.perf_counter())
+            cls.by_thread[t] = cls.by_thread.get(t, 0.0) + spent
+            cls.count += 1
+            cls.total_s += spent
 
 
 class GcMeter:
-    """Python's garbage collections (``gc.callbacks``) while it is installed: ``take()`` returns
-    and resets (collections, seconds in them) since the last call. A collection runs inside
-    whatever call allocated the object that triggered it, so a connector method's time may
-    hold one that the connector's objects did not cause alone."""
+    """Python's garbage collections on any thread (`GcClock`'s totals): ``take()`` returns
+    (collections, seconds in them) since the last call. A collection runs inside whatever call
+    allocated the object that triggered it, so a connector method's time may hold one that the
+    connector's objects did not cause alone."""
 
     def __init__(self) -> None:
-        self.count, self.spent_s, self._t0 = 0, 0.0, 0.0
-        gc.callbacks.append(self._cb)
-
-    def _cb(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.count += 1
-            self.spent_s += time.perf_counter() - self._t0
+        GcClock.install()
+        self._seen = (GcClock.count, GcClock.total_s)
 
     def take(self) -> tuple[int, float]:
-        out = (self.count, self.spent_s)
-        self.count, self.spent_s = 0, 0.0
+        now = (GcClock.count, GcClock.total_s)
+        out = (now[0] - self._seen[0], now[1] - self._seen[1])
+        self._seen = now
         return out
-
-    def close(self) -> None:
-        if self._cb in gc.callbacks:
-            gc.callbacks.remove(self._cb)
 
 
 def less_probe(work: dict[str, float], calls: dict[str, int]) -> dict[str, float]:

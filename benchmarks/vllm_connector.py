@@ -194,7 +194,6 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
         assert time.monotonic() < deadline, "engine did not finish"
     _sync()
     end_s = time.perf_counter()
-    gcm.close()
     total = [1e6 * (sum(a.values()) + sum(b.values())) for a, b in steps]
     names = sorted({n for a, b in steps for n in (*a, *b)})
     per_call = {n: statistics.median([1e6 * (a.get(n, 0.0) + b.get(n, 0.0)) for a, b in steps]) for n in names}
