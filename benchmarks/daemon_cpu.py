@@ -58,7 +58,7 @@ class _StubPath:
     def __init__(self) -> None:
         self.done: list = []
 
-    def copy_staged(self, to_host, srcs, dsts, object_bytes, fence, done) -> None:
+    def copy_staged(self, to_host, srcs, dsts, object_bytes, fence, done, landed=None) -> None:
         self.done.append(done)
 
 

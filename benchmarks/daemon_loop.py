@@ -63,7 +63,8 @@ STUB_C = r"""
 #include <stdint.h>
 #include <unistd.h>
 int kvd_dma(void* lane, const uint64_t* word, uint64_t value, const uint64_t* srcs, const uint64_t* dsts,
-            uint64_t bytes, int64_t n, int to_host, void* out_event, int fd, uint64_t token, int* notified) {
+            uint64_t bytes, int64_t n, int to_host, void* out_event, int fd, uint64_t token, int* notified,
+            uint64_t landed_word, uint64_t landed_value) {
   if (notified == 0) return 1;
   *notified = 0;
   if (lane == 0 || srcs == 0 || dsts == 0 || n <= 0 || bytes == 0) return 1;
@@ -74,11 +75,11 @@ int kvd_dma(void* lane, const uint64_t* word, uint64_t value, const uint64_t* sr
   return 0;
 }
 struct KvdDmaCall { uint64_t lane, wait_word, wait_value, bytes; int64_t n, to_host, fd; uint64_t token, notified;
-                    uint64_t ptrs[1]; };
+                    uint64_t landed_word, landed_value, ptrs[1]; };
 int kvd_dma_call(const struct KvdDmaCall* c) {
   if (c == 0) return 1;
   return kvd_dma((void*)c->lane, (const uint64_t*)c->wait_word, c->wait_value, c->ptrs, c->ptrs + c->n, c->bytes,
-                 c->n, (int)c->to_host, 0, (int)c->fd, c->token, (int*)c->notified);
+                 c->n, (int)c->to_host, 0, (int)c->fd, c->token, (int*)c->notified, c->landed_word, c->landed_value);
 }
 int kvd_store(void) { return 1; }
 int kvd_retrieve(void) { return 1; }
@@ -142,7 +143,7 @@ def _serve(sock_dir: str, stub_lib: str | None = None) -> None:
         def __init__(self, pipe: CompletionPipe) -> None:
             self.pipe = pipe
 
-        def copy_staged(self, to_host, srcs, dsts, object_bytes, fence, done) -> None:
+        def copy_staged(self, to_host, srcs, dsts, object_bytes, fence, done, landed=None) -> None:
             os.write(self.pipe.write_fd, struct.pack("<Q", self.pipe.expect(done)))
 
     class _Runtime:

@@ -227,8 +227,10 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
         for i in range(warmup + a.lone_iters):
             j = i % n
             t0 = time.perf_counter_ns()
-            pending = c.submit_retrieve(reg, [keys[j]], dst[j])  # as c.retrieve(..., before=s)
-            got = pending.result(s)  # staged: after the daemon's copies, the scatter enqueued on s
+            # as c.retrieve(..., before=s): the scatter enqueued on s now, behind the landed word
+            # ($KVDEPOT_NO_GATED_SCATTER: after the reply)
+            pending = c.submit_retrieve(reg, [keys[j]], dst[j], scatter_on=s)
+            got = pending.result(s)  # staged: after the daemon's copies (gated: the scatter is running)
             t1 = time.perf_counter_ns()
             s.synchronize()  # and the scatter
             t2 = time.perf_counter_ns()

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import msgspec.structs
@@ -33,7 +33,7 @@ import zmq
 
 from kvdepot import trace
 from kvdepot.client.many import ManyRequests, check_chains
-from kvdepot.client.pending import LinkPace, PendingRetrieve, PendingStore
+from kvdepot.client.pending import LinkPace, PendingRetrieve, PendingStore, gate_scatter
 from kvdepot.client.registration import Registration, engine_staging
 from kvdepot.client.staged import StagedStores
 from kvdepot.protocol import codec
@@ -121,6 +121,9 @@ class KVDepotClient(StagedStores, ManyRequests):
         self.replies_read = 0  # replies read so far (a change says `poll` brought something)
         # staged registrations' stores / retrieves that went the daemon-gathers way (no ring room)
         self.unstaged_requests = 0
+        # staged retrieves may enqueue their scatter before the reply (`submit_retrieve`'s
+        # ``scatter_on``); $KVDEPOT_NO_GATED_SCATTER: never (comparisons)
+        self._gated_scatters = not os.environ.get("KVDEPOT_NO_GATED_SCATTER")
         self._greeted = not connect  # greet every connection but the one hello() below greets
         if connect:
             try:
@@ -304,11 +307,15 @@ class KVDepotClient(StagedStores, ManyRequests):
         trace.point(req.rid, "c_sent")
         return req.rid
 
-    def wait(self, rid: int, timeout_s: float | None = None, spin_from: float = 0.0) -> m.Msg:
+    def wait(self, rid: int, timeout_s: float | None = None, spin_from: float = 0.0,
+             until: Callable[[], bool] | None = None) -> m.Msg | None:
         """The reply to the submitted request ``rid`` (replies to other outstanding requests that
         arrive first are kept for their own `wait`). ``spin_from`` (``time.monotonic()`` seconds):
         the reply is not expected before then, so the wait sleeps until then (a reply that comes
         earlier still wakes it) and spins for ``spin_us`` from there instead of from now.
+        ``until``: also checked while spinning (and every millisecond after): once it returns
+        True the wait returns None, leaving ``rid`` outstanding (a gated retrieve's landed word,
+        `PendingRetrieve.result`).
 
         Raises:
             KVDepotError: the error reply; TIMEOUT if no reply came within ``timeout_s`` (default
@@ -336,7 +343,14 @@ class KVDepotClient(StagedStores, ManyRequests):
                             ready = sock.poll(int(nap_s * 1000))
                         now = spin_from  # once: the spin follows
                     while not ready and time.monotonic() < spin_until:
+                        if until is not None and until():
+                            return None
                         ready = sock.poll(0)
+                    if until is not None:  # a word in memory wakes nobody: look every millisecond
+                        while not ready and time.monotonic() < deadline:
+                            if until():
+                                return None
+                            ready = sock.poll(1)
                     ready = ready or (left_ms > 0 and sock.poll(left_ms))
                     frame = sock.recv() if ready else None
                 except zmq.ZMQError as exc:  # the stream connection closed under the request
@@ -436,6 +450,7 @@ class KVDepotClient(StagedStores, ManyRequests):
         self.boot_id = r.boot_id
         if staging is not None:
             staging.fence_active = bool(r.fence and req.fence)
+            staging.landed_active = bool(staging.fence_active and r.landed and self._gated_scatters)
         if staging is not None and (not r.staging or r.layout_fingerprint != staging.layout.fingerprint
                                     or r.object_bytes != staging.object_bytes):
             staging.close()  # the daemon does not serve it (no kernel library there), or another layout
@@ -561,11 +576,16 @@ class KVDepotClient(StagedStores, ManyRequests):
             on another process's event was measured to add ~170 us to a lone 32 MiB retrieve,
             H100, no MPS, and such an event was seen to report its record complete too early).
         """
-        return self.submit_retrieve(reg, keys, block_ids, skip_tokens, request).result(before, cpu_wait=cpu_wait)
+        if before is None and reg.staging is not None:
+            import torch
+
+            before = torch.cuda.current_stream(reg.staging.device)
+        return self.submit_retrieve(reg, keys, block_ids, skip_tokens, request,
+                                    scatter_on=before).result(before, cpu_wait=cpu_wait)
 
     def submit_retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
                         skip_tokens: int = 0, request: str = "", wait_for_room: bool = True,
-                        chains: Sequence[m.Chain] = ()) -> PendingRetrieve | None:
+                        chains: Sequence[m.Chain] = (), scatter_on=None) -> PendingRetrieve | None:
         """`retrieve` without waiting: ``.result(before)`` of the returned handle gives the
         number of chunks written (and makes ``before`` wait for them).
 
@@ -576,7 +596,15 @@ class KVDepotClient(StagedStores, ManyRequests):
         ``result`` enqueues its own scatter, so pass ``before`` to every one.
         ``wait_for_room=False``: if the staging ring has no room now, nothing is sent and None
         is returned. A block id of -1 leaves that block unwritten. ``chains``: several prompts'
-        runs (``skip_tokens`` 0), see `submit_retrieve_many`."""
+        runs (``skip_tokens`` 0), see `submit_retrieve_many`.
+
+        ``scatter_on`` (a ``torch.cuda.Stream``; staged, no ``chains``, a daemon that writes
+        landed words: `RegisterReply.landed`): the scatter is enqueued on it now, behind a GPU
+        wait for the daemon's copies into the ring (`EngineStaging.scatter_gated`), so that it
+        starts as the bytes land instead of after the reply's hop back and this process's
+        launch (~50 us of a lone 32 MiB retrieve on an H100). That stream then waits for the
+        daemon: call ``result`` (which opens the wait itself if no reply comes within the
+        timeout) before anything that must not wait is enqueued there."""
         if chains:
             check_chains(reg, skip_tokens)
         region = None
@@ -586,11 +614,16 @@ class KVDepotClient(StagedStores, ManyRequests):
                 if not wait_for_room:
                     return None
                 self.unstaged_requests += 1
+        gated = (scatter_on is not None and region is not None and not chains and reg.staging.landed_active
+                 and region.seq <= m.LANDED_MAX_SEQ and len(keys) <= m.LANDED_MAX_CHUNKS)
+        if gated:  # before sending: the daemon's word may come before this thread's next line
+            reg.staging.fence.close_gate(region.seq)
         try:
             rid = self.submit(m.Retrieve(rid=0, registration=reg.id, keys=list(keys),
                                          block_ids=[list(b) for b in block_ids], skip_tokens=skip_tokens,
                                          request=request, staging_offset=region.offset if region else -1,
-                                         staging_seq=region.seq if region else 0, chains=list(chains)))
+                                         staging_seq=region.seq if region else 0, chains=list(chains),
+                                         landed=gated))
         except BaseException:
             if region is not None:
                 region.release()
@@ -598,6 +631,9 @@ class KVDepotClient(StagedStores, ManyRequests):
         pending = PendingRetrieve(self, rid)
         if region is not None:
             pending._staged(reg, region, block_ids, len(keys), skip_tokens, chains)
+            # enqueued after the send: its launch (tens of microseconds) runs while the daemon copies
+            if gated and gate_scatter(reg, region, block_ids, len(keys), skip_tokens, scatter_on):
+                pending._gated_on(scatter_on)
         return pending
 
 

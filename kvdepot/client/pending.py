@@ -5,6 +5,7 @@ region whose request was lost in a timeout is settled by a `Drain` (`drain_settl
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,22 @@ from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
 if TYPE_CHECKING:
     from kvdepot.client.client import KVDepotClient, Registration
+
+log = logging.getLogger("kvdepot.client")
+LANDED_GRACE_S = 0.05  # how long a gated retrieve's landed word may lag behind its reply
+
+
+def await_word_landed(fence, seq: int, wait_s: float) -> bool:
+    """Whether region ``seq``'s landed word is written (`FenceWords.landed`), polled for up to ``wait_s``."""
+    deadline = None
+    while not fence.landed(seq):
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now + wait_s
+        elif now > deadline:
+            return False
+        time.sleep(20e-6)
+    return True
 
 
 def region_reusable_after(error: KVDepotError) -> bool:
@@ -179,6 +196,23 @@ class PendingStore:
         return self._await(timeout_s)
 
 
+def gate_scatter(reg: Registration, region, block_ids, num_chunks: int, skip_tokens: int, stream) -> bool:
+    """Once a staged retrieve with `Retrieve.landed` was sent (its region's word cleared first,
+    `FenceWords.close_gate`): enqueue its scatter on ``stream`` behind the landed word
+    (`EngineStaging.scatter_gated`). False (the word opened, nothing left waiting) if the
+    library refuses: `PendingRetrieve.result` then scatters after the reply."""
+    from kvdepot.gpu.kernels import KernelError
+
+    staging, seq = reg.staging, region.seq
+    try:
+        staging.scatter_gated(block_ids, num_chunks, region.offset, skip_tokens, stream, seq)
+    except KernelError as exc:
+        log.warning("gated scatter refused (%s): scattering after the reply", exc)
+        staging.fence.open_gate(seq)  # its wait may be enqueued
+        return False
+    return True
+
+
 class PendingRetrieve:
     """A submitted RETRIEVE (`KVDepotClient.submit_retrieve`)."""
 
@@ -193,6 +227,7 @@ class PendingRetrieve:
         self._scatter_stream = None  # the stream the scatter was enqueued on
         self._reply: m.RetrieveReply | None = None  # staged: the reply, once taken by done()
         self._chains = ()  # staged with `Retrieve.chains`: the runs (the scatter masks what was not found)
+        self._gated = False  # its scatter was enqueued at submit, behind the landed word (`_gate`)
         # with `Retrieve.chains`: each run's leading chunks written, once `result` returned
         self.chains_retrieved: list[int] = []
 
@@ -220,10 +255,22 @@ class PendingRetrieve:
         region.is_free = self._region_free
         region.reclaim = self._reclaim
 
+    def _gated_on(self, stream) -> None:
+        """Its scatter was enqueued on ``stream`` before the request was sent (`gate_scatter`)."""
+        self._gated = True
+        self._scatter_stream = stream
+        self._done_seq = self._region.seq
+        self._region.fenced = True  # a ring reset keeps it until the scatter ran
+        self._region.gated = True  # (and opens its gate: the daemon that would write it is gone)
+
     def _region_free(self) -> bool:
         if (self._error is None and self._retrieved is None and self._reply is None
                 and self.client.on_own_thread()):
             self.done()  # takes the reply, or the error of a request lost in a timeout
+        if self._gated and self._error is not None:  # its scatter must run (writing nothing) first
+            self._settle_gate()
+            if not self._done_event.query():
+                return False
         if self._error is not None:
             return region_reusable_after(self._error) or (
                 self._error.code == ErrorCode.TIMEOUT and drain_settles(self.client, self._reg, self._region.seq))
@@ -239,13 +286,72 @@ class PendingRetrieve:
                 self.result()  # scatters on the current stream; a later result(before) orders after it
             except KVDepotError:
                 pass
-        if self._done_seq is not None:
+        if self._gated and self._error is not None:
+            self._settle_gate()
+            self._done_event.synchronize()
+        elif self._done_seq is not None:
             from kvdepot.client.staging import await_word
 
             await_word(self._reg.staging.fence, self._done_seq, float("inf"))
         elif self._done_event is not None:
             self._done_event.synchronize()
         return _settle_lost(self)
+
+    def _settle_gate(self) -> None:
+        """A gated retrieve that failed (error, timeout, lost): open its gate, and mark the
+        scatter's end with an event. A copy of a request lost in a timeout may still land and
+        write the landed word after the scatter's own done value, so the region frees by that
+        event (and, after a timeout, a `Drain`), not by the word."""
+        self._reg.staging.fence.open_gate(self._done_seq)
+        if self._done_event is None:
+            import torch
+
+            self._done_event = torch.cuda.Event()
+            self._done_event.record(self._scatter_stream)
+
+    def _gated_result(self, before, timeout_s: float | None) -> int:
+        """`result` of a retrieve whose scatter was enqueued at submit (`_gate`): the reply says
+        how many chunks; the landed word (the daemon's, or this process's for a retrieve that
+        copied nothing) lets the scatter run."""
+        fence = self._reg.staging.fence
+        if self._retrieved is None and self._error is None:
+            r = self._reply
+            seq = self._done_seq
+            if r is None:
+                # the landed word carries the count as soon as the bytes are in the ring; the
+                # reply (its commit and hop back, tens of microseconds later) is then dropped
+                pace = self.client.retrieve_pace
+                try:
+                    r = self.client.wait(self.rid, timeout_s, pace.spin_from(self._sent_at, self._region.size_bytes),
+                                         until=lambda: fence.landed(seq))
+                except KVDepotError as exc:
+                    self._error = exc
+                else:
+                    if r is None:  # landed
+                        self.client.forget(self.rid)
+                        self._retrieved = fence.landed_count(seq)
+                        if self._retrieved == self._num_chunks:
+                            pace.learn(self._sent_at, self._region.size_bytes)
+                    elif r.retrieved == self._num_chunks:
+                        pace.learn(self._sent_at, self._region.size_bytes)
+            if r is not None and self._error is None:
+                if r.retrieved * self._reg.staging.layout.chunk_size <= self._skip_tokens:
+                    fence.open_gate(self._done_seq)  # nothing copied: the daemon wrote no word
+                elif not await_word_landed(fence, self._done_seq, LANDED_GRACE_S):
+                    # the reply comes after the word's write: never seen so far; fail it rather
+                    # than report chunks the scatter may not have written
+                    self._error = KVDepotError(ErrorCode.INTERNAL, f"retrieve {self.rid}: the daemon replied but "
+                                                                   "its landed word never came")
+                if self._error is None:
+                    self.chains_retrieved = list(r.chains)
+                    self._retrieved = r.retrieved
+        if self._error is not None:
+            self._settle_gate()  # the scatter writes nothing (or what a late copy landed)
+            raise self._error
+        if before is not None and before is not self._scatter_stream:
+            before.wait_event(self._event())
+        self.client._last_scatter = (self._done_event, self._scatter_stream)
+        return self._retrieved
 
     def _event(self):
         """The event after the scatter: the one recorded with it, or (fence words) one recorded
@@ -277,6 +383,8 @@ class PendingRetrieve:
                 self._retrieved = r.retrieved
             self.client._last_scatter = (None, None)  # the reply comes once the blocks are written
             return self._retrieved
+        if self._gated:
+            return self._gated_result(before, timeout_s)
         if self._retrieved is not None:  # already scattered (by a ring reclaim): order `before` after it
             ev = self._event() if before is not None and before is not self._scatter_stream else None
             if ev is not None:

@@ -44,12 +44,14 @@ import torch
 from kvdepot.client.kvcache import export_cuda_storage
 from kvdepot.gpu.kernels import KernelError, Kernels, KvdGroupDesc
 from kvdepot.gpu.layout import EngineLayout
-from kvdepot.protocol.messages import StorageSpec
+from kvdepot.protocol.messages import (GATE_DONE_BIT, LANDED_BIT, LANDED_COUNT_SHIFT, LANDED_MAX_CHUNKS,
+                                       LANDED_MAX_SEQ, StorageSpec, landed_value)
 
 log = logging.getLogger("kvdepot.client")
 
 DEFAULT_STAGING_BYTES = 256 << 20
 FENCE_ABANDONED_BIT = 1 << 63  # a fence word's value | this: the region's gather was given up
+_GATED_DONE = LANDED_BIT | GATE_DONE_BIT  # a gated scatter's word once it ran
 FENCE_WORDS = 4096  # at most FENCE_WORDS - 1 ring regions live at once (one word per region)
 _ALIGN = 256
 
@@ -59,7 +61,7 @@ class StagingRegion:
     nothing reads or writes it any more; ``reclaim()`` blocks until then (False: cannot tell,
     e.g. the request was lost in a timeout, and the region stays taken)."""
 
-    __slots__ = ("offset", "size_bytes", "owner", "seq", "fenced", "is_free", "reclaim")
+    __slots__ = ("offset", "size_bytes", "owner", "seq", "fenced", "gated", "is_free", "reclaim")
 
     def __init__(self, offset: int, size_bytes: int, owner: object = None, seq: int = 0,
                  fenced: bool = False) -> None:
@@ -70,6 +72,7 @@ class StagingRegion:
         # a store's gather (or a retrieve's scatter), then the GPU's write of its fence word,
         # is (to be) enqueued
         self.fenced = fenced
+        self.gated = False  # a retrieve's scatter waits on the GPU for its landed word
         self.is_free: Callable[[], bool] = lambda: False
         self.reclaim: Callable[[], bool] = lambda: False
 
@@ -125,6 +128,8 @@ class StagingRing:
             keep = collections.deque()
             if fence is not None:
                 for r in self.live:
+                    if r.gated:  # the daemon that would have written its landed word is gone
+                        fence.open_gate(r.seq)
                     if r.fenced and not fence.holds(r.seq):
                         r.is_free = functools.partial(fence.holds, r.seq)
                         r.reclaim = functools.partial(await_word, fence, r.seq, self.foreign_wait_s)
@@ -236,9 +241,35 @@ class FenceWords:
         self.kernels.engine_signal(self.word_ptr(seq), seq, stream.cuda_stream)
 
     def holds(self, seq: int) -> bool:
-        """Whether no GPU write of region ``seq`` is pending: the GPU wrote ``seq`` (its gather
-        ran), or the engine gave the region up (`abandon`)."""
-        return self._view[seq % self.words] in (seq, seq | FENCE_ABANDONED_BIT)
+        """Whether no GPU write of region ``seq`` is pending: the GPU wrote ``seq`` (its gather or
+        scatter ran; a gated scatter's landed value with `GATE_DONE_BIT`), or the engine gave the
+        region up (`abandon`)."""
+        v = self._view[seq % self.words]
+        return v in (seq, seq | FENCE_ABANDONED_BIT) or (v & _GATED_DONE == _GATED_DONE and v & LANDED_MAX_SEQ == seq)
+
+    def landed(self, seq: int) -> bool:
+        """Whether region ``seq``'s gated scatter may run (its landed word was written) or ran."""
+        v = self._view[seq % self.words]
+        return bool(v & LANDED_BIT) and v & LANDED_MAX_SEQ == seq
+
+    def landed_count(self, seq: int) -> int:
+        """The chunks region ``seq``'s landed word says are in the ring (call once `landed`)."""
+        v = self._view[seq % self.words]
+        return (v >> LANDED_COUNT_SHIFT) & LANDED_MAX_CHUNKS if v & LANDED_BIT else 0
+
+    def close_gate(self, seq: int) -> None:
+        """Before region ``seq``'s gated scatter is enqueued: clear its word (the region's
+        earlier users' values, a store's abandoned mark or a late landed word of a retrieve
+        given up, are all settled once the region is handed out again)."""
+        self._view[seq % self.words] = 0
+
+    def open_gate(self, seq: int) -> None:
+        """Let region ``seq``'s gated scatter (`EngineStaging.scatter_gated`) run and write
+        nothing: its retrieve copied nothing, failed or got no reply, so the daemon's DMA stream
+        will not write the landed word (`Retrieve.landed`). Leaves a word the daemon already
+        wrote, or the scatter's own done value, as it is."""
+        if not self.landed(seq):
+            self._view[seq % self.words] = landed_value(seq, 0)
 
     def abandon(self, seq: int) -> None:
         """Tell the daemon from the CPU that region ``seq``'s gather will never run (its launch
@@ -307,6 +338,7 @@ class EngineStaging:
             log.warning("fence words unavailable (%s): staged stores wait for their gathers", exc)
             self.fence = None
         self.fence_active = False  # the daemon polls the words (RegisterReply.fence)
+        self.landed_active = False  # its DMA stream writes them too (RegisterReply.landed)
 
     def flat_ids(self, block_ids: Sequence[Sequence[int]]) -> array.array:
         """int32 block ids, ``block_ids[gid]`` for each layer group in order."""
@@ -363,6 +395,22 @@ class EngineStaging:
         word = 0 if done_seq is None else self.fence.word_ptr(done_seq)
         self.kernels.engine_scatter(self.handle, self.flat_ids(block_ids), num_chunks, retrieved,
                                     self.base_ptr + offset, skip_tokens, stream.cuda_stream, word, done_seq or 0)
+
+    def scatter_gated(self, block_ids: Sequence[Sequence[int]], num_chunks: int, offset: int, skip_tokens: int,
+                      stream, seq: int) -> None:
+        """Enqueue on ``stream`` region ``seq``'s scatter (``num_chunks`` chunks at ``offset``)
+        before the daemon copied anything into it: behind a wait for the region's fence word to
+        carry `LANDED_BIT` (the daemon's DMA stream writes it after its copies, or the CPU:
+        `FenceWords.open_gate`), each chunk written only if the word's count covers it; then
+        `GATE_DONE_BIT` added to the word (the region frees once `FenceWords.holds`; the count
+        stays readable). ``stream`` waits until the word is written.
+
+        Raises:
+            KernelError: as `Kernels.engine_scatter_gated` (call `FenceWords.open_gate` then).
+        """
+        word = self.fence.word_ptr(seq)
+        self.kernels.engine_scatter_gated(self.handle, self.flat_ids(block_ids), num_chunks, self.base_ptr + offset,
+                                          skip_tokens, word, stream.cuda_stream, word, seq)
 
     def close(self) -> None:
         """Free the library's state (the ring is freed with this object; no transfer may use it)."""

@@ -139,24 +139,46 @@ class FenceWords:
     gather (`kvd_engine_gather` / `kvd_engine_signal`); word ``value % words`` must hold ``value`` before the
     daemon copies the store's ring region (`Store.fence`).
 
+    With ``kernels`` whose driver has the stream memory operations (`Kernels.stream_memops`),
+    the words are also mapped for this process's GPU (``dev_ptr``, else 0): a gated retrieve's
+    DMA stream writes its landed word (`Retrieve.landed`).
+
     Raises:
         RequestError(ENGINE_MEMORY): the descriptor is not a memfd sealed against shrinking,
             or is smaller than ``words`` words.
     """
 
-    def __init__(self, fd: int, words: int) -> None:
+    def __init__(self, fd: int, words: int, kernels: Kernels | None = None) -> None:
         from kvdepot.gpu.shm import open_memfd
 
         self.words = words
         self.buffer = open_memfd(fd, words * 8)  # uint8 tensor; the mapping lives as long as it
         self.ptr = self.buffer.data_ptr()
         os.close(fd)
+        self.dev_ptr = 0
+        self._kernels = None
+        if kernels is not None and kernels.stream_memops():
+            try:
+                self.dev_ptr = kernels.host_register_mapped(self.ptr, words * 8)
+                self._kernels = kernels
+            except KernelError as exc:
+                log.warning("fence words not mapped for this GPU (%s): retrieves' scatters are not gated", exc)
+
+    def landed_ptr(self, seq: int) -> int:
+        """Device address (this process's GPU) of staging region ``seq``'s word."""
+        return self.dev_ptr + (seq % self.words) * 8
 
     def word_ptr(self, value: int) -> int:
         """Host address of the word that must hold ``value``."""
         return self.ptr + (value % self.words) * 8
 
     def close(self) -> None:
+        if self._kernels is not None:
+            try:
+                self._kernels.host_unregister(self.ptr)
+            except KernelError as exc:
+                log.warning("unregistering an engine's fence words failed: %s", exc)
+            self._kernels = None
         self.buffer = None
 
 
@@ -297,7 +319,8 @@ class CudaDevicePath:
 
 
     def copy_staged(self, to_host: bool, srcs: Sequence[int], dsts: Sequence[int], object_bytes: int,
-                    fence: tuple[int, int] | None, done: Callable[[BaseException | None], None]) -> None:
+                    fence: tuple[int, int] | None, done: Callable[[BaseException | None], None],
+                    landed: tuple[int, int] | None = None) -> None:
         """Enqueue ``len(srcs)`` PCIe copies of one object each between an engine's staging
         buffer (IPC-opened device memory) and pinned L1 objects: device -> host on the store
         lane (``to_host``), host -> device on the retrieve lane. No kernel runs in the daemon's
@@ -305,7 +328,10 @@ class CudaDevicePath:
         or None: the copies follow the engine's write of the value into that word (after its
         gather); until then the lane's issuer thread polls the word from the CPU (the DMA
         stream never waits on another process). ``done(err)`` runs on the loop when the copies
-        completed (RequestError(ENGINE_MEMORY) if the word never came: nothing copied)."""
+        completed (RequestError(ENGINE_MEMORY) if the word never came: nothing copied).
+        ``landed`` (word's device address here, value) or None: after the copies the DMA
+        stream writes the value into that word (`Retrieve.landed`: the engine's scatter waits
+        for it on its own stream); completion means it was written."""
         n = len(srcs)
         if len(dsts) != n:
             raise ValueError(f"{n} sources but {len(dsts)} destinations")
@@ -317,9 +343,10 @@ class CudaDevicePath:
                 self._dma_block_ptr = ctypes.addressof(self._dma_block)
         lane = self.store_lane if to_host else self.retrieve_lane
         word, value = fence if fence is not None else (0, 0)
+        landed_word, landed_value = landed if landed is not None else (0, 0)
         token = self.completions.expect(done)
         fmt.pack_into(self._dma_block, 0, lane, word, value, object_bytes, n, int(to_host),
-                      self.completions.write_fd, token, self._notified_ptr, *srcs, *dsts)
+                      self.completions.write_fd, token, self._notified_ptr, landed_word, landed_value, *srcs, *dsts)
         rc = self._kvd_dma_call(self._dma_block_ptr)
         if rc:
             self._after_call(rc, "kvd_dma", lane, token, done)
@@ -440,7 +467,7 @@ class CudaRuntime:
         if self.kernels is None:
             os.close(fd)
             return None
-        return FenceWords(fd, words)
+        return FenceWords(fd, words, self.kernels)
 
     def release(self, engine, opened: Sequence[CudaOpenedStorage]) -> None:
         """Free a registration's CUDA state (no transfer of it may still be running)."""

@@ -39,7 +39,7 @@ ENV_SO = "KVDEPOT_KERNELS_SO"
 ENV_NO_JIT = "KVDEPOT_NO_JIT"
 # built at install (setup.py) for `build.INSTALL_ARCHS` when nvcc was there
 PACKAGED_SO = Path(__file__).parent / "_lib" / "libkvdepot_kernels.so"
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 KVD_OK, KVD_EINVAL, KVD_EALIGN, KVD_ECUDA = 0, 1, 2, 3
 
@@ -63,9 +63,10 @@ class KernelError(RuntimeError):
 
 
 # The header of kvd_dma_call's argument block (KvdDmaCall in kvdepot_kernels.cu): lane, fence
-# word, its value, bytes per copy, copies n, to_host, completion fd, token, notified pointer;
-# 2n uint64 pointers follow (sources, then destinations).
-DMA_CALL_HEAD = struct.Struct("=QQQQqqqQQ")
+# word, its value, bytes per copy, copies n, to_host, completion fd, token, notified pointer,
+# landed word (device address or 0), its value; 2n uint64 pointers follow (sources, then
+# destinations).
+DMA_CALL_HEAD = struct.Struct("=QQQQqqqQQQQ")
 
 
 def set_copy_argtypes(lib) -> None:
@@ -74,7 +75,7 @@ def set_copy_argtypes(lib) -> None:
     same C signatures (``benchmarks/daemon_loop.py --copy-call``)."""
     vp = ctypes.c_void_p
     lib.kvd_dma.argtypes = [vp, vp, ctypes.c_uint64, vp, vp, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int, vp,
-                            ctypes.c_int, ctypes.c_uint64, vp]
+                            ctypes.c_int, ctypes.c_uint64, vp, ctypes.c_uint64, ctypes.c_uint64]
     lib.kvd_dma_call.argtypes = [vp]
 
 
@@ -123,6 +124,8 @@ class Kernels:
         lib.kvd_engine_gather.argtypes = [vp, vp, i64, vp, vp, ctypes.c_uint64, vp]
         lib.kvd_engine_gather_pieces.argtypes = [vp, vp, i64, i32, vp, vp, vp, vp, vp]
         lib.kvd_engine_scatter.argtypes = [vp, vp, i64, i64, vp, i64, vp, ctypes.c_uint64, vp]
+        lib.kvd_engine_scatter_gated.argtypes = [vp, vp, i64, vp, i64, vp, vp, ctypes.c_uint64, vp]
+        lib.kvd_stream_memops.argtypes = []
         set_copy_argtypes(lib)
         lib.kvd_engine_signal.argtypes = [vp, ctypes.c_uint64, vp]
         lib.kvd_host_register_mapped.argtypes = [vp, ctypes.c_size_t, ctypes.POINTER(vp)]
@@ -286,6 +289,28 @@ class Kernels:
         self._check(self.lib.kvd_engine_scatter(engine, flat_ids.buffer_info()[0], total_chunks, nchunks, src_ptr,
                                                 skip_tokens, done_word_ptr or None, done_value, stream),
                     "kvd_engine_scatter")
+
+    def engine_scatter_gated(self, engine: int, flat_ids, total_chunks: int, src_ptr: int, skip_tokens: int,
+                             gate_word_ptr: int, stream: int, done_word_ptr: int = 0, done_value: int = 0) -> None:
+        """Engine side: `engine_scatter` of all ``total_chunks`` chunks enqueued on ``stream``
+        behind a wait until the landed word at ``gate_word_ptr`` (a fence word's device address)
+        has ``LANDED_BIT`` set; each chunk is written only if its index is below the count the
+        word then carries (`kvdepot.client.staging.landed_value`: the daemon's DMA stream writes
+        it after its copies into the ring, `Retrieve.landed`). The stream waits until the word
+        is written: whoever enqueued this writes it from the CPU if the daemon will not.
+
+        Raises:
+            KernelError: the driver lacks the stream wait (`stream_memops`), bad arguments, or
+                the launch failed (the wait may be enqueued then: write the word).
+        """
+        self._check(self.lib.kvd_engine_scatter_gated(engine, flat_ids.buffer_info()[0], total_chunks, src_ptr,
+                                                      skip_tokens, gate_word_ptr, done_word_ptr or None, done_value,
+                                                      stream), "kvd_engine_scatter_gated")
+
+    def stream_memops(self) -> bool:
+        """Whether the driver has the stream memory operations of a gated scatter (the DMA
+        stream's write of a landed word, an engine stream's wait for it)."""
+        return bool(self.lib.kvd_stream_memops())
 
     def event_create_ipc(self, device: int) -> tuple[int, bytes]:
         """An interprocess event (timing disabled) on ``device``: (handle, cudaIpcEventHandle_t bytes)."""

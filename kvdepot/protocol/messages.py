@@ -333,6 +333,11 @@ class Retrieve(Msg, tag="get"):
         each with its own ``skip_tokens``, the message's must be 0); the leading chunks of each
         run that are cached are written (`RetrieveReply.chains`). A CUDA engine must stage such
         a retrieve (``staging_offset`` >= 0).
+    landed: staged, with ``staging_seq`` and no ``chains``, where `RegisterReply.landed` said
+        so: the engine enqueued its scatter before sending (gated on fence word ``staging_seq
+        % fence_words``); after its copies into the ring the daemon's DMA stream writes
+        ``staging_seq | 1 << 62 | retrieved << 40`` into that word. A retrieve that copies
+        nothing leaves the word alone (the engine writes it when the reply comes).
     Reply: `RetrieveReply`; only its ``retrieved`` leading chunks were written.
     """
 
@@ -344,6 +349,26 @@ class Retrieve(Msg, tag="get"):
     staging_offset: Annotated[int, Meta(ge=-1)] = -1
     staging_seq: NonNegInt = 0
     chains: list[Chain] = msgspec.field(default_factory=list)
+    landed: bool = False
+
+
+# A gated retrieve's landed word (`Retrieve.landed`; KVD_LANDED_* in the kernel library):
+# staging_seq | LANDED_BIT | chunks written << LANDED_COUNT_SHIFT; the engine's scatter adds
+# GATE_DONE_BIT once it ran.
+LANDED_BIT = 1 << 62
+GATE_DONE_BIT = 1 << 61
+LANDED_COUNT_SHIFT = 40
+LANDED_MAX_SEQ = (1 << LANDED_COUNT_SHIFT) - 1
+LANDED_MAX_CHUNKS = (1 << 21) - 1
+
+
+def landed_value(staging_seq: int, retrieved: int) -> int:
+    """The value of a gated retrieve's landed word once ``retrieved`` leading chunks are in the
+    ring (0 <= staging_seq <= LANDED_MAX_SEQ, 0 <= retrieved <= LANDED_MAX_CHUNKS; ValueError
+    otherwise)."""
+    if not (0 <= staging_seq <= LANDED_MAX_SEQ and 0 <= retrieved <= LANDED_MAX_CHUNKS):
+        raise ValueError(f"landed word out of range: seq {staging_seq}, {retrieved} chunks")
+    return staging_seq | LANDED_BIT | retrieved << LANDED_COUNT_SHIFT
 
 
 class Drain(Msg, tag="drain"):
@@ -400,7 +425,8 @@ class RegisterReply(Msg, tag="regR"):
     chunk bytes mean (the client seeds chunk keys with it); object_bytes: bytes per chunk;
     staging: the daemon serves `Register.staging` (requests may give ``staging_offset``);
     fence: it polls `Register.fence` (staged stores may give ``fence``); chains: it takes
-    `Store.chains` / `Retrieve.chains` (several prompts' runs in one request)."""
+    `Store.chains` / `Retrieve.chains` (several prompts' runs in one request); landed: its
+    DMA stream can write the fence words (staged retrieves may give `Retrieve.landed`)."""
 
     registration: str
     layout_fingerprint: str
@@ -409,6 +435,7 @@ class RegisterReply(Msg, tag="regR"):
     staging: bool = False
     fence: bool = False
     chains: bool = False
+    landed: bool = False
 
 
 class OkReply(Msg, tag="ok"):

@@ -444,7 +444,8 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
                  req.model, req.shard, req.pid, len(layout.groups), layout.object_bytes)
         return m.RegisterReply(rid=req.rid, registration=reg_id, layout_fingerprint=layout.fingerprint,
                                object_bytes=layout.object_bytes, boot_id=self.boot_id,
-                               staging=bool(reg.staging_bytes), fence=reg.fence is not None, chains=True)
+                               staging=bool(reg.staging_bytes), fence=reg.fence is not None, chains=True,
+                               landed=bool(reg.fence is not None and getattr(reg.fence, "dev_ptr", 0)))
 
     def _unregister(self, reg: Registration) -> None:
         self.registrations.pop(reg.id, None)

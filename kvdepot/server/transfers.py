@@ -337,7 +337,8 @@ class TransferHandlers:
                 if first < len(entries):
                     self._cuda.path(reg.cuda_device).copy_staged(
                         False, [base + e.offset for e in entries[first:]],
-                        [staged_base + j * ob for j in range(first, len(entries))], ob, None, done)
+                        [staged_base + j * ob for j in range(first, len(entries))], ob, None, done,
+                        _landed(reg, req, len(entries)))
                 else:
                     done(None)
             else:
@@ -433,6 +434,17 @@ class TransferHandlers:
         for j, e, skip in writes:
             if skip < cs:
                 eng.scatter(self.pool.buffer(e.offset, e.size_bytes), self._chunk_block_ids(reg, block_ids, j), skip)
+
+
+def _landed(reg: Registration, req: m.Retrieve, retrieved: int) -> tuple[int, int] | None:
+    """A gated retrieve's landed word (`Retrieve.landed`): (device address, value) for the
+    DMA stream to write after its copies, or None (not gated, or the words are not mapped for
+    this daemon's GPU: the engine then writes its word itself when the reply comes)."""
+    fence = reg.fence
+    if (not req.landed or not 0 < req.staging_seq <= m.LANDED_MAX_SEQ or retrieved > m.LANDED_MAX_CHUNKS
+            or fence is None or not getattr(fence, "dev_ptr", 0)):
+        return None
+    return fence.landed_ptr(req.staging_seq), m.landed_value(req.staging_seq, retrieved)
 
 
 def _runs(req, n: int) -> list[tuple[int, int, m.Chain]]:

@@ -34,17 +34,24 @@ def test_built_library_loads_with_its_abi_and_source_stamp(built):
     assert notified.value == 0
     assert k.lib.kvd_retrieve(0, 0, 0, 1, 1, 0, 0, 0, -1, 1, ctypes.addressof(notified)) == 1
     # a deferred copy's fence word must be 8-byte aligned; a request no lane can take is refused
-    assert k.lib.kvd_dma(0, 0, 0, 8, 8, 64, 1, 1, 0, -1, 1, ctypes.addressof(notified)) == 1
-    # the same through its one-pointer argument block (KvdDmaCall: nine 8-byte fields, then
+    assert k.lib.kvd_dma(0, 0, 0, 8, 8, 64, 1, 1, 0, -1, 1, ctypes.addressof(notified), 0, 0) == 1
+    # and so must a gated retrieve's landed word
+    assert k.lib.kvd_dma(1, 0, 0, 8, 8, 64, 1, 0, 0, -1, 1, ctypes.addressof(notified), 12, 1) == 1
+    # the same through its one-pointer argument block (KvdDmaCall: eleven 8-byte fields, then
     # 2n pointers), as the daemon's loop calls it; a null block or a bad count is refused too
     assert k.lib.kvd_dma_call(None) == 1
-    block = ctypes.create_string_buffer(72 + 16)
+    block = ctypes.create_string_buffer(88 + 16)
     for n in (1, 0, -3):
         notified.value = 7
-        struct.pack_into("=QQQQqqqQQ2Q", block, 0, 0, 0, 0, 64, n, 1, 2**32, 1, ctypes.addressof(notified), 8, 8)
+        struct.pack_into("=QQQQqqqQQQQ2Q", block, 0, 0, 0, 0, 64, n, 1, 2**32, 1, ctypes.addressof(notified), 0, 0,
+                         8, 8)
         assert k.lib.kvd_dma_call(ctypes.addressof(block)) == 1  # no lane (n=1), no copies (n<=0)
         assert notified.value == 0
     assert k.lib.kvd_engine_signal(3, 1, 0) == 1  # misaligned word
+    ids = (ctypes.c_int32 * 1)(0)  # a gated scatter: no engine, no landed word, a misaligned one
+    assert k.lib.kvd_engine_scatter_gated(0, ids, 1, 256, 0, 8, None, 1, None) == 1
+    assert k.lib.kvd_engine_scatter_gated(8, ids, 1, 256, 0, 0, None, 1, None) == 1
+    assert k.lib.kvd_engine_scatter_gated(8, ids, 1, 256, 0, 12, None, 1, None) == 2  # KVD_EALIGN
     assert k.lib.kvd_lane_cancel(0, 0, 0) == -1
     with pytest.raises(KernelError, match="event handle of 3 bytes"):
         k.event_open_ipc(b"abc", 0)

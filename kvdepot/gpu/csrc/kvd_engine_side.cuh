@@ -35,7 +35,7 @@ struct KvdFused {
 
 template <typename Word, int N>
 __global__ void kvd_fused_copy_kernel(KvdFused f, KvdInlineIds<N> ids, uint8_t* __restrict__ staging,
-                                      int to_staging) {
+                                      int to_staging, const unsigned long long* gate) {
   const int x = blockIdx.x;
   int p = 0;
 #pragma unroll
@@ -54,6 +54,7 @@ __global__ void kvd_fused_copy_kernel(KvdFused f, KvdInlineIds<N> ids, uint8_t* 
   if ((int64_t)blockIdx.y >= d.num_layers) return;
   const int64_t b = ids.v[x];
   if (b < 0) return;  // vLLM's null block in a retrieve
+  if (gate != nullptr && gate_closed(gate, slot, d.blocks_per_chunk)) return;  // not landed
   copy_block<Word>(d, lp, slot, blockIdx.y, b, staging, to_staging);
 }
 
@@ -67,7 +68,8 @@ struct KvdPart {
 // Launch the next `n` slots of `parts` from the cursor (part *p, its slot *off), advancing it.
 template <int N>
 static cudaError_t launch_fused_n(const KvdEngine* eng, const KvdPart* parts, int nparts, int* p, int64_t* off,
-                                  int n, int vec, uint8_t* st, int to_staging, cudaStream_t stream) {
+                                  int n, int vec, uint8_t* st, int to_staging, cudaStream_t stream,
+                                  const unsigned long long* gate) {
   KvdFused f;
   KvdInlineIds<N> ids;
   f.nparts = 0;
@@ -95,11 +97,11 @@ static cudaError_t launch_fused_n(const KvdEngine* eng, const KvdPart* parts, in
   for (int q = f.nparts; q < KVD_FUSED_PARTS; ++q) f.x_start[q] = n;  // never chosen
   dim3 grid((unsigned)n, max_layers);
   switch (vec) {
-    case 16: kvd_fused_copy_kernel<uint4, N><<<grid, 256, 0, stream>>>(f, ids, st, to_staging); break;
-    case 8: kvd_fused_copy_kernel<uint2, N><<<grid, 256, 0, stream>>>(f, ids, st, to_staging); break;
-    case 4: kvd_fused_copy_kernel<uint32_t, N><<<grid, 256, 0, stream>>>(f, ids, st, to_staging); break;
-    case 2: kvd_fused_copy_kernel<uint16_t, N><<<grid, 256, 0, stream>>>(f, ids, st, to_staging); break;
-    default: kvd_fused_copy_kernel<uint8_t, N><<<grid, 256, 0, stream>>>(f, ids, st, to_staging); break;
+    case 16: kvd_fused_copy_kernel<uint4, N><<<grid, 256, 0, stream>>>(f, ids, st, to_staging, gate); break;
+    case 8: kvd_fused_copy_kernel<uint2, N><<<grid, 256, 0, stream>>>(f, ids, st, to_staging, gate); break;
+    case 4: kvd_fused_copy_kernel<uint32_t, N><<<grid, 256, 0, stream>>>(f, ids, st, to_staging, gate); break;
+    case 2: kvd_fused_copy_kernel<uint16_t, N><<<grid, 256, 0, stream>>>(f, ids, st, to_staging, gate); break;
+    default: kvd_fused_copy_kernel<uint8_t, N><<<grid, 256, 0, stream>>>(f, ids, st, to_staging, gate); break;
   }
   return cudaGetLastError();
 }
@@ -111,7 +113,7 @@ static bool g_fused_off = false;  // $KVDEPOT_NO_FUSED_GROUPS: one launch per gr
 // group for a one-group engine (its smaller parameter block) or one of more than
 // KVD_FUSED_PARTS groups, else fused launches of up to KVD_FUSED_IDS slots of any groups.
 static int engine_copy(const KvdEngine* eng, const KvdPart* parts, int nparts, uint8_t* st, int to_staging,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, const unsigned long long* gate = nullptr) {
   std::call_once(g_fused_once, [] { g_fused_off = getenv("KVDEPOT_NO_FUSED_GROUPS") != nullptr; });
   if (nparts == 1 || nparts > KVD_FUSED_PARTS || g_fused_off) {
     int rc = KVD_OK;
@@ -120,7 +122,7 @@ static int engine_copy(const KvdEngine* eng, const KvdPart* parts, int nparts, u
       const KvdGroupDesc* d = &eng->desc[part.g];
       KvdIdSource src{part.ids, nullptr, 0, d->blocks_per_chunk};
       rc = launch_copy(d, eng->layer_ptrs_dev[part.g], src, part.first, part.count, st, to_staging,
-                       eng->vec[part.g], 256, stream);
+                       eng->vec[part.g], 256, stream, gate);
     }
     return rc;
   }
@@ -137,11 +139,11 @@ static int engine_copy(const KvdEngine* eng, const KvdPart* parts, int nparts, u
     const int n = (int)(left < KVD_FUSED_IDS ? left : KVD_FUSED_IDS);
     cudaError_t err;
     if (n <= 16)
-      err = launch_fused_n<16>(eng, parts, nparts, &p, &off, n, vec, st, to_staging, stream);
+      err = launch_fused_n<16>(eng, parts, nparts, &p, &off, n, vec, st, to_staging, stream, gate);
     else if (n <= 128)
-      err = launch_fused_n<128>(eng, parts, nparts, &p, &off, n, vec, st, to_staging, stream);
+      err = launch_fused_n<128>(eng, parts, nparts, &p, &off, n, vec, st, to_staging, stream, gate);
     else
-      err = launch_fused_n<KVD_FUSED_IDS>(eng, parts, nparts, &p, &off, n, vec, st, to_staging, stream);
+      err = launch_fused_n<KVD_FUSED_IDS>(eng, parts, nparts, &p, &off, n, vec, st, to_staging, stream, gate);
     if (err != cudaSuccess) {
       g_last_cuda_error = err;
       return KVD_ECUDA;
@@ -260,6 +262,72 @@ int kvd_engine_scatter(const KvdEngine* eng, const int32_t* ids, int64_t total_c
   return rc;
 }
 
+// One thread: the landed word (host memory) into its device copy, which the scatter's CTAs read
+// (each CTA reading the host word itself cost ~0.9 us per CTA on an H200: 0.4 ms for 512).
+__global__ void kvd_gate_copy_kernel(const unsigned long long* word, unsigned long long* copy) {
+  *copy = *reinterpret_cast<const volatile unsigned long long*>(word);
+}
+
+// One thread, after the gated scatter: the landed value it ran with, | KVD_GATE_DONE_BIT, into
+// the host word (the count stays readable there for the engine's CPU, which may look only now).
+__global__ void kvd_gate_done_kernel(const unsigned long long* copy, unsigned long long* word) {
+  __threadfence_system();
+  *reinterpret_cast<volatile unsigned long long*>(word) = *copy | KVD_GATE_DONE_BIT;
+  __threadfence_system();
+}
+
+// Engine side, a retrieve's scatter enqueued before its bytes are in the ring: on `stream`, a
+// wait until the landed word `gate_word` (a fence word: the device address of host memory
+// registered with kvd_host_register_mapped) has KVD_LANDED_BIT set, then the scatter of
+// kvd_engine_scatter for all `total_chunks` chunks, each CTA writing only chunks below the
+// count the word carries (the daemon's DMA stream writes seq | KVD_LANDED_BIT | count << 40
+// after its copies into the ring, kvd_dma; the engine writes it from the CPU for a retrieve
+// that copied nothing or failed), then the landed value it ran with | KVD_GATE_DONE_BIT into
+// `done_word` (the same word: kvd_gate_done_kernel; `done_value`, the region's number, picks
+// the word's device copy). The reply's hop back and this call's launch then run while the
+// bytes cross the link, and the scatter starts when they landed. KVD_EINVAL with nothing
+// enqueued where the driver lacks the wait (kvd_stream_memops) or the arguments are bad.
+// The stream waits until the word is written: the caller must write it if no reply comes.
+int kvd_engine_scatter_gated(const KvdEngine* eng, const int32_t* ids, int64_t total_chunks, const void* src_staging,
+                             int64_t skip_tokens, const void* gate_word, void* done_word, uint64_t done_value,
+                             cudaStream_t stream) {
+  if (eng == nullptr || ids == nullptr || src_staging == nullptr || total_chunks <= 0 || skip_tokens < 0 ||
+      gate_word == nullptr)
+    return KVD_EINVAL;
+  if ((uintptr_t)src_staging % 256 || (uintptr_t)done_word % 8 || (uintptr_t)gate_word % 8) return KVD_EALIGN;
+  std::call_once(g_memops_once, resolve_memops);
+  if (g_wait64 == nullptr) return KVD_EINVAL;
+  std::vector<KvdPart> many;
+  KvdPart few[KVD_FUSED_PARTS];
+  KvdPart* parts = eng->ngroups <= KVD_FUSED_PARTS ? few : (many.resize(eng->ngroups), many.data());
+  const int32_t* gids = ids;
+  for (int g = 0; g < eng->ngroups; ++g) {
+    const KvdGroupDesc* d = &eng->desc[g];
+    if (skip_tokens % d->block_size) return KVD_EINVAL;
+    const int64_t total = total_chunks * d->blocks_per_chunk;
+    int64_t first_slot = skip_tokens / d->block_size;
+    if (first_slot > total) first_slot = total;
+    parts[g] = KvdPart{g, gids, first_slot, total - first_slot};
+    gids += total;
+  }
+  int rc = use_device(eng->device);
+  if (rc) return rc;
+  if (g_wait64(reinterpret_cast<CUstream>(stream), (CUdeviceptr)gate_word, KVD_LANDED_BIT,
+               CU_STREAM_WAIT_VALUE_AND) != CUDA_SUCCESS)
+    return KVD_EINVAL;  // refused: nothing enqueued
+  unsigned long long* count = eng->gate_counts + done_value % KVD_GATE_SLOTS;
+  kvd_gate_copy_kernel<<<1, 1, 0, stream>>>(static_cast<const unsigned long long*>(gate_word), count);
+  rc = kvd_check(cudaGetLastError());
+  if (!rc)
+    rc = engine_copy(eng, parts, eng->ngroups, static_cast<uint8_t*>(const_cast<void*>(src_staging)), 0, stream,
+                     count);
+  if (!rc && done_word != nullptr) {
+    kvd_gate_done_kernel<<<1, 1, 0, stream>>>(count, static_cast<unsigned long long*>(done_word));
+    rc = kvd_check(cudaGetLastError());
+  }
+  return rc;
+}
+
 // Engine side: write `value` into the fence word `word` (host memory registered with
 // kvd_host_register_mapped; its device address) on `stream`, after the work enqueued there so
 // far (the gather of a staged store). The daemon polls the word from the CPU (kvd_dma) and
@@ -281,33 +349,15 @@ __global__ void kvd_signal_kernel(unsigned long long* word, unsigned long long v
 // CPU per call on an H100 host (measured in the vLLM connector's runs) against a few for the
 // memory operation. Else, or if the operation is refused (CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_
 // STREAM_MEM_OPS), a one-thread kernel writes it; a refused call enqueues nothing.
-typedef CUresult (*KvdWriteValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
-static std::once_flag g_write64_once;
-static KvdWriteValue64 g_write64 = nullptr;
+static std::once_flag g_fence_kernel_once;
+static bool g_fence_kernel = false;  // $KVDEPOT_FENCE_KERNEL (diagnosis): always the kernel
 static bool g_write64_refused = false;
-
-static void resolve_write64() {
-  void* fn = nullptr;
-#if CUDART_VERSION >= 12050  // the by-version lookup; the plain one is deprecated from CUDA 13
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  const bool ok = cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000, cudaEnableDefault, &found) ==
-                      cudaSuccess &&
-                  found == cudaDriverEntryPointSuccess;
-#elif CUDART_VERSION >= 12000
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  const bool ok = cudaGetDriverEntryPoint("cuStreamWriteValue64", &fn, cudaEnableDefault, &found) == cudaSuccess &&
-                  found == cudaDriverEntryPointSuccess;
-#else
-  const bool ok = cudaGetDriverEntryPoint("cuStreamWriteValue64", &fn, cudaEnableDefault) == cudaSuccess;
-#endif
-  if (ok && fn != nullptr) g_write64 = reinterpret_cast<KvdWriteValue64>(fn);
-  if (getenv("KVDEPOT_FENCE_KERNEL") != nullptr) g_write64 = nullptr;  // diagnosis: always the kernel
-}
 
 int kvd_engine_signal(void* word, uint64_t value, cudaStream_t stream) {
   if (word == nullptr || (uintptr_t)word % 8) return KVD_EINVAL;
-  std::call_once(g_write64_once, resolve_write64);
-  if (g_write64 != nullptr && !__atomic_load_n(&g_write64_refused, __ATOMIC_RELAXED)) {
+  std::call_once(g_memops_once, resolve_memops);
+  std::call_once(g_fence_kernel_once, [] { g_fence_kernel = getenv("KVDEPOT_FENCE_KERNEL") != nullptr; });
+  if (g_write64 != nullptr && !g_fence_kernel && !__atomic_load_n(&g_write64_refused, __ATOMIC_RELAXED)) {
     if (g_write64(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
                   CU_STREAM_WRITE_VALUE_DEFAULT) == CUDA_SUCCESS)
       return KVD_OK;

@@ -32,6 +32,7 @@ struct KvdDeferred {
   uint64_t token;
   int64_t since_ns;
   bool cancelled;
+  uint64_t landed_word, landed_value;  // see dma_issue
 };
 
 // A completion to report: when `ev` has completed, write `token` (bit 63 set if the GPU
@@ -96,7 +97,11 @@ struct KvdEngine {
   KvdGroupDesc* desc;         // [ngroups]
   uint64_t** layer_ptrs_dev;  // [ngroups] device arrays of num_layers pointers
   int* vec;                   // [ngroups] widest word, for 256-byte aligned staging
+  // device copies of gated scatters' landed words (kvd_engine_scatter_gated), one per ring
+  // region number modulo KVD_GATE_SLOTS: the scatter's CTAs read the copy, not host memory
+  unsigned long long* gate_counts;
 };
+#define KVD_GATE_SLOTS 4096
 
 static const unsigned kEventFlags = cudaEventDisableTiming;
 
@@ -187,10 +192,14 @@ static int lane_watch(KvdLane* lane, cudaStream_t last, int fd, uint64_t token, 
   return KVD_OK;
 }
 
-// Enqueue one kvd_dma request's copies on ds, then its out event and its completion watch.
-// Caller holds issue_mu. `*notified` = 1 once the watch is queued (its token will be written).
+// Enqueue one kvd_dma request's copies on ds, then (landed_word not 0: a gated scatter waits in
+// the engine for it, kvd_engine_scatter_gated) the driver's write of landed_value into that
+// word (device address of the engine's fence memory mapped here), then its out event and its
+// completion watch: the completion reported means the word was written. Caller holds
+// issue_mu. `*notified` = 1 once the watch is queued (its token will be written).
 static int dma_issue(KvdLane* lane, const uint64_t* srcs, const uint64_t* dsts, uint64_t bytes, int64_t n,
-                     int to_host, cudaEvent_t out_event, int fd, uint64_t token, int* notified) {
+                     int to_host, cudaEvent_t out_event, int fd, uint64_t token, int* notified,
+                     uint64_t landed_word, uint64_t landed_value) {
   const cudaMemcpyKind kind = to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
   int rc = KVD_OK;
   // Copies that continue the one before on both sides (a batched request's chunks: one staging
@@ -210,6 +219,14 @@ static int dma_issue(KvdLane* lane, const uint64_t* srcs, const uint64_t* dsts, 
     }
     rc = kvd_check(cudaMemcpyAsync(reinterpret_cast<void*>(d), reinterpret_cast<const void*>(s), len, kind, lane->ds));
     k = j;
+  }
+  if (!rc && landed_word != 0) {
+    std::call_once(g_memops_once, resolve_memops);
+    if (g_write64 == nullptr)
+      rc = KVD_EINVAL;
+    else if (g_write64(reinterpret_cast<CUstream>(lane->ds), (CUdeviceptr)landed_word, landed_value,
+                       CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS)
+      rc = KVD_ECUDA;
   }
   if (!rc && out_event != nullptr) rc = kvd_check(cudaEventRecord(out_event, lane->ds));
   // a failed enqueue is reported through the watch too (bit 63): the request completes once
@@ -269,7 +286,7 @@ static void issuer_main(KvdLane* lane) {
       }
       int notified = 0;
       int rc = dma_issue(lane, job.srcs.data(), job.dsts.data(), job.bytes, (int64_t)job.srcs.size(), job.to_host,
-                         job.out_event, job.fd, job.token, &notified);
+                         job.out_event, job.fd, job.token, &notified, job.landed_word, job.landed_value);
       if (rc) {
         cudaGetLastError();
         if (!notified) {  // nothing will report it: wait out what was enqueued, then fail it

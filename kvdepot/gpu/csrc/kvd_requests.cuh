@@ -43,6 +43,7 @@ void kvd_engine_destroy(KvdEngine* e) {
   cudaSetDevice(e->device);
   for (int g = 0; g < e->ngroups; ++g)
     if (e->layer_ptrs_dev && e->layer_ptrs_dev[g]) cudaFree(e->layer_ptrs_dev[g]);
+  if (e->gate_counts) cudaFree(e->gate_counts);
   cudaGetLastError();
   free(e->desc);
   free(e->layer_ptrs_dev);
@@ -87,6 +88,11 @@ int kvd_engine_create(int device, const KvdGroupDesc* descs, int ngroups, const 
       return rc;
     }
     p += L;
+  }
+  rc = kvd_check(cudaMalloc(reinterpret_cast<void**>(&e->gate_counts), KVD_GATE_SLOTS * sizeof(unsigned long long)));
+  if (rc) {
+    kvd_engine_destroy(e);
+    return rc;
   }
   engine_set_pieces(e, KVD_DEFAULT_PIECE_BYTES);
   *out = e;

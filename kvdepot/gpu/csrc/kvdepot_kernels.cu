@@ -117,11 +117,27 @@ __device__ __forceinline__ void copy_block(const KvdGroupDesc& d, const uint64_t
   }
 }
 
+// A gated scatter's landed word (kvd_engine_scatter_gated): the daemon's DMA stream writes
+// seq | KVD_LANDED_BIT | (chunks copied << KVD_LANDED_COUNT_SHIFT) into it after its copies into
+// the ring; the scatter writes only the slots of chunks below that count (the rest of the
+// ring region holds older bytes). `gate` is the word's device copy (kvd_gate_copy_kernel).
+#define KVD_LANDED_BIT (1ULL << 62)
+#define KVD_LANDED_COUNT_SHIFT 40
+#define KVD_LANDED_COUNT_MASK ((1ULL << 21) - 1)
+#define KVD_GATE_DONE_BIT (1ULL << 61)  // the gated scatter ran (kvd_gate_done_kernel)
+
+__device__ __forceinline__ bool gate_closed(const unsigned long long* gate, int64_t slot, int64_t blocks_per_chunk) {
+  const long long have = (long long)((*gate >> KVD_LANDED_COUNT_SHIFT) & KVD_LANDED_COUNT_MASK);
+  return slot / blocks_per_chunk >= have;
+}
+
 template <typename Word, int N>
 __global__ void kvd_copy_kernel(KvdGroupDesc d, const uint64_t* __restrict__ layer_ptrs, KvdInlineIds<N> ids,
-                                int64_t first_slot, uint8_t* __restrict__ staging, int to_staging) {
+                                int64_t first_slot, uint8_t* __restrict__ staging, int to_staging,
+                                const unsigned long long* gate) {
   const int64_t b = ids.v[blockIdx.x];
   if (b < 0) return;  // a block left alone (a retrieve's -1: vLLM's null block)
+  if (gate != nullptr && gate_closed(gate, first_slot + blockIdx.x, d.blocks_per_chunk)) return;
   copy_block<Word>(d, layer_ptrs, first_slot + blockIdx.x, blockIdx.y, b, staging, to_staging);
 }
 
@@ -162,35 +178,37 @@ struct KvdIdSource {
 template <int N>
 static cudaError_t launch_n(const KvdGroupDesc* d, const uint64_t* layer_ptrs, const KvdIdSource& src, int64_t s0,
                             int64_t n, uint8_t* st, int to_staging, int vec_bytes, int threads_per_cta,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, const unsigned long long* gate) {
   KvdInlineIds<N> ids;
   for (int64_t k = 0; k < n; ++k) ids.v[k] = src.at(s0 + k);
   dim3 grid((unsigned)n, (unsigned)d->num_layers);
   switch (vec_bytes) {
-    case 16: kvd_copy_kernel<uint4, N><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
-    case 8: kvd_copy_kernel<uint2, N><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
-    case 4: kvd_copy_kernel<uint32_t, N><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
-    case 2: kvd_copy_kernel<uint16_t, N><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
-    default: kvd_copy_kernel<uint8_t, N><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging); break;
+    case 16: kvd_copy_kernel<uint4, N><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging, gate); break;
+    case 8: kvd_copy_kernel<uint2, N><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging, gate); break;
+    case 4: kvd_copy_kernel<uint32_t, N><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging, gate); break;
+    case 2: kvd_copy_kernel<uint16_t, N><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging, gate); break;
+    default: kvd_copy_kernel<uint8_t, N><<<grid, threads_per_cta, 0, stream>>>(*d, layer_ptrs, ids, s0, st, to_staging, gate); break;
   }
   return cudaGetLastError();
 }
 
 extern "C" {
 
+// gate: a gated scatter's landed word (device address), else null.
 static int launch_copy(const KvdGroupDesc* d, const uint64_t* layer_ptrs, const KvdIdSource& src,
                        int64_t first_slot, int64_t num_slots, uint8_t* st, int to_staging, int vec_bytes,
-                       int threads_per_cta, cudaStream_t stream) {
+                       int threads_per_cta, cudaStream_t stream, const unsigned long long* gate = nullptr) {
   for (int64_t s0 = first_slot; s0 < first_slot + num_slots; s0 += KVD_INLINE_IDS) {
     int64_t n = first_slot + num_slots - s0;
     if (n > KVD_INLINE_IDS) n = KVD_INLINE_IDS;
     cudaError_t err;
     if (n <= 16)
-      err = launch_n<16>(d, layer_ptrs, src, s0, n, st, to_staging, vec_bytes, threads_per_cta, stream);
+      err = launch_n<16>(d, layer_ptrs, src, s0, n, st, to_staging, vec_bytes, threads_per_cta, stream, gate);
     else if (n <= 128)
-      err = launch_n<128>(d, layer_ptrs, src, s0, n, st, to_staging, vec_bytes, threads_per_cta, stream);
+      err = launch_n<128>(d, layer_ptrs, src, s0, n, st, to_staging, vec_bytes, threads_per_cta, stream, gate);
     else
-      err = launch_n<KVD_INLINE_IDS>(d, layer_ptrs, src, s0, n, st, to_staging, vec_bytes, threads_per_cta, stream);
+      err = launch_n<KVD_INLINE_IDS>(d, layer_ptrs, src, s0, n, st, to_staging, vec_bytes, threads_per_cta, stream,
+                                         gate);
     if (err != cudaSuccess) {
       g_last_cuda_error = err;
       return KVD_ECUDA;
@@ -290,6 +308,45 @@ int kvd_host_register(void* ptr, size_t size_bytes) {
 
 int kvd_host_unregister(void* ptr) { return kvd_check(cudaHostUnregister(ptr)); }
 
+// The driver's stream memory operations (cuStreamWriteValue64 / cuStreamWaitValue64), resolved
+// at run time through the runtime's entry-point lookup: the library links no libcuda. Null
+// where the driver lacks them.
+typedef CUresult (*KvdWriteValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+typedef CUresult (*KvdWaitValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+static std::once_flag g_memops_once;
+static KvdWriteValue64 g_write64 = nullptr;
+static KvdWaitValue64 g_wait64 = nullptr;
+
+static void* driver_entry(const char* name) {
+  void* fn = nullptr;
+#if CUDART_VERSION >= 12050  // the by-version lookup; the plain one is deprecated from CUDA 13
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  const bool ok = cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) == cudaSuccess &&
+                  found == cudaDriverEntryPointSuccess;
+#elif CUDART_VERSION >= 12000
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  const bool ok = cudaGetDriverEntryPoint(name, &fn, cudaEnableDefault, &found) == cudaSuccess &&
+                  found == cudaDriverEntryPointSuccess;
+#else
+  const bool ok = cudaGetDriverEntryPoint(name, &fn, cudaEnableDefault) == cudaSuccess;
+#endif
+  return ok ? fn : nullptr;
+}
+
+static void resolve_memops() {
+  g_write64 = reinterpret_cast<KvdWriteValue64>(driver_entry("cuStreamWriteValue64"));
+  g_wait64 = reinterpret_cast<KvdWaitValue64>(driver_entry("cuStreamWaitValue64"));
+}
+
+extern "C" {
+// Whether this driver has the stream memory operations a gated scatter needs (the daemon's
+// write of a landed word on its DMA stream, the engine stream's wait for it): 1 or 0.
+int kvd_stream_memops(void) {
+  std::call_once(g_memops_once, resolve_memops);
+  return g_write64 != nullptr && g_wait64 != nullptr;
+}
+}
+
 #include "kvd_lanes.cuh"
 #include "kvd_requests.cuh"
 #include "kvd_engine_side.cuh"
@@ -299,15 +356,18 @@ int kvd_host_unregister(void* ptr) { return kvd_check(cudaHostUnregister(ptr)); 
 // fence word (host memory, see kvd_engine_signal); the copies follow the engine's write of
 // `wait_value` into it. If it does not hold the value yet, the request is queued and the
 // lane's issuer thread enqueues it once it does (the DMA stream never waits on another
-// process). out_event (or null) is recorded after the copies, when they are enqueued.
+// process). landed_word (or 0): after the copies, the DMA stream writes landed_value into it
+// (dma_issue; a gated scatter's word). out_event (or null) is recorded after the copies, when
+// they are enqueued.
 // Completion note and *notified as in kvd_store (a deferred request is always notified; bit
 // 62 of its token says it was cancelled or timed out before any copy).
 int kvd_dma(KvdLane* lane, const uint64_t* wait_word, uint64_t wait_value, const uint64_t* srcs, const uint64_t* dsts,
-            uint64_t bytes, int64_t n, int to_host, cudaEvent_t out_event, int fd, uint64_t token, int* notified) {
+            uint64_t bytes, int64_t n, int to_host, cudaEvent_t out_event, int fd, uint64_t token, int* notified,
+            uint64_t landed_word, uint64_t landed_value) {
   if (notified == nullptr) return KVD_EINVAL;
   *notified = 0;
   if (lane == nullptr || srcs == nullptr || dsts == nullptr || n <= 0 || bytes == 0) return KVD_EINVAL;
-  if (wait_word != nullptr && (uintptr_t)wait_word % 8) return KVD_EINVAL;
+  if ((wait_word != nullptr && (uintptr_t)wait_word % 8) || landed_word % 8) return KVD_EINVAL;
   int rc = use_device(lane->device);
   if (rc) return rc;
   std::lock_guard<std::mutex> g(lane->issue_mu);
@@ -328,6 +388,8 @@ int kvd_dma(KvdLane* lane, const uint64_t* wait_word, uint64_t wait_value, const
     job.token = token;
     job.since_ns = now_ns();
     job.cancelled = false;
+    job.landed_word = landed_word;
+    job.landed_value = landed_value;
     try {
       lane->deferred.push_back(std::move(job));
     } catch (...) {
@@ -337,7 +399,7 @@ int kvd_dma(KvdLane* lane, const uint64_t* wait_word, uint64_t wait_value, const
     *notified = 1;  // the issuer reports it
     return KVD_OK;
   }
-  return dma_issue(lane, srcs, dsts, bytes, n, to_host, out_event, fd, token, notified);
+  return dma_issue(lane, srcs, dsts, bytes, n, to_host, out_event, fd, token, notified, landed_word, landed_value);
 }
 
 // kvd_dma with its arguments in one block: the daemon's event loop fills a block it keeps with
@@ -356,6 +418,8 @@ struct KvdDmaCall {
   int64_t fd;
   uint64_t token;
   uint64_t notified;    // int*
+  uint64_t landed_word;   // 0, or see kvd_dma
+  uint64_t landed_value;
   uint64_t ptrs[1];     // 2n of them
 };
 
@@ -365,7 +429,7 @@ int kvd_dma_call(const KvdDmaCall* c) {
   if (c->n <= 0 || c->n > (int64_t(1) << 24)) return KVD_EINVAL;
   return kvd_dma(reinterpret_cast<KvdLane*>(c->lane), reinterpret_cast<const uint64_t*>(c->wait_word), c->wait_value,
                  c->ptrs, c->ptrs + c->n, c->bytes, c->n, (int)c->to_host, nullptr, (int)c->fd, c->token,
-                 reinterpret_cast<int*>(c->notified));
+                 reinterpret_cast<int*>(c->notified), c->landed_word, c->landed_value);
 }
 
 // Interprocess events (cudaEventInterprocess | cudaEventDisableTiming).
@@ -414,7 +478,7 @@ int kvd_lane_synchronize(KvdLane* lane) {
 
 int kvd_ipc_handle_bytes(void) { return (int)sizeof(cudaIpcMemHandle_t); }
 
-int kvd_abi_version(void) { return 12; }
+int kvd_abi_version(void) { return 13; }
 
 // First 16 hex digits of the SHA-256 of this file, passed by the build (-DKVD_SOURCE_HASH=...);
 // the loader refuses a library built from other source (a stale build would misread arguments).

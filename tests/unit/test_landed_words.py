@@ -1,0 +1,85 @@
+"""A gated retrieve's landed word (`Retrieve.landed`, `kvdepot.client.staging.FenceWords`):
+its encoding, who may write it when, and when its region counts as free. The words are plain
+host memory here (no GPU: the GPU's writes are played by the test)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from kvdepot.client.staging import FENCE_ABANDONED_BIT, FenceWords
+from kvdepot.protocol import messages as m
+from kvdepot.server.transfers import _landed
+
+
+def _words(n: int = 16) -> FenceWords:
+    f = FenceWords.__new__(FenceWords)  # the predicates only: no memfd, no CUDA registration
+    f.words = n
+    f._view = (ctypes.c_uint64 * n)()
+    return f
+
+
+def test_the_value_carries_region_and_count_and_refuses_what_does_not_fit():
+    v = m.landed_value(37, 5)
+    assert v & m.LANDED_BIT and v & m.LANDED_MAX_SEQ == 37 and v >> m.LANDED_COUNT_SHIFT & m.LANDED_MAX_CHUNKS == 5
+    assert not v & m.GATE_DONE_BIT
+    assert m.landed_value(m.LANDED_MAX_SEQ, m.LANDED_MAX_CHUNKS) & m.GATE_DONE_BIT == 0  # the bits never overlap
+    for seq, n in ((m.LANDED_MAX_SEQ + 1, 0), (1, m.LANDED_MAX_CHUNKS + 1), (-1, 0), (1, -1)):
+        with pytest.raises(ValueError):
+            m.landed_value(seq, n)
+
+
+def test_a_word_lands_opens_and_frees_in_order():
+    f = _words()
+    seq = 21  # word 5, last used by region 5
+    f._view[seq % f.words] = 5 | FENCE_ABANDONED_BIT  # an earlier store's mark
+    f.close_gate(seq)
+    assert not f.landed(seq) and not f.holds(seq)
+    f._view[seq % f.words] = m.landed_value(seq, 3)  # the daemon's DMA stream
+    assert f.landed(seq) and f.landed_count(seq) == 3 and not f.holds(seq)
+    f.open_gate(seq)  # too late to change anything: the daemon's count stays
+    assert f.landed_count(seq) == 3
+    f._view[seq % f.words] |= m.GATE_DONE_BIT  # the scatter ran
+    assert f.holds(seq) and f.landed(seq) and f.landed_count(seq) == 3
+    assert not f.holds(seq + f.words) and not f.landed(seq + f.words)  # another region of the word
+
+
+def test_a_retrieve_that_copied_nothing_is_opened_by_the_engine_with_no_chunks():
+    f = _words()
+    seq = 25
+    f.close_gate(seq)
+    f.open_gate(seq)
+    assert f.landed(seq) and f.landed_count(seq) == 0 and not f.holds(seq)
+    f._view[seq % f.words] |= m.GATE_DONE_BIT
+    assert f.holds(seq)
+    f._view[seq % f.words] = m.landed_value(seq - f.words, 4) | m.GATE_DONE_BIT  # an older region's
+    assert not f.holds(seq) and not f.landed(seq)
+
+
+class _Fence:
+    dev_ptr = 0x10000
+
+    def landed_ptr(self, seq: int) -> int:
+        return self.dev_ptr + (seq % 8) * 8
+
+
+class _Reg:
+    fence = _Fence()
+
+
+def test_the_daemon_writes_a_word_only_for_what_it_can_encode():
+    def req(**kw):
+        base = dict(rid=1, registration="r", keys=[b"k" * 16], block_ids=[[0]], staging_offset=0, staging_seq=10,
+                    landed=True)
+        base.update(kw)
+        return m.Retrieve(**base)
+
+    assert _landed(_Reg(), req(), 1) == (0x10000 + 2 * 8, m.landed_value(10, 1))
+    assert _landed(_Reg(), req(landed=False), 1) is None
+    assert _landed(_Reg(), req(staging_seq=0), 1) is None
+    assert _landed(_Reg(), req(staging_seq=m.LANDED_MAX_SEQ + 1), 1) is None
+    unmapped = _Reg()
+    unmapped.fence = type("F", (), {"dev_ptr": 0})()
+    assert _landed(unmapped, req(), 1) is None
+    assert m.Retrieve(rid=1, registration="r", keys=[b"k" * 16], block_ids=[[0]]).landed is False
