@@ -469,7 +469,13 @@ class KVDepotClient(StagedStores, ManyRequests):
         return new
 
     def unregister(self, reg: Registration) -> None:
-        self.call(m.Unregister(rid=0, registration=reg.id))
+        """Unregister ``reg``'s caches. Gated scatters of retrieves nobody took the result of
+        (`submit_retrieve`'s ``scatter_on``) are let run, writing only what landed."""
+        try:
+            self.call(m.Unregister(rid=0, registration=reg.id))
+        finally:
+            if reg.staging is not None:
+                reg.staging.open_gates()
 
     def lookup(self, keys: Sequence[Sequence[bytes]] | Sequence[bytes], chunk_size: int, num_tokens: int = 0,
                model: str = "", pin_request: str = "") -> int:

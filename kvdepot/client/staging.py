@@ -412,6 +412,16 @@ class EngineStaging:
         self.kernels.engine_scatter_gated(self.handle, self.flat_ids(block_ids), num_chunks, self.base_ptr + offset,
                                           skip_tokens, word, stream.cuda_stream, word, seq)
 
+    def open_gates(self) -> None:
+        """Open the gate of every live region's gated scatter (`FenceWords.open_gate`): their
+        daemon will write no more landed words (the registration is going)."""
+        if self.fence is None:
+            return
+        with self.ring._lock:
+            seqs = [r.seq for r in self.ring.live if r.gated]
+        for seq in seqs:
+            self.fence.open_gate(seq)
+
     def close(self) -> None:
         """Free the library's state (the ring is freed with this object; no transfer may use it)."""
         if self.handle:

@@ -155,8 +155,17 @@ def test_a_refused_gated_retrieve_raises_and_leaves_the_stream_and_blocks_alone(
         assert c.retrieve(reg, keys, dst, before=s) == 1  # and the next one is served
         assert _drained(s)
         _check(cache, groups, dst, refs, 1)
-    finally:
+        # refused again, and nobody takes its result: unregistering lets its scatter run (writing nothing)
+        cache.storage.fill_(FILL)
+        torch.cuda.synchronize()
+        assert c.submit_retrieve(reg, keys, bad, scatter_on=s)._gated
         c.unregister(reg)
+        reg = None
+        assert _drained(s)
+        _check(cache, groups, dst, refs, 0)
+    finally:
+        if reg is not None:
+            c.unregister(reg)
         c.close()
 
 
