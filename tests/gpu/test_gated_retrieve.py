@@ -56,6 +56,13 @@ def _chunk_blocks(groups, ids, j):
     return [x[j * (CHUNK // g.tokens_per_block):(j + 1) * (CHUNK // g.tokens_per_block)] for g, x in zip(groups, ids)]
 
 
+def _blank(cache, rng, groups, n_chunks):
+    """Every block FILL; returns fresh target block ids for ``n_chunks`` chunks."""
+    cache.storage.fill_(FILL)
+    torch.cuda.synchronize()
+    return _disjoint(rng, groups, n_chunks, 1)[0]
+
+
 def _drained(stream, wait_s=10.0) -> bool:
     """Whether everything enqueued on ``stream`` ran within ``wait_s`` (a gate left closed would
     hold it forever)."""
@@ -108,24 +115,18 @@ def test_gated_retrieves_write_exactly_the_chunks_their_reply_counts(daemon):
         ]
         for round_ in range(12):  # the ring (four 3-chunk regions' worth) wraps several times
             for want_keys, written, _ in cases:
-                cache.storage.fill_(FILL)
-                torch.cuda.synchronize()
-                dst = _disjoint(rng, groups, 3, 1)[0]
+                dst = _blank(cache, rng, groups, 3)
                 p = c.submit_retrieve(reg, want_keys, dst, scatter_on=s)
                 assert p._gated
                 assert p.result(s) == written
                 assert _drained(s)
                 _check(cache, groups, dst, refs, written)
-        cache.storage.fill_(FILL)  # the first chunk's tokens left alone
-        torch.cuda.synchronize()
-        dst = _disjoint(rng, groups, 3, 1)[0]
+        dst = _blank(cache, rng, groups, 3)  # the first chunk's tokens left alone
         assert c.retrieve(reg, keys, dst, skip_tokens=CHUNK, before=s) == 3
         assert _drained(s)
         _check(cache, groups, dst, refs, 3, skipped_chunks=1)
         # the one chunk found is skipped: the daemon copies nothing and writes no word
-        cache.storage.fill_(FILL)
-        torch.cuda.synchronize()
-        dst = _disjoint(rng, groups, 3, 1)[0]
+        dst = _blank(cache, rng, groups, 3)
         assert c.retrieve(reg, keys[:1] + unknown + unknown, dst, skip_tokens=CHUNK, before=s) == 1
         assert _drained(s)
         _check(cache, groups, dst, refs, 1, skipped_chunks=1)
@@ -142,9 +143,7 @@ def test_a_refused_gated_retrieve_raises_and_leaves_the_stream_and_blocks_alone(
         rng = random.Random(6)
         s = torch.cuda.Stream()
         keys, refs = _stored(c, cache, groups, reg, rng, 1)
-        cache.storage.fill_(FILL)
-        torch.cuda.synchronize()
-        dst = _disjoint(rng, groups, 1, 1)[0]
+        dst = _blank(cache, rng, groups, 1)
         bad = [list(dst[0]), [NUM_BLOCKS + 7] * len(dst[1])]  # out of range: the daemon refuses it
         p = c.submit_retrieve(reg, keys, bad, scatter_on=s)
         assert p._gated
@@ -184,9 +183,7 @@ def test_a_daemon_that_stops_answering_never_holds_the_engines_stream(tmp_path):
         rng = random.Random(7)
         s = torch.cuda.Stream()
         keys, refs = _stored(c, cache, groups, reg, rng, 2)
-        cache.storage.fill_(FILL)
-        torch.cuda.synchronize()
-        dst = _disjoint(rng, groups, 2, 1)[0]
+        dst = _blank(cache, rng, groups, 2)
         os.kill(pid, signal.SIGSTOP)
         try:
             p = c.submit_retrieve(reg, keys, dst, scatter_on=s)
@@ -200,9 +197,7 @@ def test_a_daemon_that_stops_answering_never_holds_the_engines_stream(tmp_path):
             os.kill(pid, signal.SIGCONT)
         time.sleep(0.5)  # its late copy lands now (and its landed word, after the scatter ran)
         for _ in range(20):  # the ring works on: retrieves until the lost region was drained and reused
-            cache.storage.fill_(FILL)
-            torch.cuda.synchronize()
-            dst = _disjoint(rng, groups, 2, 1)[0]
+            dst = _blank(cache, rng, groups, 2)
             assert c.retrieve(reg, keys, dst, before=s) == 2
             assert _drained(s)
             _check(cache, groups, dst, refs, 2)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from kvdepot.client.client import PendingRetrieve, PendingStore
+from kvdepot.client.pending import PendingRetrieve, PendingStore
 from kvdepot.client.vllm.plan import LoadJob
 
 

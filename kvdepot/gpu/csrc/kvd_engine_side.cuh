@@ -228,6 +228,24 @@ int kvd_engine_gather_pieces(const KvdEngine* eng, const int32_t* ids, int64_t t
   return rc;
 }
 
+// A scatter's parts: per group, the slots of the leading `nchunks` chunks (ids as in kvd_store,
+// total_chunks chunks) past the blocks of the first skip_tokens tokens. KVD_EINVAL unless
+// skip_tokens is a multiple of every group's block size.
+static int scatter_parts(const KvdEngine* eng, const int32_t* ids, int64_t total_chunks, int64_t nchunks,
+                         int64_t skip_tokens, KvdPart* parts) {
+  const int32_t* gids = ids;
+  for (int g = 0; g < eng->ngroups; ++g) {
+    const KvdGroupDesc* d = &eng->desc[g];
+    if (skip_tokens % d->block_size) return KVD_EINVAL;
+    const int64_t total = nchunks * d->blocks_per_chunk;
+    int64_t first_slot = skip_tokens / d->block_size;
+    if (first_slot > total) first_slot = total;
+    parts[g] = KvdPart{g, gids, first_slot, total - first_slot};
+    gids += total_chunks * d->blocks_per_chunk;
+  }
+  return KVD_OK;
+}
+
 // Engine side: scatter the request's leading `nchunks` chunks (of total_chunks; ids as in
 // kvd_store) from `src` (chunk j at src + j*object_bytes) into the engine's blocks on `stream`,
 // skipping the blocks of the first skip_tokens tokens (a multiple of every group's block size,
@@ -245,17 +263,9 @@ int kvd_engine_scatter(const KvdEngine* eng, const int32_t* ids, int64_t total_c
   std::vector<KvdPart> many;
   KvdPart few[KVD_FUSED_PARTS];
   KvdPart* parts = eng->ngroups <= KVD_FUSED_PARTS ? few : (many.resize(eng->ngroups), many.data());
-  const int32_t* gids = ids;
-  for (int g = 0; g < eng->ngroups; ++g) {
-    const KvdGroupDesc* d = &eng->desc[g];
-    if (skip_tokens % d->block_size) return KVD_EINVAL;
-    const int64_t total = nchunks * d->blocks_per_chunk;
-    int64_t first_slot = skip_tokens / d->block_size;
-    if (first_slot > total) first_slot = total;
-    parts[g] = KvdPart{g, gids, first_slot, total - first_slot};
-    gids += total_chunks * d->blocks_per_chunk;
-  }
-  int rc = use_device(eng->device);
+  int rc = scatter_parts(eng, ids, total_chunks, nchunks, skip_tokens, parts);
+  if (rc) return rc;
+  rc = use_device(eng->device);
   if (!rc) rc = engine_copy(eng, parts, eng->ngroups, static_cast<uint8_t*>(const_cast<void*>(src_staging)), 0,
                             stream);
   if (!rc && done_word != nullptr) rc = kvd_engine_signal(done_word, done_value, stream);
@@ -300,17 +310,8 @@ int kvd_engine_scatter_gated(const KvdEngine* eng, const int32_t* ids, int64_t t
   std::vector<KvdPart> many;
   KvdPart few[KVD_FUSED_PARTS];
   KvdPart* parts = eng->ngroups <= KVD_FUSED_PARTS ? few : (many.resize(eng->ngroups), many.data());
-  const int32_t* gids = ids;
-  for (int g = 0; g < eng->ngroups; ++g) {
-    const KvdGroupDesc* d = &eng->desc[g];
-    if (skip_tokens % d->block_size) return KVD_EINVAL;
-    const int64_t total = total_chunks * d->blocks_per_chunk;
-    int64_t first_slot = skip_tokens / d->block_size;
-    if (first_slot > total) first_slot = total;
-    parts[g] = KvdPart{g, gids, first_slot, total - first_slot};
-    gids += total;
-  }
-  int rc = use_device(eng->device);
+  int rc = scatter_parts(eng, ids, total_chunks, total_chunks, skip_tokens, parts);
+  if (!rc) rc = use_device(eng->device);
   if (rc) return rc;
   if (g_wait64(reinterpret_cast<CUstream>(stream), (CUdeviceptr)gate_word, KVD_LANDED_BIT,
                CU_STREAM_WAIT_VALUE_AND) != CUDA_SUCCESS)

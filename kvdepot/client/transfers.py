@@ -1,0 +1,177 @@
+"""STORE and RETRIEVE of `kvdepot.client.KVDepotClient` (a mixin): the blocking calls and their
+``submit_*`` forms, with engine-side staging (`kvdepot.client.staging`): a store's gather sent
+before it runs, a retrieve's scatter gated on the daemon's copies (`Retrieve.landed`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvdepot import trace
+from kvdepot.client.many import check_chains
+from kvdepot.client.pending import PendingRetrieve, PendingStore, gate_scatter
+from kvdepot.client.registration import Registration
+from kvdepot.protocol import messages as m
+
+
+class TransferRequests:
+    """Mixed into `KVDepotClient` (its ``submit``, ``forget``, ``_fence``, ``stage_store``,
+    ``_gather``, ``abandon_region``, ``unstaged_requests`` and ``_gated_scatters``)."""
+
+    unstaged_requests: int
+    _gated_scatters: bool
+
+    def store(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
+              parent: bytes = b"", cache_salt: str = "", request: str = "", after=None,
+              early: bool = False, cpu_wait: bool = False, in_l1: bool = False) -> m.StoreReply:
+        """Store whole chunks from engine blocks (see `kvdepot.protocol.messages.Store`);
+        returns once the chunks are in the daemon's L1 (or were skipped).
+
+        after: CUDA engines: the ``torch.cuda.Stream`` whose work so far wrote the blocks
+            (default: the current stream). Staged, the gather is enqueued on it; the blocks may
+            be overwritten by work enqueued there after this call.
+        early, cpu_wait, in_l1: ignored (the daemon no longer replies early: see
+            `kvdepot.protocol.messages.Store`).
+        """
+        return self.submit_store(reg, keys, block_ids, parent, cache_salt, request, after).result()
+
+    def submit_store(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
+                     parent: bytes = b"", cache_salt: str = "", request: str = "", after=None,
+                     early: bool = False, wait_for_room: bool = True, staged=None,
+                     chains: Sequence[m.Chain] = ()) -> PendingStore | None:
+        """`store` without waiting: ``.result()`` of the returned handle gives the `StoreReply`.
+        Unstaged, the blocks must not be overwritten before then. ``early``: ignored.
+
+        With engine-side staging (`register`'s ``local_storages``) the blocks are gathered into
+        the staging ring here (`stage_store`, on ``after``, default: the current stream), so
+        work enqueued on that stream later may overwrite them at once; the store is sent without
+        waiting for the gather (the daemon copies once the GPU wrote its fence word,
+        `kvdepot.client.staging`). Without fence words (a daemon on tcp://, or one that does not
+        poll them), and unstaged, this call waits until the GPU has run the work enqueued on
+        ``after`` so far. ``wait_for_room=False``: if the ring has no room for the chunks now,
+        nothing is sent and None is returned (never blocks). ``staged``: the region a
+        `stage_store` of these chunks returned (nothing is gathered here; on an error the
+        region is given up, `abandon_region`). ``chains``: ``keys`` / ``block_ids`` are several
+        prompts' runs (`kvdepot.protocol.messages.Chain`; ``parent`` empty), see
+        `submit_store_many`."""
+        if chains:
+            check_chains(reg, parent)
+        offset = -1
+        fence = 0
+        region = staged
+        staging = reg.staging
+        gather_after_send = False
+        if region is None and staging is not None and keys:
+            if staging.fence_active:
+                # the store goes out first and the gather is enqueued while it travels: the
+                # daemon copies once the GPU wrote the region's fence word either way
+                region = staging.ring.alloc(len(keys) * reg.object_bytes, self, wait=wait_for_room, fenced=True)
+                gather_after_send = region is not None
+            else:
+                region = self.stage_store(reg, block_ids, len(keys), after, wait_for_room)
+            if region is None:
+                if not wait_for_room:
+                    return None
+                self.unstaged_requests += 1
+        if region is None and after is not None:
+            self._fence(after)  # unstaged: the daemon reads the blocks once it has the request
+        if region is not None:
+            offset = region.offset
+            fence = region.seq if region.fenced else 0
+        gathered_ns = trace.now_ns()
+        try:
+            rid = self.submit(m.Store(rid=0, registration=reg.id, keys=list(keys),
+                                      block_ids=[list(b) for b in block_ids], parent=parent, cache_salt=cache_salt,
+                                      request=request, staging_offset=offset, fence=fence,
+                                      staging_seq=region.seq if region is not None else 0, chains=list(chains)))
+        except BaseException:
+            if gather_after_send:
+                region.fenced = False
+                region.release()  # nothing was sent nor gathered
+            elif region is not None:
+                self.abandon_region(reg, region)  # nothing was sent: no copy reads it
+            raise
+        trace.point_at(rid, "c_gathered", gathered_ns)
+        if gather_after_send:
+            try:
+                self._gather(reg, region, block_ids, len(keys), after)
+            except BaseException:
+                # nothing of the region is pending on the GPU: the word tells the daemon to copy
+                # nothing (its reply, an error, is dropped), and the region is free at once
+                staging.fence.abandon(region.seq)
+                self.forget(rid)
+                region.fenced = False
+                region.release()
+                raise
+        return PendingStore(self, rid, region, len(keys), staging.fence if fence else None, reg)
+
+    def retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
+                 skip_tokens: int = 0, request: str = "", before=None, cpu_wait: bool = False) -> int:
+        """Write cached chunks into engine blocks; returns how many leading chunks were written.
+
+        before: CUDA engines with engine-side staging: the ``torch.cuda.Stream`` the scatter out
+            of the staging ring is enqueued on (default: the current stream); work enqueued
+            there later reads the blocks, another stream waits on ``last_retrieve_event``.
+            Unstaged, the call returns once the daemon wrote the blocks.
+        cpu_wait: ignored (the daemon answers once its copies completed; a GPU stream's wait
+            on another process's event was measured to add ~170 us to a lone 32 MiB retrieve,
+            H100, no MPS, and such an event was seen to report its record complete too early).
+        """
+        if before is None and reg.staging is not None:
+            import torch
+
+            before = torch.cuda.current_stream(reg.staging.device)
+        return self.submit_retrieve(reg, keys, block_ids, skip_tokens, request,
+                                    scatter_on=before).result(before, cpu_wait=cpu_wait)
+
+    def submit_retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
+                        skip_tokens: int = 0, request: str = "", wait_for_room: bool = True,
+                        chains: Sequence[m.Chain] = (), scatter_on=None) -> PendingRetrieve | None:
+        """`retrieve` without waiting: ``.result(before)`` of the returned handle gives the
+        number of chunks written (and makes ``before`` wait for them).
+
+        A registration's retrieves complete in the order the daemon received them, and the
+        event of a later reply covers every earlier one: with several outstanding, an engine
+        may pass ``before`` only to the last ``result`` (each GPU wait on an interprocess
+        event costs the waiting stream tens of microseconds). With engine-side staging each
+        ``result`` enqueues its own scatter, so pass ``before`` to every one.
+        ``wait_for_room=False``: if the staging ring has no room now, nothing is sent and None
+        is returned. A block id of -1 leaves that block unwritten. ``chains``: several prompts'
+        runs (``skip_tokens`` 0), see `submit_retrieve_many`.
+
+        ``scatter_on`` (a ``torch.cuda.Stream``; staged, no ``chains``, a daemon that writes
+        landed words: `RegisterReply.landed`): the scatter is enqueued on it now, behind a GPU
+        wait for the daemon's copies into the ring (`EngineStaging.scatter_gated`), so that it
+        starts as the bytes land instead of after the reply's hop back and this process's
+        launch (~50 us of a lone 32 MiB retrieve on an H100). That stream then waits for the
+        daemon: call ``result`` (which opens the wait itself if no reply comes within the
+        timeout) before anything that must not wait is enqueued there."""
+        if chains:
+            check_chains(reg, skip_tokens)
+        region = None
+        if reg.staging is not None and keys:
+            region = reg.staging.ring.alloc(len(keys) * reg.object_bytes, self, wait=wait_for_room)
+            if region is None:
+                if not wait_for_room:
+                    return None
+                self.unstaged_requests += 1
+        gated = (scatter_on is not None and region is not None and not chains and reg.staging.landed_active
+                 and region.seq <= m.LANDED_MAX_SEQ and len(keys) <= m.LANDED_MAX_CHUNKS)
+        if gated:  # before sending: the daemon's word may come before this thread's next line
+            reg.staging.fence.close_gate(region.seq)
+        try:
+            rid = self.submit(m.Retrieve(rid=0, registration=reg.id, keys=list(keys),
+                                         block_ids=[list(b) for b in block_ids], skip_tokens=skip_tokens,
+                                         request=request, staging_offset=region.offset if region else -1,
+                                         staging_seq=region.seq if region else 0, chains=list(chains),
+                                         landed=gated))
+        except BaseException:
+            if region is not None:
+                region.release()
+            raise
+        pending = PendingRetrieve(self, rid)
+        if region is not None:
+            pending._staged(reg, region, block_ids, len(keys), skip_tokens, chains)
+            # enqueued after the send: its launch (tens of microseconds) runs while the daemon copies
+            if gated and gate_scatter(reg, region, block_ids, len(keys), skip_tokens, scatter_on):
+                pending._gated_on(scatter_on)
+        return pending
