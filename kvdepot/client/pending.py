@@ -227,7 +227,7 @@ class PendingRetrieve:
         self._scatter_stream = None  # the stream the scatter was enqueued on
         self._reply: m.RetrieveReply | None = None  # staged: the reply, once taken by done()
         self._chains = ()  # staged with `Retrieve.chains`: the runs (the scatter masks what was not found)
-        self._gated = False  # its scatter was enqueued at submit, behind the landed word (`_gate`)
+        self._gated = False  # its scatter was enqueued at submit, behind the landed word (`gate_scatter`)
         # with `Retrieve.chains`: each run's leading chunks written, once `result` returned
         self.chains_retrieved: list[int] = []
 
@@ -310,7 +310,7 @@ class PendingRetrieve:
             self._done_event.record(self._scatter_stream)
 
     def _gated_result(self, before, timeout_s: float | None) -> int:
-        """`result` of a retrieve whose scatter was enqueued at submit (`_gate`): the reply says
+        """`result` of a retrieve whose scatter was enqueued at submit (`gate_scatter`): the reply says
         how many chunks; the landed word (the daemon's, or this process's for a retrieve that
         copied nothing) lets the scatter run."""
         fence = self._reg.staging.fence

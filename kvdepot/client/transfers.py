@@ -111,6 +111,9 @@ class TransferRequests:
         before: CUDA engines with engine-side staging: the ``torch.cuda.Stream`` the scatter out
             of the staging ring is enqueued on (default: the current stream); work enqueued
             there later reads the blocks, another stream waits on ``last_retrieve_event``.
+            Where the daemon writes landed words (`RegisterReply.landed`) the scatter is
+            enqueued as the request leaves, behind a GPU wait for the daemon's copies
+            (``scatter_on`` of `submit_retrieve`), and the call returns once they landed.
             Unstaged, the call returns once the daemon wrote the blocks.
         cpu_wait: ignored (the daemon answers once its copies completed; a GPU stream's wait
             on another process's event was measured to add ~170 us to a lone 32 MiB retrieve,
