@@ -445,7 +445,7 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
         return m.RegisterReply(rid=req.rid, registration=reg_id, layout_fingerprint=layout.fingerprint,
                                object_bytes=layout.object_bytes, boot_id=self.boot_id,
                                staging=bool(reg.staging_bytes), fence=reg.fence is not None, chains=True,
-                               landed=bool(reg.fence is not None and getattr(reg.fence, "dev_ptr", 0)))
+                               landed=bool(reg.fence is not None and reg.fence.dev_ptr))
 
     def _unregister(self, reg: Registration) -> None:
         self.registrations.pop(reg.id, None)

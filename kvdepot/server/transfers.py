@@ -442,7 +442,7 @@ def _landed(reg: Registration, req: m.Retrieve, retrieved: int) -> tuple[int, in
     this daemon's GPU: the engine then writes its word itself when the reply comes)."""
     fence = reg.fence
     if (not req.landed or not 0 < req.staging_seq <= m.LANDED_MAX_SEQ or retrieved > m.LANDED_MAX_CHUNKS
-            or fence is None or not getattr(fence, "dev_ptr", 0)):
+            or fence is None or not fence.dev_ptr):
         return None
     return fence.landed_ptr(req.staging_seq), m.landed_value(req.staging_seq, retrieved)
 
