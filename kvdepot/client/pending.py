@@ -22,18 +22,6 @@ log = logging.getLogger("kvdepot.client")
 LANDED_GRACE_S = 0.05  # how long a gated retrieve's landed word may lag behind its reply
 
 
-def await_word_landed(fence, seq: int, wait_s: float) -> bool:
-    """Whether region ``seq``'s landed word is written (`FenceWords.landed`), polled for up to ``wait_s``."""
-    deadline = None
-    while not fence.landed(seq):
-        now = time.monotonic()
-        if deadline is None:
-            deadline = now + wait_s
-        elif now > deadline:
-            return False
-        time.sleep(20e-6)
-    return True
-
 
 def region_reusable_after(error: KVDepotError) -> bool:
     """Whether a failed staged request's ring region may be reused: not when the request was
@@ -313,6 +301,8 @@ class PendingRetrieve:
         """`result` of a retrieve whose scatter was enqueued at submit (`gate_scatter`): the reply says
         how many chunks; the landed word (the daemon's, or this process's for a retrieve that
         copied nothing) lets the scatter run."""
+        from kvdepot.client.staging import await_word
+
         fence = self._reg.staging.fence
         if self._retrieved is None and self._error is None:
             r = self._reply
@@ -337,7 +327,7 @@ class PendingRetrieve:
             if r is not None and self._error is None:
                 if r.retrieved * self._reg.staging.layout.chunk_size <= self._skip_tokens:
                     fence.open_gate(self._done_seq)  # nothing copied: the daemon wrote no word
-                elif not await_word_landed(fence, self._done_seq, LANDED_GRACE_S):
+                elif not await_word(fence, self._done_seq, LANDED_GRACE_S, fence.landed):
                     # the reply comes after the word's write: never seen so far; fail it rather
                     # than report chunks the scatter may not have written
                     self._error = KVDepotError(ErrorCode.INTERNAL, f"retrieve {self.rid}: the daemon replied but "

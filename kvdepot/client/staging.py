@@ -281,10 +281,12 @@ class FenceWords:
         self._finalizer()
 
 
-def await_word(fence: FenceWords, seq: int, wait_s: float) -> bool:
-    """Whether the GPU wrote ``seq`` into its fence word, polled for up to ``wait_s``."""
+def await_word(fence: FenceWords, seq: int, wait_s: float, ready: Callable[[int], bool] | None = None) -> bool:
+    """Whether the GPU wrote ``seq`` into its fence word (``ready``: another test of the word,
+    e.g. `FenceWords.landed`), polled for up to ``wait_s``."""
+    ready = fence.holds if ready is None else ready
     deadline = time.monotonic() + wait_s
-    while not fence.holds(seq):
+    while not ready(seq):
         if time.monotonic() > deadline:
             return False
         time.sleep(20e-6)
