@@ -384,6 +384,12 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
     return res
 
 
+def _forwards_waiting(r: dict) -> str:
+    """Sliding-window models: forwards that waited for an earlier store's gathers (`WorkerSide.bind`)."""
+    n = r.get("store_stats", {}).get("forwards_waiting_for_gathers", 0)
+    return f"; {n} forwards waited for a store's gathers" if n else ""
+
+
 def _gc(r: dict, op: str) -> str:
     g = r.get(f"{op}_gc_in_steps")
     if not g or not g["collections"]:
@@ -405,7 +411,8 @@ def report(r: dict) -> str:
             f" +{r['store_step_us_median']:.0f} us median, {r['store_step_us_p99']:.0f} p99 (waiting"
             f" {r['store_step_wait_us_median']:.0f} of it; scheduler"
             f" {r['store_sched_us_median']:.0f}, worker {r['store_worker_us_median']:.0f}; {calls('store')});"
-            f" transfer thread {r['store_thread_cpu_us_per_step']:.0f} us CPU per forward step{_gc(r, 'store')}\n"
+            f" transfer thread {r['store_thread_cpu_us_per_step']:.0f} us CPU per forward step{_gc(r, 'store')}"
+            f"{_forwards_waiting(r)}\n"
             f"  load:  {r['load_gbps']:.1f} GB/s = {100 * r['load_vs_roofline']:.1f}% of {r['roofline_h2d_gbps']:.1f}"
             f" (direct {r['direct_retrieve_gbps']:.1f} = {100 * r['direct_retrieve_vs_roofline']:.1f}%); wall"
             f" {1e3 * r['load_wall_s']:.0f} ms = {100 * r['load_vs_bound']:.1f}% of max(link {1e3 * r['load_link_s']:.0f},"

@@ -118,12 +118,21 @@ static int64_t now_ns() {
 // With more requests queued behind it, it polls every KVD_WATCH_QUEUED_NAP_NS instead of
 // spinning: the queued copies keep the link busy, and a reply up to that much later costs
 // nothing but the spin's core ($KVDEPOT_WATCH_SPIN_QUEUED: spin anyway, for comparisons).
+// The nap is an eighth of the next request's expected time, between KVD_WATCH_QUEUED_NAP_NS and
+// KVD_WATCH_QUEUED_NAP_MAX_NS (a 32 MiB request at 55 GB/s: ~75 us): 8 engines of 32 MiB
+// requests against one H200, half storing and half retrieving, took the daemon from 1.00-1.02
+// cores with fixed 20 us naps to 0.64-0.67 (its watchers from 0.50 to 0.18-0.19), GB/s within
+// the runs' spread (benchmarks/transfer.py --engines 8, docs/benchmarks.md); requests of 10 MiB
+// and less keep naps of 20-24 us ($KVDEPOT_WATCH_QUEUED_NAP_US: a fixed nap, for comparisons).
 #define KVD_WATCH_QUEUED_NAP_NS 20000LL
+#define KVD_WATCH_QUEUED_NAP_MAX_NS 100000LL
 static void watcher_main(KvdLane* lane) {
   cudaSetDevice(lane->device);
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   prctl(PR_SET_NAME, "kvd-watch", 0, 0, 0);  // per-thread CPU in top / benchmarks/transfer.py
   const bool spin_queued = getenv("KVDEPOT_WATCH_SPIN_QUEUED") != nullptr;
+  const char* nap_env = getenv("KVDEPOT_WATCH_QUEUED_NAP_US");
+  const int64_t fixed_nap_ns = nap_env != nullptr && atoll(nap_env) > 0 ? atoll(nap_env) * 1000LL : 0;
   std::unique_lock<std::mutex> lk(lane->mu);
   int64_t prev_done_ns = 0;
   for (;;) {
@@ -131,6 +140,14 @@ static void watcher_main(KvdLane* lane) {
     if (lane->pending.empty()) return;  // stopping, and everything reported
     KvdWatch w = lane->pending.front();
     const bool queued = !spin_queued && lane->pending.size() > 1;
+    int64_t queued_nap_ns = KVD_WATCH_QUEUED_NAP_NS;
+    if (fixed_nap_ns > 0) {
+      queued_nap_ns = fixed_nap_ns;
+    } else if (queued) {
+      const KvdWatch& next = lane->pending[1];
+      const int64_t eighth = (next.expect_ns - next.start_ns) / 8;
+      if (eighth > queued_nap_ns) queued_nap_ns = eighth < KVD_WATCH_QUEUED_NAP_MAX_NS ? eighth : KVD_WATCH_QUEUED_NAP_MAX_NS;
+    }
     lk.unlock();
     cudaError_t e;
     while ((e = cudaEventQuery(w.ev)) == cudaErrorNotReady) {
@@ -142,7 +159,7 @@ static void watcher_main(KvdLane* lane) {
       } else if (now > w.expect_ns + 300000) {
         nap = 5000;
       }
-      if (queued && nap < KVD_WATCH_QUEUED_NAP_NS) nap = KVD_WATCH_QUEUED_NAP_NS;
+      if (queued && nap < queued_nap_ns) nap = queued_nap_ns;
       if (nap > 0) {
         struct timespec d = {0, (long)nap};
         nanosleep(&d, nullptr);
