@@ -151,6 +151,26 @@ class FillEngine(H.Engine):
     rank_worker_class = FillForward
 
 
+class WaitingFillForward(FillForward):
+    """`FillForward` whose step ends, after the connector's calls, with a wait for the GPU to
+    finish the step's work (an event recorded on the current stream, then synchronized, which
+    lets go of the GIL), as vLLM's model runner waits each step for its sampled tokens
+    (``AsyncGPUModelRunnerOutput.get_output``: ``async_copy_ready_event.synchronize()``); the
+    toy forward takes microseconds of GPU time where a model's takes milliseconds."""
+
+    def execute(self, so, update_states: bool):
+        out = super().execute(so, update_states)
+        if self.device.type == "cuda" and so.total_num_scheduled_tokens:
+            ev = torch.cuda.Event()
+            ev.record()
+            ev.synchronize()
+        return out
+
+
+class WaitingFillEngine(H.Engine):
+    rank_worker_class = WaitingFillForward
+
+
 def _pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -308,7 +328,8 @@ def roofline(nbytes: int) -> dict:
 
 
 def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int, requests: int,
-                device: str = "cuda", staging_bytes: int = 0, prompt_chunks: int = CHUNKS_PER_STEP) -> dict:
+                device: str = "cuda", staging_bytes: int = 0, prompt_chunks: int = CHUNKS_PER_STEP,
+                output_wait: bool = False) -> dict:
     tokens = CHUNKS_PER_STEP * chunk  # per step (vLLM's max_num_batched_tokens)
     prompt_tokens = prompt_chunks * chunk
     block_bytes = sum(s.page_size_bytes for s in specs.values())
@@ -321,11 +342,11 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
                                  extra={"model_id": f"bench-{name}", "rpc_timeout_s": 30.0,
                                         "staging_bytes": staging_bytes,
                                         "lookup_timeout_s": 5.0, "hold_max_s": 60.0})
-        return FillEngine(cfg, specs, num_blocks=num_blocks)
+        return (WaitingFillEngine if output_wait else FillEngine)(cfg, specs, num_blocks=num_blocks)
 
     prompts = [H.tokens(1000 + i, prompt_tokens) for i in range(requests)]
     res = {"shape": name, "chunk_tokens": chunk, "requests": requests, "prompt_chunks": prompt_chunks,
-           "chunk_bytes": block_bytes * chunk // 16, "staging_bytes": staging_bytes}
+           "chunk_bytes": block_bytes * chunk // 16, "staging_bytes": staging_bytes, "output_wait": output_wait}
     a = engine()
     try:
         a.add(H.tokens(8, 1000), max_tokens=1)  # connect, register, first kernels: not measured
@@ -479,6 +500,9 @@ def main(argv=None) -> int:
     p.add_argument("--switch-interval-us", type=float, default=0.0,
                    help="diagnosis: sys.setswitchinterval for this process (default: Python's 5000 us), to see "
                         "how much the engine and transfer threads' sharing of the GIL costs")
+    p.add_argument("--output-wait", action="store_true",
+                   help="end each step with a wait for the GPU, as vLLM's model runner waits for its sampled "
+                        "tokens (`WaitingFillForward`); without it the engine thread never waits between steps")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke run of the same steps with shared-memory KV caches (no roofline)")
     args = p.parse_args(argv)
@@ -511,7 +535,7 @@ def main(argv=None) -> int:
                 with KVDepotClient(ep, timeout_s=60) as c:
                     c.flush()
                 r = bench_shape(name, specs, ep, wd, args.chunk, args.requests, args.device, args.staging_bytes,
-                                args.prompt_chunks)
+                                args.prompt_chunks, args.output_wait)
                 print(report(r) if "store_vs_roofline" in r else json.dumps(r), flush=True)
                 results.append(r)
         finally:
