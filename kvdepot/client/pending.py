@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from kvdepot import trace
 from kvdepot.client.many import masked_block_ids
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
@@ -318,6 +319,7 @@ class PendingRetrieve:
                     self._error = exc
                 else:
                     if r is None:  # landed
+                        trace.point(self.rid, "c_landed")
                         self.client.forget(self.rid)
                         self._retrieved = fence.landed_count(seq)
                         if self._retrieved == self._num_chunks:

@@ -83,3 +83,25 @@ def test_points_of_other_requests_with_the_same_rid_are_left_out(stages):
     assert b["total_us"] == pytest.approx(0.1) and b["requests"] == 1
     assert b["stages_us"]["c_sent"] == pytest.approx(0.010) and b["stages_us"]["start"] == pytest.approx(0.010)
     assert b["stages_us"]["c_reply"] == pytest.approx(0.010) and b["stages_us"]["b_end"] == pytest.approx(0.010)
+
+
+def test_a_gated_retrieve_goes_by_its_landed_word(stages):
+    """A gated retrieve whose client took the count from the landed word (``c_landed``) and
+    dropped the reply: its stages run to the word, not through the reply's points, and a table
+    over a mix of gated and replied requests says how many requests each stage covers."""
+    from kvdepot import trace
+
+    trace.POINTS = [(7, "b_call", 1000), (7, "c_sent", 1010), (7, "c_landed", 1070), (7, "b_replied", 1075),
+                    (7, "b_end", 1100),
+                    (8, "b_call", 2000), (8, "c_sent", 2010), (8, "c_reply", 2090), (8, "b_replied", 2095),
+                    (8, "b_end", 2100)]
+    daemon = {7: [("start", 1020), ("enqueue", 1030), ("r_enqueued", 1040), ("gpu_done", 1072), ("reply", 1080)],
+              8: [("start", 2020), ("enqueue", 2030), ("r_enqueued", 2040), ("gpu_done", 2070), ("reply", 2080)]}
+    b = stages.breakdown("retrieve", [7, 8], stages.client_points(), daemon)
+    assert b["requests"] == 2 and b["complete"] == 2, b
+    assert b["stages_us"]["c_landed"] == pytest.approx(0.030) and b["stage_counts"]["c_landed"] == 1
+    assert b["stage_counts"]["gpu_done"] == 1 and b["stages_us"]["gpu_done"] == pytest.approx(0.030)
+    assert b["stage_counts"]["b_replied"] == 2 and b["stages_us"]["b_replied"] == pytest.approx(0.005)
+    lines = stages.report([{"shape": "x", "chunk_tokens": 16, "link_d2h_us": 1.0, "link_h2d_us": 1.0,
+                            "lone_rids": {"store": [], "retrieve": [7, 8]}}], "/nonexistent")
+    assert any("landed word seen by the client 0 [1]" in ln for ln in lines), lines
