@@ -6,8 +6,8 @@ in this process (``c_gathered`` once a store's ring region was taken, and withou
 its gather ran; with them the gather is enqueued after the send, beside the daemon's work; ``c_sent``
 after the request left, ``c_reply`` when its reply was decoded). The lone-request loop of
 `transfer_bench.point` adds ``b_call`` (before the client call), ``b_replied`` (a retrieve's
-``result`` returned: reply in or landed word seen (``c_landed``, a gated retrieve), scatter
-enqueued) and ``b_end`` (the op is over: a store's reply,
+``result`` returned: reply in or landed word seen (``c_landed``: a gated retrieve, or a store
+that ended on its word), scatter enqueued) and ``b_end`` (the op is over: a store's reply,
 a retrieve's scatter finished on the GPU). Both processes read CLOCK_MONOTONIC, so the points
 of one request line up; the daemon's are matched by rid within the request's own time span
 (only one client talks to the daemon during the lone requests; other clients reuse rid
@@ -29,7 +29,9 @@ ORDER = {
     "retrieve": ("b_call", "c_sent", "start", "enqueue", "r_enqueued", "gpu_done", "reply", "c_reply", "b_replied",
                  "b_end"),
     # a gated retrieve that took its count from the landed word (its reply dropped unread)
-    "retrieve_gated": ("b_call", "c_sent", "start", "enqueue", "r_enqueued", "c_landed", "b_replied", "b_end"),
+    "retrieve_landed": ("b_call", "c_sent", "start", "enqueue", "r_enqueued", "c_landed", "b_replied", "b_end"),
+    # a store that ended on its landed word (`Store.landed`; its reply read later)
+    "store_landed": ("b_call", "c_gathered", "c_sent", "start", "enqueue", "enqueued", "c_landed", "b_end"),
 }
 MEANING = {  # what the time between a point and the one before it is
     "c_gathered": "client: ring alloc (+ gather where no fence words)",
@@ -41,7 +43,7 @@ MEANING = {  # what the time between a point and the one before it is
     "gpu_done": "copy (incl. fence wait) + completion seen by the loop",
     "reply": "daemon: commit + reply encode",
     "c_reply": "send + ipc + client wakeup + decode",
-    "c_landed": "copy + its landed word seen by the client",
+    "c_landed": "copy (incl. fence wait) + its landed word seen by the client",
     "b_replied": "client: scatter enqueue (gated: already enqueued)",
     "b_end": "client: rest (store: handle; retrieve: scatter on GPU)",
 }
@@ -83,9 +85,9 @@ def daemon_points(path: str) -> dict[int, list[tuple[str, int]]]:
 
 def breakdown(op: str, rids: list[int], mine: dict, daemon: dict) -> dict:
     """Median microseconds from each point to the next for the lone requests ``rids`` of one
-    op (a retrieve whose client saw its landed word, ``c_landed``, goes by that order:
-    ``retrieve_gated``, its reply's points dropped), the median total, and how many requests
-    had every point."""
+    op (a request whose client saw its landed word, ``c_landed``, goes by that order:
+    ``<op>_landed``, its reply's points dropped), the median total, and how many requests had
+    every point."""
     deltas: dict[str, list[float]] = collections.defaultdict(list)
     totals, complete = [], 0
     for rid in rids:
@@ -99,13 +101,13 @@ def breakdown(op: str, rids: list[int], mine: dict, daemon: dict) -> dict:
         for stage, t in [*mine.get(rid, ()), *daemon.get(rid, ())]:
             if lo <= t <= hi:
                 pts.setdefault(stage, t)
-        order = ORDER["retrieve_gated" if op == "retrieve" and "c_landed" in pts else op]
+        order = ORDER[f"{op}_landed" if "c_landed" in pts else op]
         seq = [(s, pts[s]) for s in order if s in pts]
         complete += len(seq) == len(order)
         for (_, a), (s, b) in zip(seq, seq[1:]):
             deltas[s].append((b - a) / 1e3)
         totals.append((hi - lo) / 1e3)
-    names = dict.fromkeys([*ORDER[op], *(ORDER["retrieve_gated"] if op == "retrieve" else ())])
+    names = dict.fromkeys([*ORDER[op], *ORDER[f"{op}_landed"]])
     return {"stages_us": {s: statistics.median(deltas[s]) for s in names if deltas.get(s)},
             "stage_counts": {s: len(deltas[s]) for s in names if deltas.get(s)},
             "total_us": statistics.median(totals) if totals else None, "requests": len(totals),

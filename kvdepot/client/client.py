@@ -125,6 +125,13 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
         # staged retrieves may enqueue their scatter before the reply (`submit_retrieve`'s
         # ``scatter_on``); $KVDEPOT_NO_GATED_SCATTER: never (comparisons)
         self._gated_scatters = not os.environ.get("KVDEPOT_NO_GATED_SCATTER")
+        # staged stores may end on their landed word (`Store.landed`, `PendingStore.result`);
+        # $KVDEPOT_NO_LANDED_STORES: never (comparisons). Such stores' replies (after the
+        # daemon's commit) are still due: a later request other than a store waits for them
+        # first (`_confirm_stores`), so this client's lookups see its own stores
+        self._landed_stores = not os.environ.get("KVDEPOT_NO_LANDED_STORES")
+        self._unconfirmed: set[int] = set()
+        self.stores_landed = 0  # stores whose result came from their landed word
         self._greeted = not connect  # greet every connection but the one hello() below greets
         if connect:
             try:
@@ -161,6 +168,8 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+        self._outstanding -= self._unconfirmed  # done for their callers: nobody waits for these
+        self._unconfirmed.clear()
         for rid in self._outstanding:
             if rid not in self._replies:
                 self._replies[rid] = m.ErrorReply(rid=rid, code=int(code), message=f"request {rid} was lost: {why}")
@@ -195,11 +204,33 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
         if got.rid == self._hello_rid:
             self._hello_rid = None
             return None
+        if got.rid in self._unconfirmed:  # a store that ended on its landed word: committed now
+            self._unconfirmed.discard(got.rid)
+            self._outstanding.discard(got.rid)
+            if isinstance(got, m.ErrorReply):
+                log.warning("a store that ended on its landed word was then refused (%s): %s",
+                            ErrorCode(got.code).name, got.message)
+            return None
         if got.rid in self._outstanding:
             self._replies[got.rid] = got  # first: done() never sees it in neither
             self._outstanding.discard(got.rid)
             return got
         return None  # a late reply to a request lost in a timeout
+
+    def _confirm_stores(self) -> None:
+        """Wait for the replies of stores that ended on their landed word (`_unconfirmed`):
+        they follow the daemon's commit, after which its lookups see the chunks. Usually in
+        already, or tens of microseconds away; gives up after the client's timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while self._unconfirmed:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._sock is None:
+                log.warning("%d stores that ended on their landed word were not confirmed within %.1f s",
+                            len(self._unconfirmed), self.timeout_s)
+                self._outstanding -= self._unconfirmed
+                self._unconfirmed.clear()
+                return
+            self.poll(min(left, 1e-3))
 
     def poll(self, timeout_s: float = 0.0) -> None:
         """Collect every reply that has arrived (waiting at most ``timeout_s`` for the first);
@@ -290,6 +321,8 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
     def submit(self, req: m.Msg) -> int:
         """Send ``req`` without waiting (its ``rid`` is assigned here); returns the rid to give
         `wait`. Several requests may be outstanding; the daemon answers each in turn."""
+        if self._unconfirmed and not isinstance(req, m.Store):
+            self._confirm_stores()
         req.rid = next(self._rid)
         self._submit_thread = threading.get_ident()
         frame = codec.encode(req)
@@ -451,7 +484,7 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
         self.boot_id = r.boot_id
         if staging is not None:
             staging.fence_active = bool(r.fence and req.fence)
-            staging.landed_active = bool(staging.fence_active and r.landed and self._gated_scatters)
+            staging.landed_active = bool(staging.fence_active and r.landed)
         if staging is not None and (not r.staging or r.layout_fingerprint != staging.layout.fingerprint
                                     or r.object_bytes != staging.object_bytes):
             staging.close()  # the daemon does not serve it (no kernel library there), or another layout

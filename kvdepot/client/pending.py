@@ -112,9 +112,10 @@ class PendingStore:
     """A submitted STORE (`KVDepotClient.submit_store`)."""
 
     def __init__(self, client: KVDepotClient, rid: int, region=None, num_chunks: int = 0, fence=None,
-                 reg: Registration | None = None) -> None:
+                 reg: Registration | None = None, landed: bool = False) -> None:
         self.client, self.rid = client, rid
         self._reg = reg
+        self._landed = landed  # sent with `Store.landed`: `result` may end on the region's word
         # fenced (`kvdepot.client.staging.FenceWords`): the region is free only once its gather
         # ran too (after a failed store the daemon copied nothing, but the gather may be queued)
         self._fence = fence
@@ -137,11 +138,23 @@ class PendingStore:
         if self._reply is None and self._error is None:
             region, pace = self._region, self.client.store_pace
             spin_from = pace.spin_from(self._sent_at, region.size_bytes) if region is not None else 0.0
+            until = None
+            if self._landed and timeout_s != 0:
+                fence, seq = self._fence, region.seq
+                until = lambda: fence.landed(seq)  # noqa: E731 - the daemon wrote `stored_value`
             try:
-                self._reply = self.client.wait(self.rid, timeout_s, spin_from)
+                if until is None:
+                    self._reply = self.client.wait(self.rid, timeout_s, spin_from)
+                else:
+                    self._reply = self.client.wait(self.rid, timeout_s, spin_from, until=until)
             except KVDepotError as exc:
                 self._error = exc
             else:
+                if self._reply is None:  # every chunk is in L1: the reply follows the daemon's commit
+                    trace.point(self.rid, "c_landed")
+                    self._reply = m.StoreReply(rid=self.rid, stored=self._num_chunks, present=0, skipped=0)
+                    self.client._unconfirmed.add(self.rid)
+                    self.client.stores_landed += 1
                 if region is not None and self._reply.stored == self._num_chunks:
                     pace.learn(self._sent_at, region.size_bytes)
         if self._error is not None:

@@ -15,16 +15,22 @@ from kvdepot.protocol import messages as m
 
 class TransferRequests:
     """Mixed into `KVDepotClient` (its ``submit``, ``forget``, ``_fence``, ``stage_store``,
-    ``_gather``, ``abandon_region``, ``unstaged_requests`` and ``_gated_scatters``)."""
+    ``_gather``, ``abandon_region``, ``unstaged_requests``, ``_gated_scatters`` and
+    ``_landed_stores``)."""
 
     unstaged_requests: int
     _gated_scatters: bool
+    _landed_stores: bool
 
     def store(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
               parent: bytes = b"", cache_salt: str = "", request: str = "", after=None,
               early: bool = False, cpu_wait: bool = False, in_l1: bool = False) -> m.StoreReply:
         """Store whole chunks from engine blocks (see `kvdepot.protocol.messages.Store`);
-        returns once the chunks are in the daemon's L1 (or were skipped).
+        returns once the chunks are in the daemon's L1 (or were skipped). Staged with fence
+        words, where the daemon writes landed words, a store whose every chunk was copied
+        returns when the daemon's DMA stream wrote the region's word (`Store.landed`), before
+        its commit and reply; this client's next request other than a store waits for that
+        reply first, so its own lookups see the chunks.
 
         after: CUDA engines: the ``torch.cuda.Stream`` whose work so far wrote the blocks
             (default: the current stream). Staged, the gather is enqueued on it; the blocks may
@@ -77,12 +83,16 @@ class TransferRequests:
         if region is not None:
             offset = region.offset
             fence = region.seq if region.fenced else 0
+        # the daemon's DMA stream may end the store in the region's fence word (`Store.landed`)
+        landed = bool(fence and not chains and self._landed_stores and staging.landed_active
+                      and fence <= m.LANDED_MAX_SEQ and len(keys) <= m.LANDED_MAX_CHUNKS)
         gathered_ns = trace.now_ns()
         try:
             rid = self.submit(m.Store(rid=0, registration=reg.id, keys=list(keys),
                                       block_ids=[list(b) for b in block_ids], parent=parent, cache_salt=cache_salt,
                                       request=request, staging_offset=offset, fence=fence,
-                                      staging_seq=region.seq if region is not None else 0, chains=list(chains)))
+                                      staging_seq=region.seq if region is not None else 0, chains=list(chains),
+                                      landed=landed))
         except BaseException:
             if gather_after_send:
                 region.fenced = False
@@ -102,7 +112,7 @@ class TransferRequests:
                 region.fenced = False
                 region.release()
                 raise
-        return PendingStore(self, rid, region, len(keys), staging.fence if fence else None, reg)
+        return PendingStore(self, rid, region, len(keys), staging.fence if fence else None, reg, landed)
 
     def retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
                  skip_tokens: int = 0, request: str = "", before=None, cpu_wait: bool = False) -> int:
@@ -158,7 +168,7 @@ class TransferRequests:
                     return None
                 self.unstaged_requests += 1
         gated = (scatter_on is not None and region is not None and not chains and reg.staging.landed_active
-                 and region.seq <= m.LANDED_MAX_SEQ and len(keys) <= m.LANDED_MAX_CHUNKS)
+                 and self._gated_scatters and region.seq <= m.LANDED_MAX_SEQ and len(keys) <= m.LANDED_MAX_CHUNKS)
         if gated:  # before sending: the daemon's word may come before this thread's next line
             reg.staging.fence.close_gate(region.seq)
         try:

@@ -300,6 +300,12 @@ class Store(Msg, tag="store"):
         run chains onto its own parent, a missing parent skips only its own run, and the reply
         gives each run's counts. Only to a daemon whose `RegisterReply.chains` is set (an older
         one would read the runs as one chain).
+    landed: staged and fenced (``fence == staging_seq``), no ``chains``, where
+        `RegisterReply.landed` said so: if every chunk is copied (none present or skipped),
+        the daemon's DMA stream writes `stored_value` into the region's fence word right after
+        its copies, before the daemon's completion, commit and reply: the engine may take the
+        store as done from the word (`StoreReply` then: ``stored == len(keys)``); the chunks
+        become visible to lookups with the commit, which the reply follows.
     Reply: `StoreReply`.
     """
 
@@ -315,6 +321,7 @@ class Store(Msg, tag="store"):
     fence: NonNegInt = 0
     staging_seq: NonNegInt = 0
     chains: list[Chain] = msgspec.field(default_factory=list)
+    landed: bool = False
 
 
 class Retrieve(Msg, tag="get"):
@@ -360,6 +367,13 @@ GATE_DONE_BIT = 1 << 61
 LANDED_COUNT_SHIFT = 40
 LANDED_MAX_SEQ = (1 << LANDED_COUNT_SHIFT) - 1
 LANDED_MAX_CHUNKS = (1 << 21) - 1
+
+
+def stored_value(staging_seq: int, stored: int) -> int:
+    """A landed store's word (`Store.landed`): `landed_value` with `GATE_DONE_BIT`, as no GPU
+    write of the region is pending once the daemon's copies ran (the engine reads it as
+    settled, `kvdepot.client.staging.FenceWords.holds`)."""
+    return landed_value(staging_seq, stored) | GATE_DONE_BIT
 
 
 def landed_value(staging_seq: int, retrieved: int) -> int:
@@ -426,7 +440,8 @@ class RegisterReply(Msg, tag="regR"):
     staging: the daemon serves `Register.staging` (requests may give ``staging_offset``);
     fence: it polls `Register.fence` (staged stores may give ``fence``); chains: it takes
     `Store.chains` / `Retrieve.chains` (several prompts' runs in one request); landed: its
-    DMA stream can write the fence words (staged retrieves may give `Retrieve.landed`)."""
+    DMA stream can write the fence words (staged retrieves may give `Retrieve.landed`, staged
+    stores `Store.landed`)."""
 
     registration: str
     layout_fingerprint: str

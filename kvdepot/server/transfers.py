@@ -139,7 +139,8 @@ class TransferHandlers:
             elif staged:
                 base = self.pool.base_ptr
                 self._cuda.path(reg.cuda_device).copy_staged(
-                    True, [staged_base + j * ob for j, _ in new], [base + e.offset for _, e in new], ob, fence, finish)
+                    True, [staged_base + j * ob for j, _ in new], [base + e.offset for _, e in new], ob, fence, finish,
+                    _stored(reg, req, len(new)))
             else:
                 base = self.pool.base_ptr
                 self._cuda.path(reg.cuda_device).store(
@@ -434,6 +435,18 @@ class TransferHandlers:
         for j, e, skip in writes:
             if skip < cs:
                 eng.scatter(self.pool.buffer(e.offset, e.size_bytes), self._chunk_block_ids(reg, block_ids, j), skip)
+
+
+def _stored(reg: Registration, req: m.Store, copied: int) -> tuple[int, int] | None:
+    """A landed store's word (`Store.landed`): (device address, `stored_value`) where every
+    chunk of the request is copied, its region is fenced under its own number and the word
+    is mapped for the daemon's GPU; else None (the reply alone ends the store)."""
+    fence = reg.fence
+    if (not req.landed or req.chains or copied != len(req.keys) or req.fence != req.staging_seq
+            or not 0 < req.staging_seq <= m.LANDED_MAX_SEQ or copied > m.LANDED_MAX_CHUNKS
+            or fence is None or not fence.dev_ptr):
+        return None
+    return fence.landed_ptr(req.staging_seq), m.stored_value(req.staging_seq, copied)
 
 
 def _landed(reg: Registration, req: m.Retrieve, retrieved: int) -> tuple[int, int] | None:

@@ -135,6 +135,39 @@ def test_gated_retrieves_write_exactly_the_chunks_their_reply_counts(daemon):
         c.close()
 
 
+def test_stores_end_on_their_landed_word_and_their_own_lookups_see_them(daemon):
+    """`Store.landed`: a staged store whose every chunk is copied returns once the daemon's
+    DMA stream wrote the region's word, before the daemon's commit and reply; the client's next
+    lookup waits for that reply, so it finds every chunk, and a retrieve brings every byte back.
+    A store of chunks already present, or partly so, ends on its reply (no word). The ring
+    wraps under such stores (their regions free on the word)."""
+    c, cache, groups, reg = _engine(daemon, staging_bytes=4 * 3 * OBJECT_BYTES)
+    try:
+        rng = random.Random(11)
+        s = torch.cuda.Stream()
+        for round_ in range(10):  # the ring (four 3-chunk regions' worth) wraps
+            before = c.stores_landed
+            keys, refs = _stored(c, cache, groups, reg, rng, 3)
+            assert c.lookup(keys, CHUNK) == 3, round_
+            dst = _blank(cache, rng, groups, 3)
+            assert c.retrieve(reg, keys, dst, before=s) == 3
+            assert _drained(s)
+            _check(cache, groups, dst, refs, 3)
+            # present: nothing copied, no word; the reply says so
+            src = _disjoint(rng, groups, 3, 1)[0]
+            r = c.store(reg, keys, src, after=torch.cuda.current_stream())
+            assert (r.stored, r.present) == (0, 3)
+            more = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
+            r = c.store(reg, keys[:2] + more, src, after=torch.cuda.current_stream())
+            assert (r.stored, r.present) == (1, 2)
+            assert c.stores_landed - before <= 1
+        assert c.stores_landed >= 1, "no store ended on its landed word"
+        print(f"\nstores that ended on their landed word: {c.stores_landed} of 10")
+    finally:
+        c.unregister(reg)
+        c.close()
+
+
 def test_a_refused_gated_retrieve_raises_and_leaves_the_stream_and_blocks_alone(daemon):
     from kvdepot.protocol.errors import KVDepotError
 

@@ -325,6 +325,7 @@ def test_regions_of_lost_replies_are_drained_and_the_ring_keeps_working(lossy_da
         rng = random.Random(11)
         s = torch.cuda.current_stream()
         stored, lost = [], 0
+        c._landed_stores = False  # stores that end on their reply: a lost reply loses the store (Drain)
         for _ in range(40):
             keys = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
             ids = _ids(rng, groups, 1)
@@ -339,6 +340,19 @@ def test_regions_of_lost_replies_are_drained_and_the_ring_keeps_working(lossy_da
             if r.stored == 1:
                 stored.append((keys, ref))
         assert lost > 0 and stored and c.drains_answered > 0
+        # stores that end on their landed word (`Store.landed`): a lost reply loses nothing, and
+        # the next lookup or retrieve waits for the replies still due at most the client's timeout
+        c._landed_stores = True
+        landed = c.stores_landed
+        for _ in range(10):
+            keys = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
+            ids = _ids(rng, groups, 1)
+            cache.storage.copy_(torch.randint(0, 256, (cache.size_bytes,), dtype=torch.uint8, device="cuda"))
+            ref = [cache.read_tokens(li, ids[gid], as_bytes=True).clone() for li, gid in enumerate(cache.layer_gids)]
+            r = _retry(lambda: c.store(reg, keys, ids, after=s))  # (a retry may find the chunk present)
+            assert r.stored + r.present == 1
+            stored.append((keys, ref))
+        assert c.stores_landed > landed
         for keys, ref in stored:
             dst = _ids(rng, groups, 1)
             cache.storage.fill_(0x33)

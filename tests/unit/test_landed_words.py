@@ -10,7 +10,7 @@ import pytest
 
 from kvdepot.client.staging import FENCE_ABANDONED_BIT, FenceWords
 from kvdepot.protocol import messages as m
-from kvdepot.server.transfers import _landed
+from kvdepot.server.transfers import _landed, _stored
 
 
 def _words(n: int = 16) -> FenceWords:
@@ -83,3 +83,81 @@ def test_the_daemon_writes_a_word_only_for_what_it_can_encode():
     unmapped.fence = type("F", (), {"dev_ptr": 0})()
     assert _landed(unmapped, req(), 1) is None
     assert m.Retrieve(rid=1, registration="r", keys=[b"k" * 16], block_ids=[[0]]).landed is False
+
+
+def test_a_landed_store_word_says_done_and_settled():
+    """A store's word after the daemon's copies (`Store.landed`): landed with the count, and
+    settled (`holds`: no GPU write of the region pending), where the gather's own value was
+    only settled."""
+    f = _words()
+    seq = 19
+    f._view[seq % f.words] = seq  # the engine's gather ran
+    assert f.holds(seq) and not f.landed(seq)
+    f._view[seq % f.words] = m.stored_value(seq, 16)  # the daemon's DMA stream after its copies
+    assert f.landed(seq) and f.landed_count(seq) == 16 and f.holds(seq)
+    assert not f.landed(seq + f.words) and not f.holds(seq + f.words)
+
+
+def test_the_daemon_ends_a_store_in_its_word_only_when_every_chunk_is_copied():
+    def req(**kw):
+        base = dict(rid=1, registration="r", keys=[b"k" * 16, b"j" * 16], block_ids=[[0, 1]], staging_offset=0,
+                    staging_seq=10, fence=10, landed=True)
+        base.update(kw)
+        return m.Store(**base)
+
+    assert _stored(_Reg(), req(), 2) == (0x10000 + 2 * 8, m.stored_value(10, 2))
+    assert _stored(_Reg(), req(), 1) is None  # one chunk present or skipped: the reply says which
+    assert _stored(_Reg(), req(landed=False), 2) is None
+    assert _stored(_Reg(), req(fence=11), 2) is None  # fenced under another number
+    assert _stored(_Reg(), req(fence=0), 2) is None  # gathered before the send: no word of its own
+    assert _stored(_Reg(), req(chains=[m.Chain(start=0, parent=b"")]), 2) is None
+    assert _stored(_Reg(), req(staging_seq=m.LANDED_MAX_SEQ + 1, fence=m.LANDED_MAX_SEQ + 1), 2) is None
+    unmapped = _Reg()
+    unmapped.fence = type("F", (), {"dev_ptr": 0})()
+    assert _stored(unmapped, req(), 2) is None
+    assert m.Store(rid=1, registration="r", keys=[b"k" * 16], block_ids=[[0]]).landed is False
+
+
+def test_a_client_waits_for_its_landed_stores_replies_before_its_next_lookup(monkeypatch):
+    """A store that ended on its word leaves its reply due (`KVDepotClient._unconfirmed`): the
+    next request other than a store reads it first (the daemon's commit is then done), and the
+    reply is dropped, not kept for a wait nobody makes; a lost connection forgets them."""
+    from kvdepot.client.client import KVDepotClient
+
+    c = KVDepotClient("ipc:///nonexistent/kvd.sock", connect=False)
+    sent, replies = [], []
+
+    class Sock:
+        closed = False
+
+        def send(self, frame):
+            sent.append(frame)
+
+        def close(self, linger=0):
+            pass
+
+    c._sock = Sock()
+    try:
+        _confirm_flow(c, sent, replies, monkeypatch)
+    finally:
+        c.close()
+
+
+def _confirm_flow(c, sent, replies, monkeypatch) -> None:
+    c._outstanding.add(7)
+    c._unconfirmed.add(7)
+    c._unread = 1
+
+    def poll(timeout_s=0.0):  # the store's reply arrives
+        replies.append(timeout_s)
+        c._on_reply(m.StoreReply(rid=7, stored=2, present=0, skipped=0))
+
+    monkeypatch.setattr(c, "poll", poll)
+    c.submit(m.Store(rid=0, registration="r", keys=[b"k" * 16], block_ids=[[0]]))  # stores do not wait
+    assert not replies and c._unconfirmed == {7}
+    c.submit(m.Lookup(rid=0, keys=[[b"k" * 16]], chunk_size=16))
+    assert replies and not c._unconfirmed and 7 not in c._outstanding and 7 not in c._replies
+    c._unconfirmed.add(9)
+    c._outstanding.add(9)
+    c._reset()
+    assert not c._unconfirmed and 9 not in c._replies

@@ -239,7 +239,7 @@ def _staged_client(gather_fails: bool):
 
     fence = _fence_words()
     fence.signal = lambda seq, stream: calls.append(("signal", seq))
-    staging = types.SimpleNamespace(fence_active=True, fence=fence, ring=StagingRing(4096), gather=gather,
+    staging = types.SimpleNamespace(fence_active=True, landed_active=False, fence=fence, ring=StagingRing(4096), gather=gather,
                                     device=None)
     reg = types.SimpleNamespace(staging=staging, object_bytes=1024, id="r1")
     c.submit = submit
