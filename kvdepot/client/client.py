@@ -217,6 +217,13 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
             return got
         return None  # a late reply to a request lost in a timeout
 
+    def confirm_later(self, rid: int) -> None:
+        """Store ``rid`` ended on its landed word (`PendingStore.result`): its reply, still due,
+        is read by whatever reads replies next and dropped; the next request other than a store
+        waits for it first (`_confirm_stores`)."""
+        self._unconfirmed.add(rid)
+        self.stores_landed += 1
+
     def _confirm_stores(self) -> None:
         """Wait for the replies of stores that ended on their landed word (`_unconfirmed`):
         they follow the daemon's commit, after which its lookups see the chunks. Usually in

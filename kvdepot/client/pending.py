@@ -143,18 +143,14 @@ class PendingStore:
                 fence, seq = self._fence, region.seq
                 until = lambda: fence.landed(seq)  # noqa: E731 - the daemon wrote `stored_value`
             try:
-                if until is None:
-                    self._reply = self.client.wait(self.rid, timeout_s, spin_from)
-                else:
-                    self._reply = self.client.wait(self.rid, timeout_s, spin_from, until=until)
+                self._reply = self.client.wait(self.rid, timeout_s, spin_from, until=until)
             except KVDepotError as exc:
                 self._error = exc
             else:
                 if self._reply is None:  # every chunk is in L1: the reply follows the daemon's commit
                     trace.point(self.rid, "c_landed")
                     self._reply = m.StoreReply(rid=self.rid, stored=self._num_chunks, present=0, skipped=0)
-                    self.client._unconfirmed.add(self.rid)
-                    self.client.stores_landed += 1
+                    self.client.confirm_later(self.rid)
                 if region is not None and self._reply.stored == self._num_chunks:
                     pace.learn(self._sent_at, region.size_bytes)
         if self._error is not None:

@@ -439,25 +439,28 @@ class TransferHandlers:
 
 def _stored(reg: Registration, req: m.Store, copied: int) -> tuple[int, int] | None:
     """A landed store's word (`Store.landed`): (device address, `stored_value`) where every
-    chunk of the request is copied, its region is fenced under its own number and the word
-    is mapped for the daemon's GPU; else None (the reply alone ends the store)."""
-    fence = reg.fence
-    if (not req.landed or req.chains or copied != len(req.keys) or req.fence != req.staging_seq
-            or not 0 < req.staging_seq <= m.LANDED_MAX_SEQ or copied > m.LANDED_MAX_CHUNKS
-            or fence is None or not fence.dev_ptr):
+    chunk of the request is copied and its region is fenced under its own number; else None
+    (the reply alone ends the store)."""
+    if not req.landed or req.chains or copied != len(req.keys) or req.fence != req.staging_seq:
         return None
-    return fence.landed_ptr(req.staging_seq), m.stored_value(req.staging_seq, copied)
+    return _landed_word(reg, req.staging_seq, copied, m.stored_value)
 
 
 def _landed(reg: Registration, req: m.Retrieve, retrieved: int) -> tuple[int, int] | None:
     """A gated retrieve's landed word (`Retrieve.landed`): (device address, value) for the
     DMA stream to write after its copies, or None (not gated, or the words are not mapped for
     this daemon's GPU: the engine then writes its word itself when the reply comes)."""
+    return _landed_word(reg, req.staging_seq, retrieved, m.landed_value) if req.landed else None
+
+
+def _landed_word(reg: Registration, seq: int, chunks: int, value) -> tuple[int, int] | None:
+    """(device address of region ``seq``'s fence word, ``value(seq, chunks)``) for the DMA stream
+    to write after its copies; None where the value cannot carry them or the words are not
+    mapped for this daemon's GPU."""
     fence = reg.fence
-    if (not req.landed or not 0 < req.staging_seq <= m.LANDED_MAX_SEQ or retrieved > m.LANDED_MAX_CHUNKS
-            or fence is None or not fence.dev_ptr):
+    if not 0 < seq <= m.LANDED_MAX_SEQ or chunks > m.LANDED_MAX_CHUNKS or fence is None or not fence.dev_ptr:
         return None
-    return fence.landed_ptr(req.staging_seq), m.landed_value(req.staging_seq, retrieved)
+    return fence.landed_ptr(seq), value(seq, chunks)
 
 
 def _runs(req, n: int) -> list[tuple[int, int, m.Chain]]:

@@ -128,7 +128,7 @@ def test_a_fenced_store_region_is_free_only_once_its_gather_ran():
         def on_own_thread(self):
             return True
 
-        def wait(self, rid, timeout_s=None, spin_from=0.0):
+        def wait(self, rid, timeout_s=None, spin_from=0.0, until=None):
             if isinstance(self.reply, BaseException):
                 raise self.reply
             return self.reply
@@ -317,7 +317,7 @@ def test_a_staged_retrieve_waits_with_its_link_pace_and_teaches_it():
         retrieve_pace = LinkPace()
         last_retrieve_event = None
 
-        def wait(self, rid, timeout_s=None, spin_from=0.0):
+        def wait(self, rid, timeout_s=None, spin_from=0.0, until=None):
             seen.append(spin_from)
             return m.RetrieveReply(rid=rid, retrieved=0)  # nothing to scatter (no GPU here)
 
