@@ -81,7 +81,7 @@ from kvdepot.client import KVDepotClient  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from connector_probes import CallTimer, GcMeter, LayerProbe, StageTimers, Timeline, less_probe  # noqa: E402
-from transfer_bench.procs import DaemonProc  # noqa: E402
+from transfer_bench.procs import FALLBACK_FLAG, DaemonProc, kernels_missing  # noqa: E402
 
 CHUNKS_PER_STEP = 16
 SCHED_CALLS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
@@ -500,6 +500,8 @@ def main(argv=None) -> int:
     p.add_argument("--switch-interval-us", type=float, default=0.0,
                    help="diagnosis: sys.setswitchinterval for this process (default: Python's 5000 us), to see "
                         "how much the engine and transfer threads' sharing of the GIL costs")
+    p.add_argument(FALLBACK_FLAG, action="store_true",
+                   help="run even where the CUDA kernel library does not load (the torch fallback: not the product's speed)")
     p.add_argument("--output-wait", action="store_true",
                    help="end each step with a wait for the GPU, as vLLM's model runner waits for its sampled "
                         "tokens (`WaitingFillForward`); without it the engine thread never waits between steps")
@@ -509,6 +511,13 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
         return 2
+    if args.device == "cuda" and not args.allow_torch_fallback:
+        why = kernels_missing()
+        if why is not None:
+            print(f"the CUDA kernel library is unavailable ({why}): the daemon and engines would run the torch "
+                  f"fallback. Rebuild it (`kvdepot build-kernels`), or pass {FALLBACK_FLAG} to measure that",
+                  file=sys.stderr)
+            return 2
     results = []
     StageTimers.enabled = args.stages
     Timeline.enabled = args.timeline

@@ -15,7 +15,7 @@ from kvdepot.client.kvcache import ShmKVCache
 from transfer_bench.baselines import Blocks, Pages
 from transfer_bench.engines import evaluate_many, format_many, run_many_engines
 from transfer_bench.point import Ctx, bench_point
-from transfer_bench.procs import DaemonProc, zmq_echo_rtt_us
+from transfer_bench.procs import FALLBACK_FLAG, DaemonProc, kernels_missing, zmq_echo_rtt_us
 from transfer_bench.report import HEADER, baseline_line, evaluate_targets, format_row, write_json
 from transfer_bench import stages
 from transfer_bench.shapes import SHAPES, chunks_for, say
@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=5, help="repetitions of each stream / roofline measurement")
     p.add_argument("--lone-iters", type=int, default=50, help="lone requests per op")
     p.add_argument("--out", default="transfer.json", help="JSON results")
+    p.add_argument(FALLBACK_FLAG, action="store_true",
+                   help="run even where the CUDA kernel library does not load (the torch fallback: not the product's speed)")
     p.add_argument("--trace", action="store_true",
                    help="stage breakdown of the lone requests: the daemon and this process record per-request "
                         "points (KVDEPOT_TRACE_FILE, transfer_bench.stages), printed at the end")
@@ -75,6 +77,12 @@ def main(argv=None) -> int:
         say("transfer.py needs CUDA (this measures the daemon's GPU data path); "
             "--only-engines --engine-device cpu runs CPU engines without one")
         return 2
+    if cuda and not args.allow_torch_fallback:
+        why = kernels_missing()
+        if why is not None:
+            say(f"the CUDA kernel library is unavailable ({why}): the daemon and engines would run the torch "
+                f"fallback. Rebuild it (`kvdepot build-kernels`), or pass {FALLBACK_FLAG} to measure that")
+            return 2
     if args.engines and not any(s.name == args.engine_shape for s in SHAPES):
         say(f"--engine-shape: one of {', '.join(s.name for s in SHAPES)}")
         return 2

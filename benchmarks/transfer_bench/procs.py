@@ -18,6 +18,26 @@ import zmq
 REPO = Path(__file__).resolve().parents[2]
 
 
+FALLBACK_FLAG = "--allow-torch-fallback"
+
+
+def kernels_missing() -> str | None:
+    """Why the CUDA kernel library cannot be used here (e.g. a .so built from other source,
+    as after any edit of kvdepot/gpu/csrc, comments included), or None if it loads. A GPU
+    benchmark run on the torch fallback measures something else: callers refuse to run
+    unless given `FALLBACK_FLAG`."""
+    from kvdepot.gpu import kernels
+
+    if kernels.load_kernels() is not None:
+        return None
+    try:
+        path = os.environ.get(kernels.ENV_SO) or str(kernels.PACKAGED_SO)
+        kernels.Kernels(path)
+    except Exception as exc:  # noqa: BLE001 - the reason is what is reported
+        return str(exc)
+    return "the kernel library did not load (see the log above)"
+
+
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat``)."""
     with open(f"/proc/{pid}/stat") as f:

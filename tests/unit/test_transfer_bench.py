@@ -53,3 +53,27 @@ def test_goals_per_chunk_size():
         "s chunk 1024: store+retrieve together >= 95 GB/s": True,
     }
     assert "s" in report.format_row(_row(256, 0.97, 0.95, 94.0))
+
+
+def test_a_gpu_run_without_the_kernel_library_says_why(monkeypatch):
+    """The GPU benchmarks refuse to measure the torch fallback by accident (`kernels_missing`):
+    a .so built from other source (any edit of kvdepot/gpu/csrc, comments included) is named
+    with the reason; a library that loads is no reason."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from transfer_bench import procs
+    finally:
+        sys.path.remove(str(BENCH))
+    from kvdepot.gpu import kernels
+
+    monkeypatch.setattr(kernels, "load_kernels", lambda: object())
+    assert procs.kernels_missing() is None
+
+    def stale(path):
+        raise kernels.KernelError(f"{path} was built from other source (aaaa, this kvdepot has bbbb)")
+
+    monkeypatch.setattr(kernels, "load_kernels", lambda: None)
+    monkeypatch.setattr(kernels, "Kernels", stale)
+    monkeypatch.setenv(kernels.ENV_SO, "/tmp/stale.so")
+    assert procs.kernels_missing() == "/tmp/stale.so was built from other source (aaaa, this kvdepot has bbbb)"
+    assert procs.FALLBACK_FLAG == "--allow-torch-fallback"
