@@ -23,7 +23,6 @@ log = logging.getLogger("kvdepot.client")
 LANDED_GRACE_S = 0.05  # how long a gated retrieve's landed word may lag behind its reply
 
 
-
 def region_reusable_after(error: KVDepotError) -> bool:
     """Whether a failed staged request's ring region may be reused: not when the request was
     lost in a timeout or with the connection (the daemon may still copy into or out of it)."""
