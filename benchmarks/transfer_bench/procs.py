@@ -30,12 +30,7 @@ def kernels_missing() -> str | None:
 
     if kernels.load_kernels() is not None:
         return None
-    try:
-        path = os.environ.get(kernels.ENV_SO) or str(kernels.PACKAGED_SO)
-        kernels.Kernels(path)
-    except Exception as exc:  # noqa: BLE001 - the reason is what is reported
-        return str(exc)
-    return "the kernel library did not load (see the log above)"
+    return kernels.load_error() or "the kernel library did not load (see the log above)"
 
 
 def process_cpu_s(pid: int) -> float:

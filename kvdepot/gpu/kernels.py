@@ -409,11 +409,12 @@ def kernels_source() -> str:
 
 _loaded: Kernels | None = None
 _load_failed = False
+_load_error: str | None = None  # why `load_kernels` returned None
 
 
 def load_kernels() -> Kernels | None:
     """The kernel library (cached per process), or None if it cannot be found or built."""
-    global _loaded, _load_failed
+    global _loaded, _load_failed, _load_error
     if _loaded is not None or _load_failed:
         return _loaded
     try:
@@ -441,8 +442,14 @@ def load_kernels() -> Kernels | None:
         _loaded = Kernels(path)
     except Exception as exc:  # noqa: BLE001 - fall back to torch, loudly once
         _load_failed = True
+        _load_error = str(exc)
         log.warning("CUDA kernels unavailable (%s); using the torch fallback (correct, slower)", exc)
     return _loaded
+
+
+def load_error() -> str | None:
+    """Why `load_kernels` found no library (e.g. a .so built from other source), or None."""
+    return _load_error
 
 
 def copy_blocks_torch(group: LayerGroup, layer_tensors: Sequence[torch.Tensor], block_ids: Sequence[int],

@@ -69,11 +69,7 @@ def test_a_gpu_run_without_the_kernel_library_says_why(monkeypatch):
     monkeypatch.setattr(kernels, "load_kernels", lambda: object())
     assert procs.kernels_missing() is None
 
-    def stale(path):
-        raise kernels.KernelError(f"{path} was built from other source (aaaa, this kvdepot has bbbb)")
-
     monkeypatch.setattr(kernels, "load_kernels", lambda: None)
-    monkeypatch.setattr(kernels, "Kernels", stale)
-    monkeypatch.setenv(kernels.ENV_SO, "/tmp/stale.so")
+    monkeypatch.setattr(kernels, "_load_error", "/tmp/stale.so was built from other source (aaaa, this kvdepot has bbbb)")
     assert procs.kernels_missing() == "/tmp/stale.so was built from other source (aaaa, this kvdepot has bbbb)"
     assert procs.FALLBACK_FLAG == "--allow-torch-fallback"
