@@ -45,6 +45,16 @@ on the current stream. Per shape:
   so with 16 chunks per step its steps can take longer than the link needs for their bytes,
   and then no connector could finish sooner.
 
+* ``--kv-blocks-factor F``: each engine's KV cache holds F times every prompt's blocks (default
+  1: a freed block is soon given out again, which makes a sliding-window model's forwards
+  order themselves after the stores' gathers most steps; vLLM's cache is far larger).
+
+* ``--forward-us US``: each forward also spins the GPU that long (a model's forward takes
+  milliseconds; the toy one microseconds); ``--output-wait [own|previous]``: each step ends
+  waiting for its own or the previous step's GPU work (vLLM's model runner waits for sampled
+  tokens; with async scheduling, vLLM's default, for the step before's). Together they give the
+  engine thread the GPU waits a real model gives it, when the transfer thread may run.
+
 * ``--timeline``: each phase's wall time split into its lead-in (first step until the first
   transfer is sent), the time with one or more transfers at the daemon (and their GB/s), the
   time with none, and the tail (last answer until vLLM freed every request); see `Timeline`.
@@ -116,7 +126,24 @@ def _sync() -> None:
 class FillForward(H.RankWorker):
     """The model: each scheduled token's blocks get one byte value, on the current stream, with
     the connector's ``wait_for_layer_load`` and ``save_kv_layer`` around each layer, as vLLM's
-    attention layers call them."""
+    attention layers call them; then, ``forward_us`` > 0, the GPU spins that long on the
+    stream (``torch.cuda._sleep``), as a model's attention and MLP take milliseconds."""
+
+    forward_us = 0.0
+    _cycles_per_us = 0.0
+
+    def _spin(self) -> None:
+        if self.forward_us <= 0 or self.device.type != "cuda":
+            return
+        if not FillForward._cycles_per_us:  # once: the GPU's spin rate, measured
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(1_000_000)
+            a.record()
+            torch.cuda._sleep(20_000_000)
+            b.record()
+            b.synchronize()
+            FillForward._cycles_per_us = 20_000_000 / (1000.0 * a.elapsed_time(b))
+        torch.cuda._sleep(int(self.forward_us * FillForward._cycles_per_us))
 
     def _forward(self, so) -> None:
         gid = {name: g for g, group in enumerate(self.groups) for name in group.layer_names}
@@ -145,6 +172,7 @@ class FillForward(H.RankWorker):
                     self.kv_caches[name].view(torch.int8)[idx] = value
             if per_layer:
                 self.conn.save_kv_layer(name, self.kv_caches[name], None)
+        self._spin()
 
 
 class FillEngine(H.Engine):
@@ -152,18 +180,25 @@ class FillEngine(H.Engine):
 
 
 class WaitingFillForward(FillForward):
-    """`FillForward` whose step ends, after the connector's calls, with a wait for the GPU to
-    finish the step's work (an event recorded on the current stream, then synchronized, which
-    lets go of the GIL), as vLLM's model runner waits each step for its sampled tokens
-    (``AsyncGPUModelRunnerOutput.get_output``: ``async_copy_ready_event.synchronize()``); the
-    toy forward takes microseconds of GPU time where a model's takes milliseconds."""
+    """`FillForward` whose step ends, after the connector's calls, with a wait for the GPU (an
+    event recorded on the current stream, then synchronized, which lets go of the GIL), as
+    vLLM's model runner waits for its sampled tokens (``AsyncGPUModelRunnerOutput.get_output``:
+    ``async_copy_ready_event.synchronize()``): ``lag`` 0, for this step's; 1, for the step
+    before's (vLLM's async scheduling, its default: the next step is scheduled and enqueued
+    before the engine waits for the last one's tokens). The toy forward takes microseconds of
+    GPU time unless ``forward_us`` is set."""
+
+    lag = 0
+    _last = None
 
     def execute(self, so, update_states: bool):
         out = super().execute(so, update_states)
         if self.device.type == "cuda" and so.total_num_scheduled_tokens:
             ev = torch.cuda.Event()
             ev.record()
-            ev.synchronize()
+            wait, self._last = (ev, None) if not self.lag else (self._last, ev)
+            if wait is not None:
+                wait.synchronize()
         return out
 
 
@@ -329,11 +364,11 @@ def roofline(nbytes: int) -> dict:
 
 def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int, requests: int,
                 device: str = "cuda", staging_bytes: int = 0, prompt_chunks: int = CHUNKS_PER_STEP,
-                output_wait: bool = False) -> dict:
+                output_wait: str = "", kv_blocks_factor: float = 1.0, forward_us: float = 0.0) -> dict:
     tokens = CHUNKS_PER_STEP * chunk  # per step (vLLM's max_num_batched_tokens)
     prompt_tokens = prompt_chunks * chunk
     block_bytes = sum(s.page_size_bytes for s in specs.values())
-    num_blocks = (requests * prompt_tokens + 4 * tokens) // 16 + 64
+    num_blocks = int(((requests * prompt_tokens + 4 * tokens) // 16 + 64) * kv_blocks_factor)
     model = H.model_dir(workdir)
 
     def engine():
@@ -342,11 +377,14 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
                                  extra={"model_id": f"bench-{name}", "rpc_timeout_s": 30.0,
                                         "staging_bytes": staging_bytes,
                                         "lookup_timeout_s": 5.0, "hold_max_s": 60.0})
+        FillForward.forward_us = forward_us
+        WaitingFillForward.lag = 1 if output_wait == "previous" else 0
         return (WaitingFillEngine if output_wait else FillEngine)(cfg, specs, num_blocks=num_blocks)
 
     prompts = [H.tokens(1000 + i, prompt_tokens) for i in range(requests)]
     res = {"shape": name, "chunk_tokens": chunk, "requests": requests, "prompt_chunks": prompt_chunks,
-           "chunk_bytes": block_bytes * chunk // 16, "staging_bytes": staging_bytes, "output_wait": output_wait}
+           "chunk_bytes": block_bytes * chunk // 16, "staging_bytes": staging_bytes, "output_wait": output_wait,
+           "kv_blocks": num_blocks, "forward_us": forward_us}
     a = engine()
     try:
         a.add(H.tokens(8, 1000), max_tokens=1)  # connect, register, first kernels: not measured
@@ -406,9 +444,12 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
 
 
 def _forwards_waiting(r: dict) -> str:
-    """Sliding-window models: forwards that waited for an earlier store's gathers (`WorkerSide.bind`)."""
-    n = r.get("store_stats", {}).get("forwards_waiting_for_gathers", 0)
-    return f"; {n} forwards waited for a store's gathers" if n else ""
+    """Sliding-window models: forwards that waited for an earlier store's gathers, and saves
+    gathered by the engine thread before a forward (`WorkerSide.bind`)."""
+    st = r.get("store_stats", {})
+    n, here = st.get("forwards_waiting_for_gathers", 0), st.get("saves_gathered_by_bind", 0)
+    return (f"; {n} forwards waited for a store's gathers" if n else "") + (
+        f"; {here} saves gathered by bind (the engine thread)" if here else "")
 
 
 def _gc(r: dict, op: str) -> str:
@@ -502,9 +543,16 @@ def main(argv=None) -> int:
                         "how much the engine and transfer threads' sharing of the GIL costs")
     p.add_argument(FALLBACK_FLAG, action="store_true",
                    help="run even where the CUDA kernel library does not load (the torch fallback: not the product's speed)")
-    p.add_argument("--output-wait", action="store_true",
+    p.add_argument("--output-wait", nargs="?", const="own", default="", choices=["own", "previous"],
                    help="end each step with a wait for the GPU, as vLLM's model runner waits for its sampled "
-                        "tokens (`WaitingFillForward`); without it the engine thread never waits between steps")
+                        "tokens (`WaitingFillForward`): for this step's (own, the default) or the step before's "
+                        "(previous: vLLM's async scheduling); without it the engine thread never waits between steps")
+    p.add_argument("--forward-us", type=float, default=0.0,
+                   help="GPU time of each step's forward, spun on the stream (a model's: milliseconds; default 0)")
+    p.add_argument("--kv-blocks-factor", type=float, default=1.0,
+                   help="KV-cache blocks per engine, times what holds every prompt at once (default 1: a block "
+                        "freed is soon given out again, the worst case for a sliding-window model's stores; vLLM "
+                        "gives the cache most of the GPU, e.g. ~150k blocks for gpt-oss-20b on an H200)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke run of the same steps with shared-memory KV caches (no roofline)")
     args = p.parse_args(argv)
@@ -544,7 +592,7 @@ def main(argv=None) -> int:
                 with KVDepotClient(ep, timeout_s=60) as c:
                     c.flush()
                 r = bench_shape(name, specs, ep, wd, args.chunk, args.requests, args.device, args.staging_bytes,
-                                args.prompt_chunks, args.output_wait)
+                                args.prompt_chunks, args.output_wait, args.kv_blocks_factor, args.forward_us)
                 print(report(r) if "store_vs_roofline" in r else json.dumps(r), flush=True)
                 results.append(r)
         finally:

@@ -84,7 +84,8 @@ def test_sliding_window_blocks_reused_while_stores_run_load_back_bit_exact(tmp_p
     b = engine(tmp_path, ep, "gpu-sliding", layout="LBHNC", warmup=[98, 40], **sc)
     assert b["stats"][0]["loaded_chunks"] == 6 * (320 // CHUNK)
     assert [b["outputs"]] + b["more_outputs"] == [a["outputs"]] + a["more_outputs"]
-    print(f"\nsliding window: forwards that waited for gathers {st['forwards_waiting_for_gathers']}; A {st}")
+    print(f"\nsliding window: forwards that waited for gathers {st['forwards_waiting_for_gathers']}, saves gathered "
+          f"by bind {st.get('saves_gathered_by_bind')}; A {st}")
 
 
 def test_tensor_parallel_two_rank_processes_on_one_gpu(tmp_path, daemon):

@@ -16,6 +16,7 @@ import vllm_harness  # noqa: E402,F401 - imports vLLM the way every test here do
 from kvdepot.client.hashing import shard_keys, shard_mask  # noqa: E402
 from kvdepot.client.staging import StagingRing  # noqa: E402
 from kvdepot.client.vllm.mover import TransferThread  # noqa: E402
+from kvdepot.client.vllm.pieces import PostedSave  # noqa: E402
 from kvdepot.client.vllm.plan import KVDepotMetadata, StoreJob  # noqa: E402
 from kvdepot.client.vllm.worker import WorkerSide  # noqa: E402
 from kvdepot.protocol.errors import ErrorCode, KVDepotError  # noqa: E402
@@ -155,15 +156,42 @@ def test_without_fence_words_the_thread_gathers_and_the_forward_may_wait():
     assert mv.stage_saves([_job("a", 2, 0)], object()) is None
 
 
-def test_wait_for_save_of_a_sliding_window_model_posts_gathered_stores_and_leaves_bind_nothing():
+def _sliding_worker(mover):
     w = object.__new__(WorkerSide)
-    posted = []
     stream = object()
-    w.mover = types.SimpleNamespace(started=True, post=posted.append,
-                                    stage_saves=lambda jobs, s: ("staged", jobs, s))
+    w.mover, w.stats = mover, {"forwards_waiting_for_gathers": 0, "saves_gathered_by_bind": 0}
+    w.cfg = types.SimpleNamespace(rpc_timeout_s=1.0)
     w.stores_may_wait, w.reg = False, types.SimpleNamespace(device="cuda")
-    w._saves_posted, w._sliding_saves = 0, []
+    w._saves_posted, w._sliding_saves, w._gather_in_wait = 0, [], 0
     w._current_stream = lambda: stream
+    if isinstance(mover, TransferThread):
+        mover._thread = object()  # "started": driven by hand here, no thread runs
+    return w, stream
+
+
+def test_wait_for_save_of_a_sliding_window_model_posts_its_stream_and_gathers_nothing_itself():
+    posted = []
+    w, stream = _sliding_worker(types.SimpleNamespace(
+        started=True, post=posted.append, stage_saves=lambda jobs, s: pytest.fail("gathered on the engine thread")))
+    w._engine_event = lambda: pytest.fail("an event was made on the engine thread")
+    jobs = [_job("a", 2, 0)]
+    w._meta = KVDepotMetadata(stores=jobs)
+    w.wait_for_save()
+    (cmd,) = posted
+    assert cmd[:2] == ("save", jobs) and isinstance(cmd[2], PostedSave) and cmd[3:] == (None, None)
+    assert cmd[2].stream is stream and cmd[2].owner is None
+    assert [(s.seq, s.posted) for s in w._sliding_saves] == [(1, cmd[2])]
+
+
+def test_wait_for_save_gathers_on_the_engine_thread_where_asked(monkeypatch):
+    """``$KVDEPOT_GATHER_IN_WAIT_FOR_SAVE`` (comparisons): the engine thread gathers in
+    wait_for_save as before; without fence words the thread gathers after its event."""
+    from kvdepot.client.vllm import worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "GATHER_IN_WAIT_FOR_SAVE", True)
+    posted = []
+    w, stream = _sliding_worker(types.SimpleNamespace(started=True, post=posted.append,
+                                                      stage_saves=lambda jobs, s: ("staged", jobs, s)))
     jobs = [_job("a", 2, 0)]
     w._meta = KVDepotMetadata(stores=jobs)
     w.wait_for_save()
@@ -172,6 +200,111 @@ def test_wait_for_save_of_a_sliding_window_model_posts_gathered_stores_and_leave
     w._engine_event = lambda: "event"
     w.wait_for_save()
     assert posted[-1] == ("save", jobs, "event", None, None) and [s.seq for s in w._sliding_saves] == [2]
+
+
+def test_the_transfer_thread_gathers_a_posted_save_on_the_engine_stream_and_bind_then_waits_for_nothing():
+    mv, client, side = _thread()
+    w, stream = _sliding_worker(mv)
+    mv.post = lambda cmd: mv._handle(cmd)  # the thread takes the save before the next bind
+    jobs = [_job("a", 2, 0)]
+    w._meta = KVDepotMetadata(stores=jobs)
+    w.wait_for_save()
+    assert [(n, s is stream) for _, n, s in client.staged] == [(2, True)] and len(client.sent) == 1
+    assert mv.gathered(1) == (True, None)  # on the engine's stream: nothing to wait for
+    w._current_stream = lambda: pytest.fail("bind touched the stream")
+    w._order_after_gathers({0, 1, 2})  # even where the next forward writes its blocks
+    assert w._sliding_saves == [] and w.stats == {"forwards_waiting_for_gathers": 0, "saves_gathered_by_bind": 0}
+
+
+def test_bind_gathers_a_save_the_thread_has_not_taken_before_a_forward_that_writes_its_blocks():
+    """The thread has not taken the save when the next forward may write one of its blocks:
+    bind claims it and gathers it on the engine's stream itself; the thread later only sends
+    what bind staged. A save whose blocks the forward leaves alone stays the thread's."""
+    mv, client, side = _thread()
+    w, stream = _sliding_worker(mv)
+    inbox = []
+    mv.post = inbox.append
+    a, b = [_job("a", 2, 0)], [_job("b", 2, 100)]
+    for jobs in (a, b):
+        w._meta = KVDepotMetadata(stores=jobs)
+        w.wait_for_save()
+    w._order_after_gathers({1, 500})  # writes a block of a's, none of b's
+    assert [(n, s is stream) for _, n, s in client.staged] == [(2, True)] and client.staged[0][0][0] == list(range(8))
+    assert not client.sent and [s.seq for s in w._sliding_saves] == [2]
+    assert w.stats == {"forwards_waiting_for_gathers": 0, "saves_gathered_by_bind": 1}
+    for cmd in inbox:  # the thread takes both: sends a's as staged, gathers b's itself
+        mv._handle(cmd)
+    assert len(client.staged) == 2 and [s["request"] for s in client.sent] == ["a", "b"]
+    assert client.sent[0]["staged"] is list(client.ring.live)[0]
+    w._order_after_gathers({100})
+    assert w._sliding_saves == [] and w.stats["saves_gathered_by_bind"] == 1
+    # the thread was late once: the next saves are gathered in wait_for_save (costs the engine
+    # thread less than bind's claim), then the thread is tried again
+    from kvdepot.client.vllm.worker import GATHER_IN_WAIT_RETRY
+
+    for i in range(GATHER_IN_WAIT_RETRY + 1):
+        w._meta = KVDepotMetadata(stores=[_job(f"c{i}", 1, 200 + 4 * i)])
+        w.wait_for_save()
+    assert [len(cmd) == 5 and cmd[3] is not None for cmd in inbox[2:]] == [True] * GATHER_IN_WAIT_RETRY + [False]
+    assert isinstance(inbox[-1][2], PostedSave) and [s.seq for s in w._sliding_saves] == [3 + GATHER_IN_WAIT_RETRY]
+
+
+def test_bind_waits_for_a_save_the_thread_is_gathering():
+    mv, client, side = _thread()
+    w, _ = _sliding_worker(mv)
+    inbox = []
+    mv.post = inbox.append
+    w._meta = KVDepotMetadata(stores=[_job("a", 2, 0)])
+    w.wait_for_save()
+    posted = inbox[0][2]
+    assert posted.claim("thread", blocking=True)  # the thread holds it (mid-gather)
+    waited = []
+
+    def saves_gathered(count, timeout_s):
+        waited.append(count)
+        return None
+
+    mv.saves_gathered = saves_gathered
+    w._order_after_gathers({1})
+    assert waited == [1] and not client.staged and w.stats["forwards_waiting_for_gathers"] == 1
+    assert not posted.claim("engine", blocking=False)  # still the thread's
+
+
+def test_without_fence_words_a_posted_save_is_gathered_on_the_side_stream_after_an_engine_event(monkeypatch):
+    """No fence words (or another daemon generation): whoever claims the save records an event
+    on the engine's stream, the thread gathers on its own stream after it, and bind waits for
+    that as before."""
+    from kvdepot.client.vllm import mover as mover_mod, worker as worker_mod
+
+    recorded = []
+
+    class _Ev:
+        def record(self, stream):
+            recorded.append(stream)
+
+    fake_cuda = types.SimpleNamespace(Event=_Ev, Stream=mover_mod.torch.cuda.Stream)
+    monkeypatch.setattr(mover_mod, "torch", types.SimpleNamespace(cuda=fake_cuda))
+    monkeypatch.setattr(worker_mod, "torch", types.SimpleNamespace(cuda=fake_cuda))
+    mv, client, side = _thread()
+    side.kvreg.staging.fence_active = False
+    w, stream = _sliding_worker(mv)
+    saved = []
+    mv._save = lambda jobs, event: saved.append(event)
+    mv._await_unstaged = lambda ops: None
+    inbox = []
+    mv.post = inbox.append
+    w._meta = KVDepotMetadata(stores=[_job("a", 2, 0)])
+    w.wait_for_save()
+    w.wait_for_save()
+    mv._handle(inbox[0])  # the thread: no fence words -> an event on the engine's stream, then _save
+    assert recorded == [stream] and len(saved) == 1 and isinstance(saved[0], _Ev) and inbox[0][2].owner == "thread"
+    waited = []
+    mv.saves_gathered = lambda count, timeout_s: (waited.append(count), mv._handle(inbox[1]))[1]
+    w._current_stream = lambda: types.SimpleNamespace(wait_event=lambda ev: None)
+    w._order_after_gathers({1})  # save 2 not taken: bind claims it, records the event, waits
+    assert inbox[1][2].owner == "engine" and isinstance(inbox[1][2].event, _Ev) and waited == [2]
+    assert recorded == [stream, stream] and saved[-1] is inbox[1][2].event and w._sliding_saves == []
+    assert w.stats == {"forwards_waiting_for_gathers": 1, "saves_gathered_by_bind": 1}
 
 
 def test_wait_for_save_of_a_dense_model_leaves_the_event_to_the_transfer_thread():

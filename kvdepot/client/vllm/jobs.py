@@ -1,7 +1,7 @@
 """Jobs -> pieces for the worker's transfer thread (`kvdepot.client.vllm.mover`): this shard's
 chunk keys, registered block ids, the split of a job into pieces of at most a quarter of the
-staging ring, and the ways a store's chunks reach the ring (gathered by the thread after an
-engine event, or by the engine thread on its own stream: `JobPieces.stage_saves`)."""
+staging ring, and the ways a store's chunks reach the ring (gathered on the thread's stream after
+an engine event, or on the engine's stream: `JobPieces.stage_saves`)."""
 
 from __future__ import annotations
 
@@ -123,10 +123,11 @@ class JobPieces:
                 for s in range(0, n, per)]
 
     def stage_saves(self, jobs: list[StoreJob], stream) -> tuple | None:
-        """Engine thread, CUDA models with a sliding-window group, fence words in use: gather
-        this step's stores into the staging ring now, on ``stream`` (the engine's), so that no
-        later forward can overwrite their blocks first (stream order: `WorkerSide.bind` waits
-        for nothing). The thread sends them (`_send_staged`). A piece that finds no room now is
+        """CUDA models with a sliding-window group, fence words in use: gather a step's
+        stores into the staging ring now, on ``stream`` (the engine's), so that no forward
+        enqueued later can overwrite their blocks first. Called by the transfer thread when it
+        takes the save, or by the engine thread in ``bind`` if it claimed the save first
+        (`kvdepot.client.vllm.pieces.PostedSave`); the thread sends them (`_send_staged`). A piece that finds no room now is
         skipped, and the rest of its request with it (vLLM may hand its blocks to another
         request in the next step).
 

@@ -11,12 +11,13 @@ the *side stream*):
   posts it); the blocks stay the request's until its store ended (vLLM's
   ``delay_free_blocks``), so the gather may run any time later, after later forwards too.
   Models with a sliding-window group are the exception (vLLM frees blocks that leave the
-  window while the request runs): their stores are gathered now or never, after an event the
-  engine thread records. CUDA with fence words: the engine
-  thread gathers them itself in ``wait_for_save``, on its own stream (`JobPieces.stage_saves`;
-  stream order keeps every later forward behind the gathers), and this thread only sends
-  them. Otherwise a later forward that may write one of their blocks (the scheduler's
-  ``written_block_ids``) waits for this thread's gathers (`WorkerSide.bind`).
+  window while the request runs): a later forward that may write one of their blocks (the
+  scheduler's ``written_block_ids``) must follow their gathers (`WorkerSide.bind`). CUDA: the
+  save comes with the engine's stream (`PostedSave`), and this thread gathers it on that
+  stream when it takes it (`JobPieces.stage_saves`; every forward enqueued later follows),
+  unless ``bind`` claimed it first and gathered it there; without fence words the gathers go
+  on the side stream after an event recorded on the engine's stream at that point, and
+  ``bind`` makes the engine's stream wait for them.
 * a load's scatter waits on an event recorded in ``start_load_kv`` (after vLLM gave the
   request its blocks: work an earlier owner of those blocks queued runs first); the engine's
   stream waits on an event recorded after the scatter before the request is reported in
@@ -47,7 +48,7 @@ import torch
 from kvdepot.client.client import KVDepotClient
 from kvdepot.client.many import RetrieveItem, StoreItem
 from kvdepot.client.vllm.jobs import DOWN, JobPieces
-from kvdepot.client.vllm.pieces import LoadOutcomes, Op, Piece, Preemption, Results
+from kvdepot.client.vllm.pieces import LoadOutcomes, Op, Piece, PostedSave, Preemption, Results
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
 log = logging.getLogger("kvdepot.vllm")
@@ -108,7 +109,8 @@ class TransferThread(JobPieces):
         release) (``staged``: what `stage_saves` returned, or None: the thread gathers after
         ``event``; ``event`` may be the engine's stream instead, on which the thread records one
         when it takes the command: models whose blocks stay with their request until its stores
-        ended; ``release``: the step's finished requests or None, released after the save as
+        ended; or a `PostedSave`: sliding-window models, gathered on the engine's stream by
+        whoever claims it first; ``release``: the step's finished requests or None, released after the save as
         by a "release" command), ("release", req_ids) (after the step's save: finished requests,
         reported in ``sending`` once their transfers ended)."""
         self._inbox.put(cmd)
@@ -277,6 +279,8 @@ class TransferThread(JobPieces):
         seq = self._saves_gathered + 1
         try:
             sliding = not self.side.stores_may_wait
+            if isinstance(event, PostedSave):
+                staged, event = self._claim_save(event, jobs)
             if staged is not None:
                 self._send_staged(jobs, staged)
             else:
@@ -298,6 +302,25 @@ class TransferThread(JobPieces):
             with self._saves_cond:
                 self._saves_gathered = seq
                 self._saves_cond.notify_all()
+
+    def _claim_save(self, posted: PostedSave, jobs) -> tuple:
+        """A sliding-window model's save posted with the engine's stream (`PostedSave`): gathered
+        here on that stream, unless ``bind`` claimed it first (then what it staged is taken).
+        Returns (staged or None, the event the thread's own gathers follow or None)."""
+        if posted.claim("thread", blocking=True):
+            try:
+                staged = self.stage_saves(jobs, posted.stream)
+                event = None
+                if staged is None:  # no fence words now: gathered on the side stream after this point
+                    event = torch.cuda.Event()
+                    event.record(posted.stream)
+                return staged, event
+            finally:
+                posted.lock.release()
+        if posted.staged is None and posted.event is None:  # bind's gather raised: after this point then
+            posted.event = torch.cuda.Event()
+            posted.event.record(posted.stream)
+        return posted.staged, posted.event
 
     def _publish(self) -> None:
         sending = set()

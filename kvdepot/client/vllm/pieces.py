@@ -29,6 +29,40 @@ class Piece:
     after: object = None  # CUDA: the engine-stream event the gather / scatter must follow
 
 
+class PostedSave:
+    """A sliding-window model's "save" (CUDA), posted by ``wait_for_save`` with the engine's
+    stream: whichever of the transfer thread (when it takes the command) and the engine thread
+    (``bind``, before a forward that may write one of its blocks) claims it first gathers its
+    stores on that stream (`JobPieces.stage_saves`), so that every forward enqueued after the
+    claim follows the gathers. The claimant holds ``lock`` while it gathers: the other side
+    blocks on it (the thread) or sees it held and waits for the thread (``bind``).
+
+    ``staged``: what the claimant's `stage_saves` returned (None: not staged, no fence words or
+    another daemon generation); ``event``: then, an event on the engine's stream for the
+    thread's own gathers to follow (``bind`` claimed it), or None (the thread records one)."""
+
+    __slots__ = ("stream", "lock", "owner", "staged", "event")
+
+    def __init__(self, stream) -> None:
+        self.stream = stream  # the engine's torch.cuda.Stream at wait_for_save
+        self.lock = threading.Lock()
+        self.owner: str | None = None  # "thread" / "engine" once claimed
+        self.staged = None
+        self.event = None
+
+    def claim(self, who: str, blocking: bool) -> bool:
+        """Take the lock; True (lock held: gather, then release it) if nobody claimed the save
+        yet, else False with the lock not held. ``blocking=False``: False at once while the
+        other side holds the lock."""
+        if not self.lock.acquire(blocking):
+            return False
+        if self.owner is not None:
+            self.lock.release()
+            return False
+        self.owner = who
+        return True
+
+
 @dataclasses.dataclass(slots=True)
 class Load:
     """A load job in flight: reported once every piece ended."""

@@ -431,8 +431,8 @@ def written_blocks(so) -> list[int]:
     prompt of a two-group model is 512 ids: as a set 11 us on the dev VM, as this 1-2): ids
     may repeat and vLLM's null block may be among them; a worker makes a set of them only when
     it has a store to order against (`kvdepot.client.vllm.worker.written_set`). A load's
-    scatter needs no entry: it runs on the transfer thread's stream after every gather queued
-    before it."""
+    scatter needs no entry of its own: it writes only blocks of new or resumed requests' tables,
+    which are here."""
     out: list[int] = []
     for r in so.scheduled_new_reqs:
         for ids in r.block_ids:

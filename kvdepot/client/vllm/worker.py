@@ -18,9 +18,11 @@ Per step (order of vLLM's ``KVConnectorModelRunnerMixin``): ``handle_preemptions
   (block id -1).
 * Stores (``wait_for_save``, after the forward): an event is recorded on the engine's stream and
   the step's store jobs go to the thread, which gathers the chunks into the ring after that
-  event and sends the `Store`. Models with a sliding-window group (CUDA, fence words in use):
-  the engine thread enqueues the gathers on its own stream here (one kernel per piece) and the
-  thread only sends. CPU: the daemon reads the shared-memory blocks itself. A finished
+  event and sends the `Store`. Models with a sliding-window group (vLLM frees blocks that leave
+  the window while their request runs; CUDA): the save goes with the engine's stream, and the
+  thread gathers on that stream when it takes it, unless ``bind_connector_metadata`` finds that
+  the next forward may write one of its blocks first: then the engine thread gathers it there
+  (`kvdepot.client.vllm.pieces.PostedSave`). CPU: the daemon reads the shared-memory blocks itself. A finished
   request keeps its blocks (vLLM's ``delay_free_blocks``) until its stores and loads ended, then
   is reported in finished_sending.
 * No per-layer calls: ``has_connector_metadata`` is False, so vLLM's attention layers never call
@@ -40,11 +42,19 @@ from kvdepot.client.hashing import shard_name
 from kvdepot.client.vllm.config import STAGING_MIN_BYTES, ConnectorConfig, auto_staging_bytes
 from kvdepot.client.vllm.layout import Registration, TransferGroup, build_registration
 from kvdepot.client.vllm.mover import DOWN, TransferThread
+from kvdepot.client.vllm.pieces import PostedSave
 from kvdepot.client.vllm.plan import KVDepotMetadata
 from kvdepot.gpu.layout import group_layers
 from kvdepot.protocol.errors import KVDepotError
 
 log = logging.getLogger("kvdepot.vllm")
+
+# $KVDEPOT_GATHER_IN_WAIT_FOR_SAVE set: a sliding-window model's stores are gathered by the engine
+# thread in wait_for_save (the way before `PostedSave`), for comparisons
+GATHER_IN_WAIT_FOR_SAVE = bool(os.environ.get("KVDEPOT_GATHER_IN_WAIT_FOR_SAVE"))
+# after `bind` gathered a save the thread had not taken: this many saves are gathered in
+# wait_for_save before the thread is tried again
+GATHER_IN_WAIT_RETRY = 16
 
 
 class WorkerSide:
@@ -73,11 +83,12 @@ class WorkerSide:
         self.reg_generation = -1
         self.stats = {"loads": 0, "load_failures": 0, "loaded_chunks": 0, "stores": 0, "stored_chunks": 0,
                       "store_failures": 0, "stores_skipped_ring_full": 0, "pieces_queued": 0, "late_ops": 0,
-                      "null_blocks_left_alone": 0, "forwards_waiting_for_gathers": 0,
+                      "null_blocks_left_alone": 0, "forwards_waiting_for_gathers": 0, "saves_gathered_by_bind": 0,
                       "thread_cpu_s": 0.0}
         self.mover = TransferThread(self)
         self._meta: KVDepotMetadata | None = None
         self._saves_posted = 0
+        self._gather_in_wait = 0  # sliding-window models: saves the engine thread gathers in wait_for_save
         self._sliding_saves: list[_SlidingSave] = []  # sliding-window models: saves maybe not gathered yet
         self._released: KVDepotMetadata | None = None  # the metadata whose releases were posted
         self._invalid_blocks: set[int] = set()  # taken by get_transfer_results, given by the next call
@@ -178,8 +189,7 @@ class WorkerSide:
     def bind(self, meta: KVDepotMetadata) -> None:
         """Before the forward. For a model with a sliding-window group (vLLM frees blocks that
         leave the window while their request runs), the forward must not write a block before
-        an earlier step's store gathered it: see `_order_after_gathers` (nothing to do for
-        saves the engine thread gathered itself, `wait_for_save`)."""
+        an earlier step's store gathered it: see `_order_after_gathers`."""
         self._meta = meta
         if self._sliding_saves and self._active:
             ours = isinstance(meta, KVDepotMetadata)
@@ -189,19 +199,24 @@ class WorkerSide:
     def _order_after_gathers(self, written: set[int] | None) -> None:
         """Make the engine's stream wait for the gathers of every earlier store that reads a
         block of ``written`` (blocks this step may write that their request did not hold: the
-        scheduler's ``written_block_ids``, `written_set`; None: all of them). A store the transfer thread has
-        not gathered yet is waited for on the CPU, one already queued on the GPU only; stores
-        whose gathers ran, or whose blocks this step leaves alone, cost no wait (the check
-        comes again next step for those not gathered yet)."""
+        scheduler's ``written_block_ids``, `written_set`; None: all of them). A save the
+        transfer thread has not taken yet is gathered here, on the engine's stream
+        (`_gather_here`); one it is gathering is waited for on the CPU; one whose gathers are
+        on the side stream, on the GPU. Saves gathered on the engine's stream already, or whose
+        blocks this step leaves alone, cost no wait (the check comes again next step for
+        those not gathered yet). The loads of this step write only blocks of ``written``
+        (new requests' tables, resumed requests'), so their scatters need no more."""
         mover, keep, ordered = self.mover, [], 0  # ordered: saves <= this need nothing more
         for s in self._sliding_saves:
             handled, ev = mover.gathered(s.seq)
-            if handled and (ev is None or ev.query()):  # its gathers ran (unstaged: the daemon answered)
-                ordered = s.seq  # and those of every earlier save (one stream, in order)
+            if handled and (ev is None or ev.query()):  # its gathers ran or are on this stream
+                ordered = s.seq  # and those of every earlier save (handled in order)
                 continue
             if written is not None and s.blocks().isdisjoint(written):
                 keep.append(s)
                 continue
+            if not handled and s.posted is not None and self._gather_here(s):
+                continue  # on this stream now (earlier saves may still be the thread's)
             if not handled:
                 ev = mover.saves_gathered(s.seq, self.cfg.rpc_timeout_s)
             if ev is not None:
@@ -212,6 +227,28 @@ class WorkerSide:
             mover.forget_gathered(ordered)
             keep = [s for s in keep if s.seq > ordered]
         self._sliding_saves = keep
+
+    def _gather_here(self, s: _SlidingSave) -> bool:
+        """Claim save ``s`` (`PostedSave`) before the transfer thread did and gather its stores
+        on the engine's stream now; the thread sends them. False: the thread holds it (wait for
+        it). Without fence words the claim only records an event for the thread's gathers to
+        follow, and False is returned too."""
+        posted = s.posted
+        if not posted.claim("engine", blocking=False):
+            return False
+        try:
+            posted.staged = self.mover.stage_saves(s.stores, posted.stream)
+            if posted.staged is None:
+                posted.event = torch.cuda.Event()
+                posted.event.record(posted.stream)
+        finally:
+            posted.lock.release()
+        self.stats["saves_gathered_by_bind"] += 1
+        # the thread does not get to the saves before the next forward (an engine that never
+        # waits for the GPU between steps): the next ones are gathered in wait_for_save, which
+        # costs less than here, and the thread is tried again after them
+        self._gather_in_wait = GATHER_IN_WAIT_RETRY
+        return posted.staged is not None
 
     def handle_preemptions(self, meta: KVDepotMetadata) -> None:
         """Before the forward that reuses preempted requests' blocks: their queued stores are
@@ -260,11 +297,22 @@ class WorkerSide:
         # `get_transfer_results`
         take = self._take_release
         if not self.stores_may_wait and self.reg is not None and self.reg.device == "cuda":
-            # sliding-window models: gathered now, on the engine's stream (none of them for
-            # `bind` to wait for), where the ring's fence words are in use
-            staged = self.mover.stage_saves(meta.stores, self._current_stream())
-            if staged is not None:
-                self.mover.post(("save", meta.stores, None, staged, take(meta)))
+            if GATHER_IN_WAIT_FOR_SAVE or self._gather_in_wait > 0:
+                # gathered now on the engine's stream where the ring's fence words are in use:
+                # nothing for `bind` to wait for (after `bind` had to gather one itself, or set)
+                self._gather_in_wait -= 1
+                staged = self.mover.stage_saves(meta.stores, self._current_stream())
+                if staged is not None:
+                    self.mover.post(("save", meta.stores, None, staged, take(meta)))
+                    return
+            else:
+                # sliding-window models: gathered on the engine's stream by the transfer thread
+                # when it takes the save (while the engine waits for the GPU), or by `bind` if a
+                # forward may write one of their blocks before then (`PostedSave`); the engine
+                # thread's gather call cost it 100-250 us per store step on the GPU hosts measured
+                posted = PostedSave(self._current_stream())
+                self.mover.post(("save", meta.stores, posted, None, take(meta)))
+                self._sliding_saves.append(_SlidingSave(self._saves_posted, meta.stores, posted))
                 return
         if self.stores_may_wait:
             # the blocks stay the request's until its stores ended, so the gathers may follow a
@@ -330,11 +378,12 @@ class WorkerSide:
 class _SlidingSave:
     """A "save" posted for a sliding-window model whose gathers may not have run yet."""
 
-    __slots__ = ("seq", "stores", "_blocks")
+    __slots__ = ("seq", "stores", "posted", "_blocks")
 
-    def __init__(self, seq: int, stores) -> None:
+    def __init__(self, seq: int, stores, posted: PostedSave | None = None) -> None:
         self.seq = seq  # its number among the saves posted (1-based), `TransferThread.gathered`
         self.stores = stores  # its StoreJobs
+        self.posted = posted  # CUDA: whoever claims it first gathers it on the engine's stream
         self._blocks: set[int] | None = None
 
     def blocks(self) -> set[int]:
