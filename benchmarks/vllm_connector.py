@@ -123,6 +123,9 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+_SLOTS, _SLOT_IDS = 8, 1 << 16  # `FillForward._device_ids`: pinned host slots, block ids per slot
+
+
 class FillForward(H.RankWorker):
     """The model: each scheduled token's blocks get one byte value, on the current stream, with
     the connector's ``wait_for_layer_load`` and ``save_kv_layer`` around each layer, as vLLM's
@@ -145,16 +148,44 @@ class FillForward(H.RankWorker):
             FillForward._cycles_per_us = 20_000_000 / (1000.0 * a.elapsed_time(b))
         torch.cuda._sleep(int(self.forward_us * FillForward._cycles_per_us))
 
+    def _device_ids(self, lists: list[list[int]]) -> list[torch.Tensor]:
+        """Int64 tensors of ``lists`` on the device, copied from a ring of pinned host slots
+        without waiting for the GPU, as vLLM prepares a step's inputs: a copy from pageable
+        memory, or a new pinned allocation while the earlier copies are still queued, waits
+        for the GPU's earlier work with the GIL held (a whole forward, with --forward-us)."""
+        n = sum(len(x) for x in lists)
+        if self.device.type != "cuda" or n > _SLOT_IDS:
+            return [torch.tensor(x, device=self.device) for x in lists]
+        ring = getattr(self, "_ids_ring", None)
+        if ring is None:
+            ring = self._ids_ring = [torch.empty(_SLOTS * _SLOT_IDS, dtype=torch.int64, pin_memory=True),
+                                     [None] * _SLOTS, 0]
+        host, events, k = ring[0], ring[1], (ring[2] + 1) % _SLOTS
+        ring[2] = k
+        if events[k] is not None:
+            events[k].synchronize()  # this slot's last copy ran (lets go of the GIL)
+        src = host[k * _SLOT_IDS:k * _SLOT_IDS + n]
+        src.copy_(torch.tensor([b for x in lists for b in x], dtype=torch.int64))
+        dev = src.to(self.device, non_blocking=True)
+        events[k] = torch.cuda.Event()
+        events[k].record()
+        out, o = [], 0
+        for x in lists:
+            out.append(dev[o:o + len(x)])
+            o += len(x)
+        return out
+
     def _forward(self, so) -> None:
         gid = {name: g for g, group in enumerate(self.groups) for name in group.layer_names}
-        ids = {}  # (request, gid) -> block ids the scheduled tokens write
+        keys, lists = [], []  # (request, gid, value) and the block ids the scheduled tokens write
         for req_id, n in so.num_scheduled_tokens.items():
             run = self.runs[req_id]
             start = run.sched_computed
             for g, group in enumerate(self.groups):
                 bs = group.kv_cache_spec.block_size
-                blocks = sorted({run.table[g][p // bs] for p in range(start, start + n)})
-                ids[req_id, g] = (torch.tensor(blocks, device=self.device), (start // bs) % 127)
+                keys.append((req_id, g, (start // bs) % 127))
+                lists.append(sorted({run.table[g][p // bs] for p in range(start, start + n)}))
+        ids = {(r, g): (idx, value) for (r, g, value), idx in zip(keys, self._device_ids(lists))}
         probe = LayerProbe.get()
         for i, name in enumerate(self.kv_caches):  # layer by layer, as a model runs
             # the timer's own cost per call, here (see LayerProbe): before the connector's first

@@ -157,12 +157,15 @@ def test_without_fence_words_the_thread_gathers_and_the_forward_may_wait():
 
 
 def _sliding_worker(mover):
+    from kvdepot.client.vllm import worker as worker_mod
+
     w = object.__new__(WorkerSide)
     stream = object()
     w.mover, w.stats = mover, {"forwards_waiting_for_gathers": 0, "saves_gathered_by_bind": 0}
     w.cfg = types.SimpleNamespace(rpc_timeout_s=1.0)
     w.stores_may_wait, w.reg = False, types.SimpleNamespace(device="cuda")
     w._saves_posted, w._sliding_saves, w._gather_in_wait = 0, [], 0
+    w._gather_retry = worker_mod.GATHER_IN_WAIT_RETRY
     w._current_stream = lambda: stream
     if isinstance(mover, TransferThread):
         mover._thread = object()  # "started": driven by hand here, no thread runs
@@ -247,6 +250,34 @@ def test_bind_gathers_a_save_the_thread_has_not_taken_before_a_forward_that_writ
         w.wait_for_save()
     assert [len(cmd) == 5 and cmd[3] is not None for cmd in inbox[2:]] == [True] * GATHER_IN_WAIT_RETRY + [False]
     assert isinstance(inbox[-1][2], PostedSave) and [s.seq for s in w._sliding_saves] == [3 + GATHER_IN_WAIT_RETRY]
+
+
+def test_each_further_miss_of_the_thread_doubles_the_saves_gathered_in_wait_for_save():
+    """vLLM's async scheduling gives the thread no GPU wait between a save and the next bind:
+    after each further miss the thread is tried half as often (up to a limit), so that the
+    claims in bind cost next to nothing there; a save the thread took in time resets it."""
+    from kvdepot.client.vllm.worker import GATHER_IN_WAIT_RETRY as R, GATHER_IN_WAIT_RETRY_MAX
+
+    mv, client, side = _thread(ring_objects=64)
+    w, stream = _sliding_worker(mv)
+    inbox = []
+    mv.post = inbox.append
+    runs = []
+    for miss in range(8):
+        w._meta = KVDepotMetadata(stores=[_job(f"m{miss}", 1, 0)])
+        w.wait_for_save()  # posted for the thread, which never takes it in time
+        w._order_after_gathers({0})  # bind claims it
+        runs.append(w._gather_in_wait)
+        for cmd in inbox:
+            mv._handle(cmd)
+        inbox.clear()
+        w._gather_in_wait = 0  # (as if that many saves were gathered in wait_for_save)
+    assert runs == [min(R << i, GATHER_IN_WAIT_RETRY_MAX) for i in range(8)]
+    w._meta = KVDepotMetadata(stores=[_job("t", 1, 0)])
+    w.wait_for_save()
+    mv._handle(inbox.pop())  # the thread takes this one before the next bind
+    w._order_after_gathers({0})
+    assert w._gather_retry == R and w.stats["saves_gathered_by_bind"] == 8
 
 
 def test_bind_waits_for_a_save_the_thread_is_gathering():

@@ -53,8 +53,10 @@ log = logging.getLogger("kvdepot.vllm")
 # thread in wait_for_save (the way before `PostedSave`), for comparisons
 GATHER_IN_WAIT_FOR_SAVE = bool(os.environ.get("KVDEPOT_GATHER_IN_WAIT_FOR_SAVE"))
 # after `bind` gathered a save the thread had not taken: this many saves are gathered in
-# wait_for_save before the thread is tried again
+# wait_for_save before the thread is tried again, twice as many after each further miss (up to
+# GATHER_IN_WAIT_RETRY_MAX), GATHER_IN_WAIT_RETRY again once the thread made it in time
 GATHER_IN_WAIT_RETRY = 16
+GATHER_IN_WAIT_RETRY_MAX = 1024
 
 
 class WorkerSide:
@@ -89,6 +91,7 @@ class WorkerSide:
         self._meta: KVDepotMetadata | None = None
         self._saves_posted = 0
         self._gather_in_wait = 0  # sliding-window models: saves the engine thread gathers in wait_for_save
+        self._gather_retry = GATHER_IN_WAIT_RETRY  # the next such run after a miss
         self._sliding_saves: list[_SlidingSave] = []  # sliding-window models: saves maybe not gathered yet
         self._released: KVDepotMetadata | None = None  # the metadata whose releases were posted
         self._invalid_blocks: set[int] = set()  # taken by get_transfer_results, given by the next call
@@ -211,6 +214,8 @@ class WorkerSide:
             handled, ev = mover.gathered(s.seq)
             if handled and (ev is None or ev.query()):  # its gathers ran or are on this stream
                 ordered = s.seq  # and those of every earlier save (handled in order)
+                if s.posted is not None and s.posted.owner == "thread":
+                    self._gather_retry = GATHER_IN_WAIT_RETRY  # the thread made it in time
                 continue
             if written is not None and s.blocks().isdisjoint(written):
                 keep.append(s)
@@ -247,7 +252,8 @@ class WorkerSide:
         # the thread does not get to the saves before the next forward (an engine that never
         # waits for the GPU between steps): the next ones are gathered in wait_for_save, which
         # costs less than here, and the thread is tried again after them
-        self._gather_in_wait = GATHER_IN_WAIT_RETRY
+        self._gather_in_wait = self._gather_retry
+        self._gather_retry = min(2 * self._gather_retry, GATHER_IN_WAIT_RETRY_MAX)
         return posted.staged is not None
 
     def handle_preemptions(self, meta: KVDepotMetadata) -> None:
