@@ -151,6 +151,28 @@ def test_waiting_for_a_later_save_covers_the_earlier_ones_and_none_means_wait():
     assert mv.cpu_waits == [4] and len(waits) == 2 and w._sliding_saves == []
 
 
+def test_a_save_gathered_on_the_engine_stream_does_not_cover_an_earlier_one_on_the_side_stream():
+    """Around a daemon restart (no fence words for a while) a save's gathers may be on the
+    thread's side stream (event not done yet) and a later one's on the engine's stream: the
+    later one being ordered says nothing of the earlier, which stays tracked until its own
+    event ran or a forward waits for it."""
+    from kvdepot.client.vllm.pieces import PostedSave
+
+    w, waits = _worker()
+    mv = w.mover
+    later = _save(2, [20])
+    later.posted = PostedSave(object())
+    later.posted.owner = "thread"
+    w._gather_retry = 16
+    w._sliding_saves = [_save(1, [10]), later]
+    mv.handled, mv.events = 2, {1: _Event(False)}  # save 2: on the engine's stream (no event)
+    w._order_after_gathers({99})  # writes neither's blocks
+    assert [s.seq for s in w._sliding_saves] == [1] and 1 in mv.events and waits == []
+    ev1 = mv.events[1]
+    w._order_after_gathers({10})  # now save 1's block: the GPU waits for its side-stream event
+    assert waits == [ev1] and w._sliding_saves == [] and mv.cpu_waits == []
+
+
 def test_metadata_of_dense_models_carries_no_written_blocks():
     assert KVDepotMetadata().written_block_ids is None
 

@@ -213,9 +213,11 @@ class WorkerSide:
         for s in self._sliding_saves:
             handled, ev = mover.gathered(s.seq)
             if handled and (ev is None or ev.query()):  # its gathers ran or are on this stream
-                ordered = s.seq  # and those of every earlier save (handled in order)
                 if s.posted is not None and s.posted.owner == "thread":
                     self._gather_retry = GATHER_IN_WAIT_RETRY  # the thread made it in time
+                if ev is None and s.posted is not None and keep:
+                    continue  # on the engine's stream: says nothing of the side-stream saves kept
+                ordered = s.seq  # and those of every earlier save (handled in order)
                 continue
             if written is not None and s.blocks().isdisjoint(written):
                 keep.append(s)
