@@ -305,7 +305,7 @@ def test_without_fence_words_a_posted_save_is_gathered_on_the_side_stream_after_
     """No fence words (or another daemon generation): whoever claims the save records an event
     on the engine's stream, the thread gathers on its own stream after it, and bind waits for
     that as before."""
-    from kvdepot.client.vllm import mover as mover_mod, worker as worker_mod
+    from kvdepot.client.vllm import mover as mover_mod, pieces as pieces_mod, worker as worker_mod
 
     recorded = []
 
@@ -316,6 +316,7 @@ def test_without_fence_words_a_posted_save_is_gathered_on_the_side_stream_after_
     fake_cuda = types.SimpleNamespace(Event=_Ev, Stream=mover_mod.torch.cuda.Stream)
     monkeypatch.setattr(mover_mod, "torch", types.SimpleNamespace(cuda=fake_cuda))
     monkeypatch.setattr(worker_mod, "torch", types.SimpleNamespace(cuda=fake_cuda))
+    monkeypatch.setattr(pieces_mod, "torch", types.SimpleNamespace(cuda=fake_cuda))
     mv, client, side = _thread()
     side.kvreg.staging.fence_active = False
     w, stream = _sliding_worker(mv)

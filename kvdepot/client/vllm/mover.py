@@ -310,16 +310,12 @@ class TransferThread(JobPieces):
         if posted.claim("thread", blocking=True):
             try:
                 staged = self.stage_saves(jobs, posted.stream)
-                event = None
-                if staged is None:  # no fence words now: gathered on the side stream after this point
-                    event = torch.cuda.Event()
-                    event.record(posted.stream)
-                return staged, event
+                # no fence words now: gathered on the side stream after this point
+                return staged, (posted.event_here() if staged is None else None)
             finally:
                 posted.lock.release()
         if posted.staged is None and posted.event is None:  # bind's gather raised: after this point then
-            posted.event = torch.cuda.Event()
-            posted.event.record(posted.stream)
+            posted.event_here()
         return posted.staged, posted.event
 
     def _publish(self) -> None:

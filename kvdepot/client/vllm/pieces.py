@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import torch
+
 from kvdepot.client.pending import PendingRetrieve, PendingStore
 from kvdepot.client.vllm.plan import LoadJob
 
@@ -49,6 +51,13 @@ class PostedSave:
         self.owner: str | None = None  # "thread" / "engine" once claimed
         self.staged = None
         self.event = None
+
+    def event_here(self):
+        """Record ``event`` on the engine's stream now and return it: without fence words the
+        thread gathers on its side stream after this point."""
+        self.event = torch.cuda.Event()
+        self.event.record(self.stream)
+        return self.event
 
     def claim(self, who: str, blocking: bool) -> bool:
         """Take the lock; True (lock held: gather, then release it) if nobody claimed the save

@@ -246,8 +246,7 @@ class WorkerSide:
         try:
             posted.staged = self.mover.stage_saves(s.stores, posted.stream)
             if posted.staged is None:
-                posted.event = torch.cuda.Event()
-                posted.event.record(posted.stream)
+                posted.event_here()
         finally:
             posted.lock.release()
         self.stats["saves_gathered_by_bind"] += 1
