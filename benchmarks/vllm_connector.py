@@ -16,8 +16,11 @@ on the current stream. Per shape:
   results), median and p99 over the steps that stored 16 chunks / that loaded; per method too.
   ``step_wait_us``: of it, the time those calls waited (their wall time beyond the engine
   thread's CPU time: for the GIL while the transfer thread held it, or in a blocking call).
-  ``on_new_request`` (a prompt's keys hashed, its lookup sent) runs when vLLM adds a request,
-  not in a step: reported per request. Worker side includes the per-layer ``wait_for_layer_load``
+  ``on_new_request`` (a prompt's keys, its lookup sent) runs when vLLM adds a request, on the
+  engine thread between steps: reported per request, and counted into a store step's figure
+  as ``store_step_with_new_requests_us_median`` (its 16 / K new prompts' share; here every
+  prompt is added before the first step, so each call finds the caches warm from the one
+  before). Worker side includes the per-layer ``wait_for_layer_load``
   / ``save_kv_layer`` calls, if vLLM makes any. The worker's transfer thread (the stores' and
   loads' work itself) runs beside the engine's thread: its CPU time per step is reported
   apart (``thread_cpu_us_per_step``).
@@ -264,7 +267,8 @@ def roofline(nbytes: int) -> dict:
 
 def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int, requests: int,
                 device: str = "cuda", staging_bytes: int = 0, prompt_chunks: int = CHUNKS_PER_STEP,
-                output_wait: str = "", kv_blocks_factor: float = 1.0, forward_us: float = 0.0) -> dict:
+                output_wait: str = "", kv_blocks_factor: float = 1.0, forward_us: float = 0.0,
+                key_source: str = "auto") -> dict:
     tokens = CHUNKS_PER_STEP * chunk  # per step (vLLM's max_num_batched_tokens)
     prompt_tokens = prompt_chunks * chunk
     block_bytes = sum(s.page_size_bytes for s in specs.values())
@@ -275,7 +279,7 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
         cfg = H.make_vllm_config(model, endpoint, chunk_size=chunk, device=device, max_model_len=tokens + 64,
                                  max_num_batched_tokens=tokens, max_num_seqs=requests,
                                  extra={"model_id": f"bench-{name}", "rpc_timeout_s": 30.0,
-                                        "staging_bytes": staging_bytes,
+                                        "staging_bytes": staging_bytes, "key_source": key_source,
                                         "lookup_timeout_s": 5.0, "hold_max_s": 60.0})
         FillForward.forward_us = forward_us
         WaitingFillForward.lag = 1 if output_wait == "previous" else 0
@@ -284,7 +288,7 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
     prompts = [H.tokens(1000 + i, prompt_tokens) for i in range(requests)]
     res = {"shape": name, "chunk_tokens": chunk, "requests": requests, "prompt_chunks": prompt_chunks,
            "chunk_bytes": block_bytes * chunk // 16, "staging_bytes": staging_bytes, "output_wait": output_wait,
-           "kv_blocks": num_blocks, "forward_us": forward_us}
+           "kv_blocks": num_blocks, "forward_us": forward_us, "key_source": key_source}
     a = engine()
     try:
         a.add(H.tokens(8, 1000), max_tokens=1)  # connect, register, first kernels: not measured
@@ -324,6 +328,10 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
                   "gc_in_steps"):
             res[f"{op}_{k}"] = d[k]
     res["store_stats"], res["load_stats"] = store["stats"], load["stats"]
+    # a store step's figure with its prompts' on_new_request (keys, lookup sent) counted in:
+    # vLLM calls it on the engine thread between steps, once per prompt
+    res["store_step_with_new_requests_us_median"] = (
+        res["store_step_us_median"] + CHUNKS_PER_STEP // prompt_chunks * res["store_on_new_request_us_per_request"])
     res["timer_overhead_us_per_call"] = 1e6 * CallTimer.overhead_s()
     res["timer_in_layer_extra_us_per_call"] = statistics.median(LayerProbe.in_situ_us) if LayerProbe.in_situ_us else 0.0
     LayerProbe.in_situ_us.clear()
@@ -373,6 +381,9 @@ def report(r: dict) -> str:
             f" +{r['store_step_us_median']:.0f} us median, {r['store_step_us_p99']:.0f} p99 (waiting"
             f" {r['store_step_wait_us_median']:.0f} of it; scheduler"
             f" {r['store_sched_us_median']:.0f}, worker {r['store_worker_us_median']:.0f}; {calls('store')});"
+            f" +{r['store_step_with_new_requests_us_median']:.0f} us with the step's"
+            f" {CHUNKS_PER_STEP // r['prompt_chunks']} new prompt(s)' on_new_request"
+            f" ({r['store_on_new_request_us_per_request']:.0f} us each: keys, lookup sent);"
             f" transfer thread {r['store_thread_cpu_us_per_step']:.0f} us CPU per forward step{_gc(r, 'store')}"
             f"{_forwards_waiting(r)}\n"
             f"  load:  {r['load_gbps']:.1f} GB/s = {100 * r['load_vs_roofline']:.1f}% of {r['roofline_h2d_gbps']:.1f}"
@@ -453,6 +464,9 @@ def main(argv=None) -> int:
                    help="KV-cache blocks per engine, times what holds every prompt at once (default 1: a block "
                         "freed is soon given out again, the worst case for a sliding-window model's stores; vLLM "
                         "gives the cache most of the GPU, e.g. ~150k blocks for gpt-oss-20b on an H200)")
+    p.add_argument("--key-source", default="auto", choices=["auto", "vllm", "tokens"],
+                   help="the connector's key_source: chunk keys from vLLM's block hashes (auto / vllm) or from the "
+                        "tokens hashed by the connector (tokens, the way before; for comparisons)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke run of the same steps with shared-memory KV caches (no roofline)")
     args = p.parse_args(argv)
@@ -492,7 +506,8 @@ def main(argv=None) -> int:
                 with KVDepotClient(ep, timeout_s=60) as c:
                     c.flush()
                 r = bench_shape(name, specs, ep, wd, args.chunk, args.requests, args.device, args.staging_bytes,
-                                args.prompt_chunks, args.output_wait, args.kv_blocks_factor, args.forward_us)
+                                args.prompt_chunks, args.output_wait, args.kv_blocks_factor, args.forward_us,
+                                args.key_source)
                 print(report(r) if "store_vs_roofline" in r else json.dumps(r), flush=True)
                 results.append(r)
         finally:

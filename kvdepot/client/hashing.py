@@ -20,6 +20,12 @@ only if two chain values differ by exactly that, which is as hard as a BLAKE2b c
 Two tenants (different ``cache_salt``) or two shards never share a key, and a key fixes the
 meaning of the object's bytes (the layout fingerprint), never the engine's physical layout.
 
+The vLLM connector takes its chain values from vLLM's own prefix-cache block hashes where
+vLLM makes them reproducible (`chain_from_block_hashes`: SHA-256, chained from a fixed seed
+since vLLM 0.33), so it reads no token at all; `chain_hashes` is for every other client and
+for vLLM engines configured otherwise. The two never share a key (`namespace_seed`'s
+``chain_source``).
+
 Cost (2-core dev VM, `benchmarks/keys.py`): a 131072-token prompt, 256-token chunks, keys for
 8 shards: 1.9-2.4 ms (packing the tokens ~0.75, BLAKE2b ~0.65, per-chunk overhead, masks 0.1),
 against 13-35 ms when every shard hashed the tokens itself.
@@ -53,11 +59,15 @@ def shard_name(tp_rank: int, tp_size: int) -> str:
     return f"tp{tp_rank}of{tp_size}"
 
 
-def namespace_seed(model: str, layout_fingerprint: str, cache_salt: str = "") -> bytes:
+def namespace_seed(model: str, layout_fingerprint: str, cache_salt: str = "", chain_source: str = "") -> bytes:
     """The 16-byte seed of every chunk chain of one (model, object format, tenant); the shard
-    enters through `shard_mask`."""
+    enters through `shard_mask`. ``chain_source``: empty for chains of `chain_hashes` (this
+    module's token hashing), else what made the chain values (`VLLM_BLOCK_HASH_SOURCE`), so
+    the two kinds of chains never share a key."""
     msg = b"kvdepot-chunk-key" + _lp(f"{HASH_ALGORITHM}/v{HASH_VERSION}") + _lp(model) + _lp(layout_fingerprint) \
         + _lp(cache_salt)
+    if chain_source:
+        msg += _lp(chain_source)
     return hashlib.blake2b(msg, digest_size=KEY_BYTES).digest()
 
 
@@ -112,6 +122,39 @@ def chain_hashes(prev: bytes, token_ids: Sequence[int], chunk_size: int, max_chu
             h.update(data[i * step : (i + 1) * step])
             prev = h.digest()
             out.append(prev)
+    return out
+
+
+VLLM_BLOCK_HASH_SOURCE = "vllm-block-hash/{algo}"  # `namespace_seed` chain_source of `chain_from_block_hashes`
+
+
+def chain_from_block_hashes(block_hashes: Sequence[bytes], blocks_per_chunk: int, first_chunk: int,
+                            end_chunk: int) -> list[bytes]:
+    """Chain values of chunks ``[first_chunk, end_chunk)`` taken from vLLM's own prefix-cache
+    block hashes (``vllm.v1.request.Request.block_hashes``: one per ``hash_block_size`` tokens,
+    each chained over the whole prefix before it and over the request's extra keys: LoRA,
+    ``cache_salt``, multimodal inputs): chunk ``i``'s value is the first 16 bytes of the hash
+    of its last block. No token is read: vLLM hashed them already (in its input thread).
+
+    Used only with a collision-resistant vLLM hash (sha256, sha256_cbor: 32 bytes), whose chain
+    vLLM starts from a fixed seed (``vllm-none-hash``, or ``PYTHONHASHSEED`` where set), so the
+    values are the same on every process and host. The namespace (model, layout fingerprint,
+    tenant, shard) enters through the key's mask, as the shard does (`shard_keys`): two
+    namespaces' keys of two chunks are equal only if the chunks' truncated SHA-256 values differ
+    by exactly the XOR of the two masks.
+
+    Raises:
+        ValueError: fewer hashes than ``end_chunk`` chunks need, or a hash shorter than 16 bytes.
+    """
+    if end_chunk <= first_chunk:
+        return []
+    if end_chunk * blocks_per_chunk > len(block_hashes):
+        raise ValueError(f"chunk {end_chunk - 1} needs {end_chunk * blocks_per_chunk} block hashes; "
+                         f"the request has {len(block_hashes)}")
+    out = [h[:KEY_BYTES] for h in block_hashes[(first_chunk + 1) * blocks_per_chunk - 1:
+                                              end_chunk * blocks_per_chunk:blocks_per_chunk]]
+    if any(len(h) != KEY_BYTES for h in out):
+        raise ValueError(f"a block hash shorter than {KEY_BYTES} bytes")
     return out
 
 

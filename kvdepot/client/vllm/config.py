@@ -22,6 +22,13 @@ key                     default      meaning
                                      answers again
 ``hold_max_s``          30.0         worker: longest time a request's blocks are kept after a store or
                                      retrieve timed out, waiting for the daemon's late answer
+``key_source``          auto         where chunk keys come from: ``vllm``: vLLM's own prefix-cache block
+                                     hashes (no token hashed again; needs ``prefix_caching_hash_algo``
+                                     sha256 or sha256_cbor, vLLM >= 0.33, and a chunk_size that is a
+                                     multiple of vLLM's hash block size); ``tokens``: kvdepot hashes
+                                     the prompt's tokens itself (the keys of every other kvdepot
+                                     client); ``auto``: ``vllm`` where possible, else ``tokens``.
+                                     Engines share cached KV only with engines of the same source
 ``staging_bytes``       0 (auto)     CUDA worker: bytes of the device staging ring (GPU memory beside
                                      vLLM's KV cache); stores and loads move through it in pieces.
                                      0: `auto_staging_bytes` (256 MiB; more for sliding-window models)
@@ -39,6 +46,7 @@ from kvdepot.client.staging import DEFAULT_STAGING_BYTES
 from kvdepot.protocol.transport import default_endpoint
 
 EXTRA_CONFIG = "kv_connector_extra_config"  # where these keys live in --kv-transfer-config
+KEY_SOURCES = ("auto", "vllm", "tokens")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,6 +64,7 @@ class ConnectorConfig:
     retry_interval_s: float = 1.0
     hold_max_s: float = 30.0
     staging_bytes: int = 0  # 0: auto_staging_bytes
+    key_source: str = "auto"  # KEY_SOURCES
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -97,6 +106,8 @@ class ConnectorConfig:
         if cfg.staging_bytes and cfg.staging_bytes < (1 << 20):
             raise ValueError(f"{EXTRA_CONFIG}.staging_bytes: {cfg.staging_bytes} must be 0 (auto) or >= 1 MiB "
                              "(1048576)")
+        if cfg.key_source not in KEY_SOURCES:
+            raise ValueError(f"{EXTRA_CONFIG}.key_source: {cfg.key_source!r}; one of {list(KEY_SOURCES)}")
         for name in ("lookup_timeout_s", "rpc_timeout_s", "retry_interval_s", "hold_max_s"):
             if getattr(cfg, name) <= 0:
                 raise ValueError(f"{EXTRA_CONFIG}.{name}: must be > 0")

@@ -2,9 +2,11 @@
 
 Per request:
 
-1. ``on_new_request`` / first ``get_num_new_matched_tokens``: hash the prompt into chunk keys
-   (one chain per tensor-parallel shard, seeded by model, layout fingerprint, shard and the
-   request's ``cache_salt``) and send a `Lookup` pinning the hit chunks under the request id.
+1. ``on_new_request`` / first ``get_num_new_matched_tokens``: the prompt's chunk keys (one
+   chain per tensor-parallel shard, namespaced by model, layout fingerprint, shard and the
+   request's ``cache_salt``; the chain values taken from vLLM's own block hashes where vLLM
+   makes them reproducible, else hashed from the tokens: `block_hash_chains`) and a `Lookup`
+   pinning the hit chunks under the request id.
    Nothing waits for the reply: until it arrives the answer is ``(None, False)`` ("ask again next
    step"); after ``lookup_timeout_s`` without one it is 0 (recompute) and the daemon is
    considered down (no lookups, answer 0, a ping every ``retry_interval_s``).
@@ -36,8 +38,9 @@ import zmq
 from vllm.v1.request import RequestStatus
 
 from kvdepot.client.client import KVDepotClient
-from kvdepot.client.hashing import chain_hashes, namespace_seed, shard_keys, shard_mask, shard_name
-from kvdepot.client.vllm.config import ConnectorConfig
+from kvdepot.client.hashing import (VLLM_BLOCK_HASH_SOURCE, chain_from_block_hashes, chain_hashes, namespace_seed,
+                                    shard_keys, shard_mask, shard_name)
+from kvdepot.client.vllm.config import EXTRA_CONFIG, ConnectorConfig
 from kvdepot.client.vllm.layout import TransferGroup
 from kvdepot.client.vllm.plan import KVDepotMetadata, LoadJob, StoreJob, blocks_covering, chunk_block_ids, plan_load
 from kvdepot.protocol import messages as m
@@ -57,7 +60,8 @@ class _Req:
     keys: list[list[bytes]]  # per shard: keys of the whole chunks hashed so far
     chain: list[bytes]  # shard-independent chain values of those chunks (`kvdepot.client.hashing`)
     hashed_tokens: int  # tokens covered by ``keys`` (a multiple of chunk_size)
-    seed: bytes = b""  # namespace seed of the chain (model, layout fingerprint, seed_salt)
+    seed: bytes = b""  # namespace seed of the chain (model, layout fingerprint, seed_salt, chain source)
+    from_block_hashes: bool = False  # chain values from vLLM's block hashes (else hashed tokens)
     lookup_rid: int | None = None  # outstanding Lookup
     lookup_sent_s: float = 0.0  # time.monotonic() it was sent
     hit_chunks: int | None = None  # the answer (None: not known yet)
@@ -98,6 +102,10 @@ class SchedulerSide:
         self._epoch = 0
         self._kv_cache_manager = None
         self._get_blocks = None
+        # vLLM block hashes per chunk where chain values come from them (0: tokens hashed here)
+        self._blocks_per_chunk, self._chain_source = block_hash_chains(cfg, vllm_config, kv_cache_config)
+        if not self._blocks_per_chunk and cfg.key_source == "auto" and self.enabled:
+            log.info("kvdepot: chunk keys hashed from tokens, not vLLM's block hashes: %s", self._chain_source)
 
     # ------------------------------------------------------------------ helpers
 
@@ -133,6 +141,8 @@ class SchedulerSide:
             return None
         salt, cache_salt = self._seed_salt(request)
         st = _Req(request, salt, cache_salt, [[] for _ in self.shards], [], 0)
+        # a request without block hashes (vLLM built it without a block hasher) hashes its tokens
+        st.from_block_hashes = bool(self._blocks_per_chunk and request.block_hashes)
         self._hash(st, len(request.prompt_token_ids))
         self._reqs[rid] = st
         if self.cfg.store and st.keys[0]:
@@ -143,13 +153,20 @@ class SchedulerSide:
         """Extend ``st.keys`` to the whole chunks of the first ``num_tokens`` tokens."""
         c = self.cfg.chunk_size
         end = num_tokens // c * c
+        per = self._blocks_per_chunk
+        if st.from_block_hashes:  # only chunks whose last block vLLM hashed (speculative lookahead)
+            end = min(end, len(st.request.block_hashes) // per * c)
         if end <= st.hashed_tokens:
             return
-        tokens = (st.request.prompt_token_ids if end <= len(st.request.prompt_token_ids)
-                  else st.request.all_token_ids)[st.hashed_tokens:end]
         if not st.seed:
-            st.seed = namespace_seed(self.model_id, self.fingerprint, st.seed_salt)
-        new = chain_hashes(st.chain[-1] if st.chain else st.seed, tokens, c)  # each token hashed once
+            st.seed = namespace_seed(self.model_id, self.fingerprint, st.seed_salt,
+                                     self._chain_source if st.from_block_hashes else "")
+        if st.from_block_hashes:  # no token read: vLLM hashed them in its input thread
+            new = chain_from_block_hashes(st.request.block_hashes, per, st.hashed_tokens // c, end // c)
+        else:
+            tokens = (st.request.prompt_token_ids if end <= len(st.request.prompt_token_ids)
+                      else st.request.all_token_ids)[st.hashed_tokens:end]
+            new = chain_hashes(st.chain[-1] if st.chain else st.seed, tokens, c)  # each token hashed once
         st.chain.extend(new)
         for chain, keys in zip(st.keys, shard_keys(new, [shard_mask(st.seed, shard) for shard in self.shards])):
             chain.extend(keys)
@@ -421,6 +438,47 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+_REPRODUCIBLE_BLOCK_HASHES = ("sha256", "sha256_cbor")  # collision resistant: vLLM seeds them with a fixed value
+
+
+def block_hash_chains(cfg: ConnectorConfig, vllm_config, kv_cache_config) -> tuple[int, str]:
+    """Whether chunk keys come from vLLM's block hashes (`chain_from_block_hashes`):
+    (hash blocks per chunk, the namespace's ``chain_source``), or (0, why not).
+
+    They do where ``key_source`` is ``vllm`` or ``auto`` and vLLM's hashes are the same on every
+    process and host and cannot be collided: ``prefix_caching_hash_algo`` sha256 or sha256_cbor
+    (vLLM >= 0.33 starts their chain from a fixed seed, ``PYTHONHASHSEED`` where set; older
+    vLLM from a random one unless it is set), and chunks end on hash blocks (``chunk_size`` a
+    multiple of ``kv_cache_config.hash_block_size``).
+
+    Raises:
+        ValueError: ``key_source`` is ``vllm`` and they cannot be used (naming why).
+    """
+    if cfg.key_source == "tokens":
+        return 0, "key_source is tokens"
+    algo = getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None)
+    hbs = getattr(kv_cache_config, "hash_block_size", None)
+    try:
+        from vllm.v1.core import kv_cache_utils
+    except ImportError:  # pragma: no cover - the connector needs vLLM anyway
+        kv_cache_utils = None
+    fixed_seed = hasattr(kv_cache_utils, "resolve_none_hash_seed") or os.getenv("PYTHONHASHSEED") is not None
+    why = ""
+    if algo not in _REPRODUCIBLE_BLOCK_HASHES:
+        why = f"prefix_caching_hash_algo {algo!r} is not one of {list(_REPRODUCIBLE_BLOCK_HASHES)}"
+    elif not fixed_seed:
+        why = "this vLLM starts its block hashes from a random seed per process unless PYTHONHASHSEED is set"
+    elif not hbs:
+        why = "vLLM gave no hash_block_size"
+    elif cfg.chunk_size % hbs:
+        why = f"chunk_size {cfg.chunk_size} is not a multiple of vLLM's hash block size {hbs}"
+    if why:
+        if cfg.key_source == "vllm":
+            raise ValueError(f"{EXTRA_CONFIG}.key_source is vllm, but {why}")
+        return 0, why
+    return cfg.chunk_size // hbs, VLLM_BLOCK_HASH_SOURCE.format(algo=algo)
 
 
 def written_blocks(so) -> list[int]:
