@@ -47,6 +47,7 @@ from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
 log = logging.getLogger("kvdepot.vllm")
+_NAMESPACES_KEPT = 4096  # (salt, chain source) -> seed and masks kept at most (`SchedulerSide._namespace`)
 _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
@@ -62,6 +63,7 @@ class _Req:
     hashed_tokens: int  # tokens covered by ``keys`` (a multiple of chunk_size)
     seed: bytes = b""  # namespace seed of the chain (model, layout fingerprint, seed_salt, chain source)
     from_block_hashes: bool = False  # chain values from vLLM's block hashes (else hashed tokens)
+    masks: list[bytes] = dataclasses.field(default_factory=list)  # per shard: `shard_mask` of seed
     lookup_rid: int | None = None  # outstanding Lookup
     lookup_sent_s: float = 0.0  # time.monotonic() it was sent
     hit_chunks: int | None = None  # the answer (None: not known yet)
@@ -104,6 +106,7 @@ class SchedulerSide:
         self._get_blocks = None
         # vLLM block hashes per chunk where chain values come from them (0: tokens hashed here)
         self._blocks_per_chunk, self._chain_source = block_hash_chains(cfg, vllm_config, kv_cache_config)
+        self._namespaces: dict[tuple[str, bool], tuple[bytes, list[bytes]]] = {}  # `_namespace`
         if not self._blocks_per_chunk and cfg.key_source == "auto" and self.enabled:
             log.info("kvdepot: chunk keys hashed from tokens, not vLLM's block hashes: %s", self._chain_source)
 
@@ -159,8 +162,7 @@ class SchedulerSide:
         if end <= st.hashed_tokens:
             return
         if not st.seed:
-            st.seed = namespace_seed(self.model_id, self.fingerprint, st.seed_salt,
-                                     self._chain_source if st.from_block_hashes else "")
+            st.seed, st.masks = self._namespace(st.seed_salt, st.from_block_hashes)
         if st.from_block_hashes:  # no token read: vLLM hashed them in its input thread
             new = chain_from_block_hashes(st.request.block_hashes, per, st.hashed_tokens // c, end // c)
         else:
@@ -168,9 +170,21 @@ class SchedulerSide:
                       else st.request.all_token_ids)[st.hashed_tokens:end]
             new = chain_hashes(st.chain[-1] if st.chain else st.seed, tokens, c)  # each token hashed once
         st.chain.extend(new)
-        for chain, keys in zip(st.keys, shard_keys(new, [shard_mask(st.seed, shard) for shard in self.shards])):
+        for chain, keys in zip(st.keys, shard_keys(new, st.masks)):
             chain.extend(keys)
         st.hashed_tokens = end
+
+    def _namespace(self, seed_salt: str, from_block_hashes: bool) -> tuple[bytes, list[bytes]]:
+        """The namespace seed of a request's chain and its shards' masks, made once per
+        (``seed_salt``, chain source): most requests share a few salts (none, a tenant's)."""
+        got = self._namespaces.get((seed_salt, from_block_hashes))
+        if got is None:
+            if len(self._namespaces) >= _NAMESPACES_KEPT:
+                self._namespaces.clear()  # many tenants: made again as they come
+            seed = namespace_seed(self.model_id, self.fingerprint, seed_salt,
+                                  self._chain_source if from_block_hashes else "")
+            got = self._namespaces[(seed_salt, from_block_hashes)] = seed, [shard_mask(seed, s) for s in self.shards]
+        return got
 
     def _send(self, req: m.Msg) -> int | None:
         """Send without waiting; None (and the daemon marked down) if it cannot be sent."""
