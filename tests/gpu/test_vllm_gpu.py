@@ -36,12 +36,12 @@ def daemon(tmp_path):
     yield from serve(tmp_path, "2g", with_process=True)
 
 
-def engine(tmp_path: Path, endpoint: str, model_id: str, **scenario) -> dict:
-    """Run one engine process; its JSON result."""
+def engine(tmp_path: Path, endpoint: str, model_id: str, env: dict | None = None, **scenario) -> dict:
+    """Run one engine process (``env``: variables set for it); its JSON result."""
     sc = {"endpoint": endpoint, "model_id": model_id, "workdir": str(tmp_path), "layout": "LBNHC",
           "specs": "dense", "prompt": [5, 300], **scenario}
     p = subprocess.run([sys.executable, str(HERE / "vllm_engine_proc.py"), json.dumps(sc)], capture_output=True,
-                       text=True, timeout=240, env=dict(os.environ))
+                       text=True, timeout=240, env={**os.environ, **(env or {})})
     assert p.returncode == 0, f"engine process failed (rc {p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}"
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -68,20 +68,26 @@ def test_engine_a_stores_engine_b_in_another_process_loads_every_byte(tmp_path, 
     print(f"\n{specs}: stubbed compiled vLLM modules: {a['stubbed']}")
 
 
-def test_sliding_window_blocks_reused_while_stores_run_load_back_bit_exact(tmp_path, daemon):
+@pytest.mark.parametrize("pins", [True, False], ids=["pinned", "ordered"])
+def test_sliding_window_blocks_reused_while_stores_run_load_back_bit_exact(tmp_path, daemon, pins):
     """Hybrid model, chunked prefill of 6 prompts through a small block pool: vLLM frees the
-    sliding-window group's blocks that leave the window while their request runs and gives them
-    to other requests at once. A forward that may write such a block waits for the gathers of
-    the stores that read it (`WorkerSide.bind`); B then loads every chunk and its forward finds
-    every KV byte as A computed it."""
+    sliding-window group's blocks that leave the window while their request runs and would give
+    them to other requests at once. ``pinned``: the scheduler pins the blocks a store reads
+    until the workers report its save ended, and the transfer thread gathers when it likes;
+    ``ordered`` (``$KVDEPOT_NO_STORE_PINS``): a forward that may write such a block waits for
+    the gathers of the stores that read it (`WorkerSide.bind`). B then loads every chunk and
+    its forward finds every KV byte as A computed it."""
     ep, _ = daemon
     prompts = [[60 + i, 320] for i in range(6)]
     sc = dict(specs="hybrid", prompt=prompts[0], more_prompts=prompts[1:], max_tokens=2, num_blocks=96, budget=128,
-              max_model_len=512)
-    a = engine(tmp_path, ep, "gpu-sliding", **sc)
+              max_model_len=512, env=None if pins else {"KVDEPOT_NO_STORE_PINS": "1"})
+    a = engine(tmp_path, ep, f"gpu-sliding-{pins}", **sc)
     st = a["stats"][0]
     assert st["stored_chunks"] == 6 * (320 // CHUNK) and st["store_failures"] == 0, st
-    b = engine(tmp_path, ep, "gpu-sliding", layout="LBHNC", warmup=[98, 40], **sc)
+    assert a["stores_pinned"] is pins and a["pinned_blocks_left"] == 0
+    if pins:
+        assert st["forwards_waiting_for_gathers"] == 0 and st["saves_gathered_by_bind"] == 0, st
+    b = engine(tmp_path, ep, f"gpu-sliding-{pins}", layout="LBHNC", warmup=[98, 40], **sc)
     assert b["stats"][0]["loaded_chunks"] == 6 * (320 // CHUNK)
     assert [b["outputs"]] + b["more_outputs"] == [a["outputs"]] + a["more_outputs"]
     print(f"\nsliding window: forwards that waited for gathers {st['forwards_waiting_for_gathers']}, saves gathered "

@@ -12,7 +12,8 @@ that the prompt gets other block ids), ``prompt`` ([seed, tokens]), ``max_tokens
 ``num_blocks`` (KV-cache blocks per group), ``budget`` (max_num_batched_tokens: chunked prefill),
 ``max_model_len``.
 Prints one JSON line: ``outputs``, ``computed`` (tokens the toy forward computed), per-rank
-``stats``, ``run_s``, ``stubbed`` (compiled vLLM modules that were absent).
+``stats``, ``run_s``, ``stubbed`` (compiled vLLM modules that were absent), ``stores_pinned`` (the
+scheduler pins sliding-window stores' blocks), ``pinned_blocks_left`` (pins not dropped at the end).
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ def main(sc: dict) -> dict:
         return {"outputs": run.outputs, "computed": run.computed, "run_s": time.monotonic() - t0,
                 "more_outputs": [eng.runs[r].outputs for r in more], "more_computed": [eng.runs[r].computed for r in more],
                 "stats": [eng.worker_stats(r) for r in range(eng.tp)], "stubbed": vllm_stubs.STUBBED,
-                "registrations": [eng.registration_id(r) for r in range(eng.tp)]}
+                "registrations": [eng.registration_id(r) for r in range(eng.tp)],
+                "stores_pinned": eng.sched_conn.scheduler._pool is not None,
+                "pinned_blocks_left": eng.sched_conn.scheduler.pinned_blocks}
     finally:
         eng.close()
 

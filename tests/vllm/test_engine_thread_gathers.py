@@ -354,10 +354,10 @@ def test_wait_for_save_of_a_dense_model_leaves_the_event_to_the_transfer_thread(
     jobs = [_job("a", 2, 0)]
     w._meta = KVDepotMetadata(stores=jobs)
     w.wait_for_save()
-    assert posted == [("save", jobs, stream, None, None)] and w._sliding_saves == []
+    assert posted == [("save", jobs, stream, None, None, 0)] and w._sliding_saves == []
     w.reg = types.SimpleNamespace(device="cpu")  # CPU engines: nothing to order on a stream
     w.wait_for_save()
-    assert posted[-1] == ("save", jobs, None, None, None)
+    assert posted[-1] == ("save", jobs, None, None, None, 0)
 
 
 def test_a_steps_releases_go_with_its_save_once_and_alone_when_it_saves_nothing():
@@ -373,7 +373,7 @@ def test_a_steps_releases_go_with_its_save_once_and_alone_when_it_saves_nothing(
     w._meta = KVDepotMetadata(stores=jobs, release=["r1"])
     w.wait_for_save()
     assert w.get_transfer_results(set()) == (set(), set(), set())
-    assert posted == [("save", jobs, None, None, ["r1"])]
+    assert posted == [("save", jobs, None, None, ["r1"], 0)]
     w._meta = KVDepotMetadata(release=["r2"])  # a step with nothing to store
     w.wait_for_save()
     w.get_transfer_results(set())

@@ -22,6 +22,14 @@ from kvdepot.client.vllm.worker import WorkerSide, _SlidingSave  # noqa: E402
 CHUNK = 64
 
 
+@pytest.fixture(autouse=True)
+def _without_store_pins(monkeypatch):
+    """These tests are of the ordering used where the scheduler does not pin the stores' blocks
+    (vLLM without the worker-metadata channel, or $KVDEPOT_NO_STORE_PINS): `test_store_pins.py`
+    has the pinned way."""
+    monkeypatch.setenv("KVDEPOT_NO_STORE_PINS", "1")
+
+
 def test_written_block_ids_cover_every_block_a_step_gives_a_request(daemon, tmp_path):
     """Through vLLM's real scheduler (chunked prefill of a hybrid model, so requests run over
     several steps while the sliding-window group gives blocks back): every block a request

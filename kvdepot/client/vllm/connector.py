@@ -173,6 +173,10 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
 
+    def build_connector_worker_meta(self):
+        """Worker: the pinned saves that ended since the last step (`KVDepotWorkerMeta`), or None."""
+        return self.worker.worker_meta() if self.worker is not None else None
+
     # ------------------------------------------------------------------ metrics (kvdepot.client.vllm.stats)
 
     def get_kv_connector_stats(self) -> KVDepotStats | None:
@@ -201,7 +205,8 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ scheduler side
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
-        pass
+        if self.scheduler is not None:
+            self.scheduler.bind_block_pool(gpu_block_pool)
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)

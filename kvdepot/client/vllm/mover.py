@@ -93,6 +93,9 @@ class TransferThread(JobPieces):
         self._thread: threading.Thread | None = None
         self._failed = False
         self._loads = LoadOutcomes(side)  # loads that ended since the last publish
+        # pinned saves (`KVDepotMetadata.pin_seq`) not reported yet: seq -> [their pieces still
+        # to end, the side-stream event recorded once they all had (None before)]
+        self._pinned: dict[int, list] = {}
 
     # ------------------------------------------------------------------ engine thread
 
@@ -106,7 +109,8 @@ class TransferThread(JobPieces):
 
     def post(self, cmd: tuple) -> None:
         """Queue one command: ("load", jobs, null_id, event), ("save", jobs, event, staged,
-        release) (``staged``: what `stage_saves` returned, or None: the thread gathers after
+        release[, pin_seq]) (``pin_seq``: the scheduler pinned the save's sliding-window blocks
+        until this worker reports it ended, `Results.saves_ended`; ``staged``: what `stage_saves` returned, or None: the thread gathers after
         ``event``; ``event`` may be the engine's stream instead, on which the thread records one
         when it takes the command: models whose blocks stay with their request until its stores
         ended; or a `PostedSave`: sliding-window models, gathered on the engine's stream by
@@ -161,6 +165,7 @@ class TransferThread(JobPieces):
             out.recving |= more.recving
             out.failed_recving |= more.failed_recving
             out.invalid_blocks |= more.invalid_blocks
+            out.saves_ended |= more.saves_ended
             if more.scatter_event is not None:
                 out.scatter_event = more.scatter_event
         return out
@@ -209,7 +214,7 @@ class TransferThread(JobPieces):
                 elif not changed and now_s - full_pass_s > _IDLE_S:
                     full_pass_s = now_s
                     self.side.ready()  # idle: notices a restarted daemon (registers again)
-                if changed:
+                if changed or self._pinned:
                     self._publish()
             except Exception as exc:  # a bug here must not leave requests waiting forever
                 self._fail_all(exc)
@@ -232,7 +237,7 @@ class TransferThread(JobPieces):
 
     def _wait(self):
         """The next command, or None once there may be transfer work to do."""
-        if not (self._queue or self._ops):
+        if not (self._queue or self._ops or self._pinned):
             try:
                 return self._inbox.get(timeout=_IDLE_S)
             except queue.Empty:
@@ -262,21 +267,23 @@ class TransferThread(JobPieces):
                 if i == 0 or i == len(jobs) - 1:
                     self._pump()
         elif kind == "save":
-            _, jobs, event, staged, release = cmd
+            _, jobs, event, staged, release, *pin = cmd
             try:
-                self._handle_save(jobs, event, staged)
+                self._handle_save(jobs, event, staged, pin[0] if pin else 0)
             finally:  # after the save's stores were queued (each keeps its request busy until it ends)
                 if release:
                     self._release.update(release)
         elif kind == "preempt":
             self._preempt(cmd[1])
 
-    def _handle_save(self, jobs, event, staged) -> None:
+    def _handle_save(self, jobs, event, staged, pin: int = 0) -> None:
         """One step's "save" command (see `post`)."""
-        if isinstance(event, torch.cuda.Stream):  # no sliding-window group: `WorkerSide.wait_for_save`
+        if isinstance(event, torch.cuda.Stream):  # blocks kept until stored: `WorkerSide.wait_for_save`
             stream, event = event, torch.cuda.Event()
             event.record(stream)
         seq = self._saves_gathered + 1
+        if pin:  # every piece made for the save from here on keeps its pins (`_pinned_ended`)
+            had = {id(op.piece) for op in self._ops} | {id(p) for p in self._queue}
         try:
             sliding = not self.side.stores_may_wait
             if isinstance(event, PostedSave):
@@ -289,6 +296,9 @@ class TransferThread(JobPieces):
                 if sliding:
                     self._await_unstaged([op for op in self._ops if id(op) not in before])
         finally:  # counted even if it failed: the engine thread may wait for the count
+            if pin:
+                self._pinned[pin] = [[op.piece for op in self._ops if id(op.piece) not in had]
+                                     + [p for p in self._queue if id(p) not in had], None]
             if not self.side.stores_may_wait and staged is None:  # only `bind` of those waits on it
                 ev = None
                 if self._side is not None:
@@ -318,21 +328,48 @@ class TransferThread(JobPieces):
             posted.event_here()
         return posted.staged, posted.event
 
+    def _pinned_ended(self) -> set[int]:
+        """Pinned saves no gather can read any more: their pieces all ended (answered, skipped
+        or given up), then a side-stream event recorded after that ran (a piece given up may
+        have had its gather queued; an answered one's ran before the daemon's copy)."""
+        out: set[int] = set()
+        live = None
+        for seq, entry in list(self._pinned.items()):
+            pieces, ev = entry
+            if ev is None:
+                if pieces:
+                    if live is None:
+                        live = {id(op.piece) for op in self._ops} | {id(p) for p in self._queue}
+                    if any(id(p) in live for p in pieces):
+                        continue
+                if self._side is None:
+                    out.add(seq)
+                    del self._pinned[seq]
+                    continue
+                ev = torch.cuda.Event()
+                ev.record(self._side)
+                entry[:] = [(), ev]
+            if ev.query():
+                out.add(seq)
+                del self._pinned[seq]
+        return out
+
     def _publish(self) -> None:
         sending = set()
         if self._release:
             sending = {r for r in self._release if not self._busy(r)}
             self._release -= sending
             self._stopped -= sending
+        ended = self._pinned_ended() if self._pinned else set()
         lo = self._loads
-        if not (sending or lo.recving or lo.failed_recving or lo.invalid_blocks):
+        if not (sending or lo.recving or lo.failed_recving or lo.invalid_blocks or ended):
             return
         ev = None
         if self._scattered and self._side is not None:
             ev = torch.cuda.Event()
             ev.record(self._side)
             self._scattered = False
-        self._outbox.append(Results(sending, lo.recving, lo.failed_recving & lo.recving, lo.invalid_blocks, ev))
+        self._outbox.append(Results(sending, lo.recving, lo.failed_recving & lo.recving, lo.invalid_blocks, ev, ended))
         lo.failed_recving -= lo.recving
         lo.recving, lo.invalid_blocks = set(), set()
 
@@ -349,6 +386,9 @@ class TransferThread(JobPieces):
         for p in self._queue:
             self._drop(p, "the transfer thread failed")
         self._ops, self._queue = [], collections.deque()
+        for entry in self._pinned.values():
+            if entry[1] is None:
+                entry[0] = ()  # nothing of theirs is sent any more: ended once their gathers ran
         try:
             self._publish()
         except Exception:

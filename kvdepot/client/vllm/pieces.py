@@ -112,6 +112,7 @@ class Results:
     failed_recving: set[str] = dataclasses.field(default_factory=set)
     invalid_blocks: set[int] = dataclasses.field(default_factory=set)
     scatter_event: object = None  # CUDA: recorded after the scatters of every load in ``recving``
+    saves_ended: set[int] = dataclasses.field(default_factory=set)  # pinned saves ended (`KVDepotWorkerMeta`)
 
 
 class LoadOutcomes:

@@ -28,6 +28,11 @@ from collections.abc import Sequence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+try:  # vLLM >= 0.33: the workers' per-step answer to the scheduler-side connector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:  # pragma: no cover - older vLLM: no store pins (`SchedulerSide.bind_block_pool`)
+    KVConnectorWorkerMetadata = None
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -139,6 +144,13 @@ class KVDepotMetadata(KVConnectorMetadata):
     fingerprint: the layout fingerprint the scheduler seeded the keys with; a worker whose
         registration disagrees neither loads nor stores.
     null_block_id: vLLM's null block (``BlockPool.null_block``).
+    stores_pinned: models with a sliding-window group, where the scheduler holds a reference
+        on the sliding-window blocks of every store it sends (vLLM's ``BlockPool.touch``), so
+        vLLM gives none of them to another request before the workers said the save ended
+        (`KVDepotWorkerMeta`): their gathers may then run after later forwards, as a full-
+        attention model's do, and ``written_block_ids`` is not sent.
+    pin_seq: the number of this step's pinned save (0: none); each worker reports it in
+        `KVDepotWorkerMeta` once no gather of it can read its blocks any more.
     written_block_ids: models with a sliding-window group only (else None): every block this
         step's forward or vLLM's own block preparation may write that its request did not
         hold before the step (newly allocated, zeroed, copy-on-write destinations); a flat
@@ -157,3 +169,26 @@ class KVDepotMetadata(KVConnectorMetadata):
     fingerprint: str = ""
     null_block_id: int = 0
     written_block_ids: list[int] | None = None
+    stores_pinned: bool = False
+    pin_seq: int = 0
+
+
+@dataclasses.dataclass
+class KVDepotWorkerMeta(KVConnectorWorkerMetadata or object):
+    """What a worker tells the scheduler-side connector after a step (vLLM's
+    ``KVConnectorOutput.kv_connector_worker_meta``; vLLM's ``KVOutputAggregator`` merges the
+    workers' with `aggregate`).
+
+    saves_ended: pinned save number (`KVDepotMetadata.pin_seq`) -> workers that report it
+        ended: every store of it was answered, skipped or given up and the worker's gathers
+        queued before then have run, so no gather reads its blocks any more. The scheduler
+        drops its pins on the blocks once every worker of the engine reported the save.
+    """
+
+    saves_ended: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def aggregate(self, other: KVDepotWorkerMeta) -> KVDepotWorkerMeta:
+        out = dict(self.saves_ended)
+        for seq, n in other.saves_ended.items():
+            out[seq] = out.get(seq, 0) + n
+        return KVDepotWorkerMeta(out)

@@ -42,11 +42,13 @@ from kvdepot.client.hashing import (VLLM_BLOCK_HASH_SOURCE, chain_from_block_has
                                     shard_keys, shard_mask, shard_name)
 from kvdepot.client.vllm.config import EXTRA_CONFIG, ConnectorConfig
 from kvdepot.client.vllm.layout import TransferGroup
-from kvdepot.client.vllm.plan import KVDepotMetadata, LoadJob, StoreJob, blocks_covering, chunk_block_ids, plan_load
+from kvdepot.client.vllm.plan import (KVConnectorWorkerMetadata, KVDepotMetadata, KVDepotWorkerMeta, LoadJob, StoreJob,
+                                     blocks_covering, chunk_block_ids, plan_load)
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
 log = logging.getLogger("kvdepot.vllm")
+NO_STORE_PINS_ENV = "KVDEPOT_NO_STORE_PINS"  # set: sliding-window stores are not pinned (the way before, for A/Bs)
 _NAMESPACES_KEPT = 4096  # (salt, chain source) -> seed and masks kept at most (`SchedulerSide._namespace`)
 _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 
@@ -104,6 +106,16 @@ class SchedulerSide:
         self._epoch = 0
         self._kv_cache_manager = None
         self._get_blocks = None
+        # sliding-window models: vLLM's block pool, where the scheduler pins the blocks a store
+        # reads until every worker reported its save ended (`bind_block_pool`); None: not pinned
+        self._pool = None
+        self._pin_seq = 0
+        self._pins: dict[int, list] = {}  # pinned save -> the KVCacheBlocks touched for it
+        self._pin_reports: dict[int, int] = {}  # pinned save -> workers that reported it ended so far
+        pc = vllm_config.parallel_config  # every worker of the engine reports each pinned save
+        self._workers = (tp * int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+                         * int(getattr(pc, "prefill_context_parallel_size", 1) or 1))
+        self._sliding_gids = [i for i, g in enumerate(groups) if g.has_null_blocks]
         # vLLM block hashes per chunk where chain values come from them (0: tokens hashed here)
         self._blocks_per_chunk, self._chain_source = block_hash_chains(cfg, vllm_config, kv_cache_config)
         self._namespaces: dict[tuple[str, bool], tuple[bytes, list[bytes]]] = {}  # `_namespace`
@@ -120,6 +132,47 @@ class SchedulerSide:
         null = getattr(getattr(manager, "block_pool", None), "null_block", None)
         if null is not None:
             self._null_block_id = null.block_id
+
+    def bind_block_pool(self, pool) -> None:
+        """vLLM's ``BlockPool`` (``bind_gpu_block_pool``): for a model with a sliding-window
+        group, every store's sliding-window blocks are pinned (``touch``) until every worker
+        reported its save ended (`KVDepotWorkerMeta`), so vLLM cannot give them to another
+        request while a gather may still read them. Needs vLLM's worker metadata channel
+        (``build_connector_worker_meta``, vLLM >= 0.33); else the workers order each forward
+        after the gathers of the stores whose blocks it may write (``written_block_ids``)."""
+        if (self.sliding and self.enabled and KVConnectorWorkerMetadata is not None
+                and hasattr(pool, "touch") and hasattr(pool, "blocks") and not os.environ.get(NO_STORE_PINS_ENV)):
+            self._pool = pool
+
+    def _pin(self, stores: list[StoreJob]) -> int:
+        """Pin the sliding-window blocks ``stores`` read (one reference each, vLLM's
+        ``BlockPool.touch``); returns the save's number, 0 if it reads none."""
+        pool, null = self._pool, self._null_block_id
+        blocks = pool.blocks
+        pinned = [blocks[b] for job in stores for i in self._sliding_gids for b in job.block_ids[i] if b != null]
+        if not pinned:
+            return 0
+        pool.touch(pinned)
+        self._pin_seq += 1
+        self._pins[self._pin_seq] = pinned
+        return self._pin_seq
+
+    def _unpin(self, worker_meta) -> None:
+        """Drop the pins of the saves every worker has now reported ended."""
+        for seq, n in worker_meta.saves_ended.items():
+            got = self._pin_reports.get(seq, 0) + n
+            if got < self._workers:
+                self._pin_reports[seq] = got
+                continue
+            self._pin_reports.pop(seq, None)
+            pinned = self._pins.pop(seq, None)
+            if pinned:
+                self._pool.free_blocks(pinned)
+
+    @property
+    def pinned_blocks(self) -> int:
+        """Blocks the scheduler holds a pin on now (sliding-window stores not ended)."""
+        return sum(len(b) for b in self._pins.values())
 
     def _seed_salt(self, request) -> tuple[str, str]:
         cache_salt = request.cache_salt or ""
@@ -312,7 +365,11 @@ class SchedulerSide:
                 if st is not None and (st.store_stopped or st.next_store_chunk >= len(st.keys[0])):
                     del self._unstored[req_id]  # its prompt's chunks are all stored (or never will be)
         meta.release, self._release = self._release, []
-        if self.sliding and self.enabled:
+        if self._pool is not None:
+            meta.stores_pinned = True
+            if meta.stores:
+                meta.pin_seq = self._pin(meta.stores)
+        elif self.sliding and self.enabled:
             meta.written_block_ids = written_blocks(scheduler_output)
         return meta
 
@@ -417,6 +474,9 @@ class SchedulerSide:
         return delay, None
 
     def update_connector_output(self, connector_output) -> None:
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(worker_meta, KVDepotWorkerMeta) and self._pins:
+            self._unpin(worker_meta)
         failed = set(connector_output.failed_recving or ())
         invalid = set(connector_output.invalid_block_ids or ())
         if invalid:

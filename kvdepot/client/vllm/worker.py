@@ -43,7 +43,7 @@ from kvdepot.client.vllm.config import STAGING_MIN_BYTES, ConnectorConfig, auto_
 from kvdepot.client.vllm.layout import Registration, TransferGroup, build_registration
 from kvdepot.client.vllm.mover import DOWN, TransferThread
 from kvdepot.client.vllm.pieces import PostedSave
-from kvdepot.client.vllm.plan import KVDepotMetadata
+from kvdepot.client.vllm.plan import KVDepotMetadata, KVDepotWorkerMeta
 from kvdepot.gpu.layout import group_layers
 from kvdepot.protocol.errors import KVDepotError
 
@@ -95,6 +95,7 @@ class WorkerSide:
         self._sliding_saves: list[_SlidingSave] = []  # sliding-window models: saves maybe not gathered yet
         self._released: KVDepotMetadata | None = None  # the metadata whose releases were posted
         self._invalid_blocks: set[int] = set()  # taken by get_transfer_results, given by the next call
+        self._saves_ended: set[int] = set()  # pinned saves ended, for the next `worker_meta`
         self._stream: tuple[int, torch.cuda.Stream | None] = (0, None)  # (raw pointer, the current stream)
         self._stream_src: tuple | None = None  # (torch's raw current-stream call, device index)
 
@@ -194,6 +195,10 @@ class WorkerSide:
         leave the window while their request runs), the forward must not write a block before
         an earlier step's store gathered it: see `_order_after_gathers`."""
         self._meta = meta
+        if not self.stores_may_wait and getattr(meta, "stores_pinned", False):
+            # the scheduler pins the sliding-window blocks of every store until its save ended:
+            # nothing orders a forward after the gathers any more (the same for every step)
+            self.stores_may_wait = True
         if self._sliding_saves and self._active:
             ours = isinstance(meta, KVDepotMetadata)
             self._order_after_gathers(written_set(meta.written_block_ids if ours else None,
@@ -296,6 +301,8 @@ class WorkerSide:
     def wait_for_save(self) -> None:
         meta = self._meta
         if meta is None or not meta.stores or not self._active:
+            if meta is not None and getattr(meta, "pin_seq", 0):
+                self._saves_ended.add(meta.pin_seq)  # never sent: nothing reads its blocks
             return
         self._saves_posted += 1
         # the step's finished requests go with its save (one wake-up of the transfer thread
@@ -322,11 +329,12 @@ class WorkerSide:
                 self._sliding_saves.append(_SlidingSave(self._saves_posted, meta.stores, posted))
                 return
         if self.stores_may_wait:
-            # the blocks stay the request's until its stores ended, so the gathers may follow a
+            # the blocks stay the request's until its stores ended (sliding-window blocks: pinned
+            # by the scheduler until the save ended, `pin_seq`), so the gathers may follow a
             # later point of the engine's stream than this one: the transfer thread records the
             # event when it takes the save (an event made and recorded here cost the engine
             # thread 25-36 us per store step on an H100, most of it waiting for the GIL back)
-            self.mover.post(("save", meta.stores, self._stream_now(), None, take(meta)))
+            self.mover.post(("save", meta.stores, self._stream_now(), None, take(meta), meta.pin_seq))
             return
         self.mover.post(("save", meta.stores, self._engine_event(), None, take(meta)))
         self._sliding_saves.append(_SlidingSave(self._saves_posted, meta.stores))
@@ -356,7 +364,17 @@ class WorkerSide:
         if out.scatter_event is not None:
             self._current_stream().wait_event(out.scatter_event)
         self._invalid_blocks |= out.invalid_blocks
+        if out.saves_ended:
+            self._saves_ended |= out.saves_ended
         return out.sending, out.recving, out.failed_recving
+
+    def worker_meta(self) -> KVDepotWorkerMeta | None:
+        """The pinned saves that ended since the last call (vLLM's
+        ``build_connector_worker_meta``, after ``get_finished`` in each step), or None."""
+        if not self._saves_ended:
+            return None
+        ended, self._saves_ended = self._saves_ended, set()
+        return KVDepotWorkerMeta({seq: 1 for seq in ended})
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid_blocks = self._invalid_blocks, set()

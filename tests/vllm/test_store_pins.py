@@ -1,0 +1,152 @@
+"""Models with a sliding-window group: the scheduler pins the sliding-window blocks every store
+reads (vLLM's ``BlockPool.touch``) until every worker reported the save ended
+(``KVDepotWorkerMeta`` through vLLM's ``kv_connector_worker_meta``), so vLLM gives none of them to
+another request while a gather may still read it, and the workers gather those stores when they
+like, as a full-attention model's."""
+
+from __future__ import annotations
+
+import collections
+import types
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm_harness as H  # noqa: E402
+from kvdepot.client.vllm.mover import TransferThread  # noqa: E402
+from kvdepot.client.vllm.plan import KVDepotMetadata, KVDepotWorkerMeta, StoreJob  # noqa: E402
+from kvdepot.client.vllm.scheduler import SchedulerSide  # noqa: E402
+from kvdepot.client.vllm.worker import WorkerSide  # noqa: E402
+
+CHUNK = 64
+
+
+def test_vllm_never_hands_out_a_pinned_block_and_every_pin_is_dropped(daemon, tmp_path):
+    """Through vLLM's real scheduler and block pool (chunked prefill of a hybrid model with a
+    16-token window and a KV cache of 40 blocks, so blocks that leave the window are wanted
+    again at once): no block vLLM allocates is pinned at that moment; some pinned blocks were
+    held by the pin alone (their request had let go of them), so the pins did something; once
+    every request ended no pin is left and the pool has every block back."""
+    cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, chunk_size=CHUNK,
+                             max_num_batched_tokens=48, max_model_len=256, extra={"model_id": "store-pins"})
+    e = H.Engine(cfg, H.hybrid_specs(sliding_window=16), num_blocks=40)
+    try:
+        side = e.sched_conn.scheduler
+        pool = e.scheduler.kv_cache_manager.block_pool
+        free_at_start = pool.get_num_free_blocks()
+        assert side._pool is pool
+        seen = {"allocations": 0, "pinned_saves": 0, "held_by_pin_alone": 0, "metas": 0}
+        get_new = pool.get_new_blocks
+
+        def allocate(*a, **k):
+            got = get_new(*a, **k)
+            pinned = {id(b) for blocks in side._pins.values() for b in blocks}
+            assert not any(id(b) in pinned for b in got), "vLLM handed out a block a store still reads"
+            seen["allocations"] += len(got)
+            return got
+
+        pool.get_new_blocks = allocate
+        build = e.sched_conn.build_connector_meta
+
+        def spy(so):
+            meta = build(so)
+            assert meta.stores_pinned and meta.written_block_ids is None
+            seen["metas"] += 1
+            seen["pinned_saves"] += bool(meta.pin_seq)
+            seen["held_by_pin_alone"] += sum(b.ref_cnt == 1 for blocks in side._pins.values() for b in blocks)
+            return meta
+
+        e.sched_conn.build_connector_meta = spy
+        for i in range(3):
+            e.add(H.tokens(60 + i, 200), max_tokens=4)
+        e.run(timeout_s=60)
+        assert seen["pinned_saves"] >= 3 and seen["allocations"] >= 20, seen
+        assert seen["held_by_pin_alone"] > 0, "no pinned block left its request's window: nothing tested"
+        assert side._pins == {} and side._pin_reports == {} and side.pinned_blocks == 0
+        assert pool.get_num_free_blocks() == free_at_start, "a pin was never dropped"
+        w = e.worker_conn.worker
+        assert w.stores_may_wait and w.stats["stored_chunks"] >= 6 and w.stats["forwards_waiting_for_gathers"] == 0
+    finally:
+        e.close()
+
+
+def test_a_pinned_hybrid_models_prefix_loads_back_bit_exact(daemon, tmp_path):
+    """Engine A stores with pinned sliding-window blocks reused at once; engine B (HND layout,
+    other block ids) loads the prefix and gets A's bytes (every byte each of its tokens attends
+    to is checked)."""
+    model = H.model_dir(tmp_path)
+    specs = H.hybrid_specs(sliding_window=16)
+
+    def make(layout):
+        return H.Engine(H.make_vllm_config(model, daemon.endpoint, chunk_size=CHUNK, max_num_batched_tokens=48,
+                                           max_model_len=256, layout=layout, extra={"model_id": "store-pins-ab"}),
+                        specs, num_blocks=40)
+
+    a = make("LBNHC")
+    try:
+        prompt = H.tokens(70, 2 * CHUNK + 9)
+        ra = a.add(prompt, max_tokens=3)
+        for i in range(2):
+            a.add(H.tokens(71 + i, 150), max_tokens=2)  # others that take the freed blocks
+        a.run(timeout_s=60)
+        ref = a.runs[ra]
+        assert a.worker_conn.worker.stats["stored_chunks"] >= 2
+    finally:
+        a.close()
+    b = make("LBHNC")
+    try:
+        rb = b.add(prompt, max_tokens=3)
+        b.run(timeout_s=60)
+        run = b.runs[rb]
+        assert b.worker_conn.worker.stats["loaded_chunks"] == 2
+        # the harness's forward checks every KV byte each token attends to against the KV of a
+        # full computation (`vllm_harness.expected_kv`), the loaded ones included
+        assert run.computed == 9 + 2 and run.outputs == ref.outputs
+    finally:
+        b.close()
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.freed: list = []
+
+    def free_blocks(self, blocks) -> None:
+        self.freed.append(list(blocks))
+
+
+def test_pins_drop_once_every_worker_reported_the_save():
+    side = object.__new__(SchedulerSide)
+    side._pool, side._workers = _Pool(), 2
+    side._pins, side._pin_reports = {1: ["b1", "b2"], 2: ["b3"]}, {}
+    rank0, rank1 = KVDepotWorkerMeta({1: 1}), KVDepotWorkerMeta({1: 1, 2: 1})
+    assert rank0.aggregate(rank1).saves_ended == {1: 2, 2: 1}  # vLLM's KVOutputAggregator, one step
+    side._unpin(rank0)  # rank 1 has not reported save 1 yet
+    assert side._pool.freed == [] and side._pin_reports == {1: 1}
+    side._unpin(rank1)
+    assert side._pool.freed == [["b1", "b2"]] and side._pins == {2: ["b3"]} and side._pin_reports == {2: 1}
+
+
+def test_a_pinned_save_a_worker_does_not_send_is_reported_at_once():
+    w = object.__new__(WorkerSide)
+    w.mover = types.SimpleNamespace(started=False)  # the transfer thread never started (disabled)
+    w._saves_ended = set()
+    job = StoreJob("r", [b"k" * 16], b"", b"s" * 16, 0, [[1], [2]], "")
+    w._meta = KVDepotMetadata(stores=[job], stores_pinned=True, pin_seq=7)
+    w.wait_for_save()
+    assert w.worker_meta().saves_ended == {7: 1}
+    assert w.worker_meta() is None  # reported once
+
+
+def test_a_pinned_save_ends_when_its_last_piece_did():
+    t = object.__new__(TransferThread)
+    p1, p2, other = object(), object(), object()
+    t._ops = [types.SimpleNamespace(piece=p1), types.SimpleNamespace(piece=other)]
+    t._queue = collections.deque([p2])
+    t._side = None  # CPU engine: no stream the gathers run on
+    t._pinned = {3: [[p1, p2], None], 4: [[], None]}
+    assert t._pinned_ended() == {4} and 3 in t._pinned  # a save with nothing sent ends at once
+    t._queue.clear()
+    assert t._pinned_ended() == set()  # p1 still in flight
+    t._ops = [types.SimpleNamespace(piece=other)]
+    assert t._pinned_ended() == {3} and t._pinned == {}
