@@ -118,13 +118,16 @@ class _Pool:
 def test_pins_drop_once_every_worker_reported_the_save():
     side = object.__new__(SchedulerSide)
     side._pool, side._workers = _Pool(), 2
-    side._pins, side._pin_reports = {1: ["b1", "b2"], 2: ["b3"]}, {}
+    held, left, other = (types.SimpleNamespace(ref_cnt=n) for n in (2, 1, 2))  # left: its request let go
+    side._pins, side._pin_reports = {1: [held, left], 2: [other]}, {}
     rank0, rank1 = KVDepotWorkerMeta({1: 1}), KVDepotWorkerMeta({1: 1, 2: 1})
     assert rank0.aggregate(rank1).saves_ended == {1: 2, 2: 1}  # vLLM's KVOutputAggregator, one step
     side._unpin(rank0)  # rank 1 has not reported save 1 yet
-    assert side._pool.freed == [] and side._pin_reports == {1: 1}
+    assert side._pool.freed == [] and side._pin_reports == {1: 1} and held.ref_cnt == 2
     side._unpin(rank1)
-    assert side._pool.freed == [["b1", "b2"]] and side._pins == {2: ["b3"]} and side._pin_reports == {2: 1}
+    # the request still holds ``held``: one reference less; ``left`` goes back through vLLM's free_blocks
+    assert held.ref_cnt == 1 and side._pool.freed == [[left]]
+    assert side._pins == {2: [other]} and side._pin_reports == {2: 1} and other.ref_cnt == 2
 
 
 def test_a_pinned_save_a_worker_does_not_send_is_reported_at_once():

@@ -149,10 +149,19 @@ class SchedulerSide:
         ``BlockPool.touch``); returns the save's number, 0 if it reads none."""
         pool, null = self._pool, self._null_block_id
         blocks = pool.blocks
-        pinned = [blocks[b] for job in stores for i in self._sliding_gids for b in job.block_ids[i] if b != null]
+        pinned = []
+        for job in stores:
+            for i in self._sliding_gids:
+                for b in job.block_ids[i]:
+                    if b != null:
+                        blk = blocks[b]
+                        if blk.ref_cnt:  # its request holds it (always, as the step's stores are built)
+                            blk.ref_cnt += 1  # what touch() does to it, less a call per block
+                        else:
+                            pool.touch((blk,))  # in the free queue: taken out of it
+                        pinned.append(blk)
         if not pinned:
             return 0
-        pool.touch(pinned)
         self._pin_seq += 1
         self._pins[self._pin_seq] = pinned
         return self._pin_seq
@@ -167,7 +176,14 @@ class SchedulerSide:
             self._pin_reports.pop(seq, None)
             pinned = self._pins.pop(seq, None)
             if pinned:
-                self._pool.free_blocks(pinned)
+                last = []  # blocks only the pin holds: vLLM's free_blocks queues them as it would have
+                for blk in pinned:
+                    if blk.ref_cnt > 1:
+                        blk.ref_cnt -= 1
+                    else:
+                        last.append(blk)
+                if last:
+                    self._pool.free_blocks(last)
 
     @property
     def pinned_blocks(self) -> int:
