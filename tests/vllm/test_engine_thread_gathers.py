@@ -77,6 +77,7 @@ def _thread(ring_objects: int = 16, chains: bool = False):
                                 expand=lambda g, ids: list(ids))
     side = types.SimpleNamespace(cfg=types.SimpleNamespace(chunk_size=CHUNK, rpc_timeout_s=1.0), client=client,
                                  shard="tp0of1", reg=reg, kvreg=kvreg, reg_generation=0, stores_may_wait=False,
+                                 stores_skip_when_full=True,
                                  groups=[types.SimpleNamespace(has_null_blocks=False)] * 2,
                                  stats={"store_failures": 0, "stores_skipped_ring_full": 0})
     side.ready = lambda: True

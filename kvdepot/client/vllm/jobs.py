@@ -91,7 +91,7 @@ class JobPieces:
             for s, e, ids in self._store_pieces(job):
                 self._queue.append(Piece(job.req_id, "store", keys[s:e], ids, parent=parent if s == 0 else keys[s - 1],
                                           cache_salt=job.cache_salt, queued_at=now, after=event))
-        new = [self._queue[i] for i in range(first_new, len(self._queue))] if not side.stores_may_wait else ()
+        new = [self._queue[i] for i in range(first_new, len(self._queue))] if side.stores_skip_when_full else ()
         self._pump(stores_now=True)
         if new and self._queue:
             # sliding-window models: gathered now or never (a load waiting for ring room ahead

@@ -474,7 +474,7 @@ class TransferThread(JobPieces):
                 self._drop(self._queue.popleft(), str(exc))
                 continue
             if pending is None:  # no room in the ring now
-                if p.kind == "store" and (stores_now and not side.stores_may_wait):
+                if p.kind == "store" and (stores_now and side.stores_skip_when_full):
                     self._queue.popleft()
                     side.stats["stores_skipped_ring_full"] += 1
                     self._stopped.add(p.req_id)

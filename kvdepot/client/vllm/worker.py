@@ -73,6 +73,9 @@ class WorkerSide:
         self.single_group = len(kv_cache_config.kv_cache_groups) == 1
         # a store may wait for ring room only where vLLM never frees a running request's blocks
         self.stores_may_wait = not any(g.has_null_blocks for g in groups)
+        # sliding-window models: a store that finds the staging ring full is skipped (counted),
+        # never queued, pinned blocks or not: it would hold blocks vLLM counts on getting back
+        self.stores_skip_when_full = not self.stores_may_wait
         self.max_step_tokens = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0)
         tp = vllm_config.parallel_config.tensor_parallel_size
         self.tp_rank = _tp_rank(tp)
