@@ -147,29 +147,9 @@ def test_a_pinned_save_ends_when_its_last_piece_did():
     t._ops = [types.SimpleNamespace(piece=p1), types.SimpleNamespace(piece=other)]
     t._queue = collections.deque([p2])
     t._side = None  # CPU engine: no stream the gathers run on
-    t._pinned = {3: [[p1, p2], None, {"a"}], 4: [[], None, {"b"}]}
+    t._pinned = {3: [[p1, p2], None], 4: [[], None]}
     assert t._pinned_ended() == {4} and 3 in t._pinned  # a save with nothing sent ends at once
     t._queue.clear()
     assert t._pinned_ended() == set()  # p1 still in flight
     t._ops = [types.SimpleNamespace(piece=other)]
     assert t._pinned_ended() == {3} and t._pinned == {}
-
-
-def test_a_finished_request_is_reported_with_or_after_its_pinned_saves():
-    """So that the scheduler drops the pins before vLLM frees the request's blocks (vLLM calls
-    ``update_connector_output`` before it frees finished_sending's blocks) and vLLM returns the
-    blocks to its pool once, itself."""
-    t = object.__new__(TransferThread)
-    piece = types.SimpleNamespace(req_id="a")
-    t._ops, t._queue, t._side = [types.SimpleNamespace(piece=piece)], collections.deque(), None
-    t._pinned = {5: [[piece], None, {"a"}]}
-    t._release, t._stopped, t._scattered = {"a"}, set(), False
-    t._loads = types.SimpleNamespace(recving=set(), failed_recving=set(), invalid_blocks=set())
-    t._outbox = collections.deque()
-    t._busy = lambda r: False  # its store is answered, but the save's report is not out yet
-    t._publish()
-    assert not t._outbox and t._release == {"a"}  # held back: save 5 is still pinned
-    t._ops = []
-    t._publish()
-    out = t._outbox.popleft()
-    assert out.saves_ended == {5} and out.sending == {"a"} and t._release == set()

@@ -94,7 +94,7 @@ class TransferThread(JobPieces):
         self._failed = False
         self._loads = LoadOutcomes(side)  # loads that ended since the last publish
         # pinned saves (`KVDepotMetadata.pin_seq`) not reported yet: seq -> [their pieces still
-        # to end, the side-stream event recorded once they all had (None before), their requests]
+        # to end, the side-stream event recorded once they all had (None before)]
         self._pinned: dict[int, list] = {}
 
     # ------------------------------------------------------------------ engine thread
@@ -298,8 +298,7 @@ class TransferThread(JobPieces):
         finally:  # counted even if it failed: the engine thread may wait for the count
             if pin:
                 self._pinned[pin] = [[op.piece for op in self._ops if id(op.piece) not in had]
-                                     + [p for p in self._queue if id(p) not in had], None,
-                                     {job.req_id for job in jobs}]
+                                     + [p for p in self._queue if id(p) not in had], None]
             if not self.side.stores_may_wait and staged is None:  # only `bind` of those waits on it
                 ev = None
                 if self._side is not None:
@@ -336,7 +335,7 @@ class TransferThread(JobPieces):
         out: set[int] = set()
         live = None
         for seq, entry in list(self._pinned.items()):
-            pieces, ev, _ = entry
+            pieces, ev = entry
             if ev is None:
                 if pieces:
                     if live is None:
@@ -349,22 +348,19 @@ class TransferThread(JobPieces):
                     continue
                 ev = torch.cuda.Event()
                 ev.record(self._side)
-                entry[0], entry[1] = (), ev
+                entry[:] = [(), ev]
             if ev.query():
                 out.add(seq)
                 del self._pinned[seq]
         return out
 
     def _publish(self) -> None:
-        ended = self._pinned_ended() if self._pinned else set()
         sending = set()
         if self._release:
-            # a finished request waits for its pinned saves' report: vLLM then frees its blocks
-            # after the pins dropped (its update_connector_output comes first), once, itself
-            held = set().union(*(e[2] for e in self._pinned.values())) if self._pinned else ()
-            sending = {r for r in self._release if not self._busy(r) and r not in held}
+            sending = {r for r in self._release if not self._busy(r)}
             self._release -= sending
             self._stopped -= sending
+        ended = self._pinned_ended() if self._pinned else set()
         lo = self._loads
         if not (sending or lo.recving or lo.failed_recving or lo.invalid_blocks or ended):
             return
