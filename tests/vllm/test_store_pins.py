@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm_harness as H  # noqa: E402
-from kvdepot.client.vllm.mover import TransferThread  # noqa: E402
+from kvdepot.client.vllm.pieces import PinnedSaves  # noqa: E402
 from kvdepot.client.vllm.plan import KVDepotMetadata, KVDepotWorkerMeta, StoreJob  # noqa: E402
 from kvdepot.client.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvdepot.client.vllm.worker import WorkerSide  # noqa: E402
@@ -142,14 +142,18 @@ def test_a_pinned_save_a_worker_does_not_send_is_reported_at_once():
 
 
 def test_a_pinned_save_ends_when_its_last_piece_did():
-    t = object.__new__(TransferThread)
     p1, p2, other = object(), object(), object()
-    t._ops = [types.SimpleNamespace(piece=p1), types.SimpleNamespace(piece=other)]
-    t._queue = collections.deque([p2])
-    t._side = None  # CPU engine: no stream the gathers run on
-    t._pinned = {3: [[p1, p2], None], 4: [[], None]}
-    assert t._pinned_ended() == {4} and 3 in t._pinned  # a save with nothing sent ends at once
-    t._queue.clear()
-    assert t._pinned_ended() == set()  # p1 still in flight
-    t._ops = [types.SimpleNamespace(piece=other)]
-    assert t._pinned_ended() == {3} and t._pinned == {}
+    ops, queue = [p1, other], collections.deque([p2])  # in flight, queued
+    saves = PinnedSaves()
+    saves.add(3, [p1, p2])
+    saves.add(4, [])
+
+    def live():
+        return {id(p) for p in ops} | {id(p) for p in queue}
+
+    side_stream = None  # CPU engine: no stream the gathers run on
+    assert saves.ended(live, side_stream) == {4} and saves  # a save with nothing sent ends at once
+    queue.clear()
+    assert saves.ended(live, side_stream) == set()  # p1 still in flight
+    ops.remove(p1)
+    assert saves.ended(live, side_stream) == {3} and not saves

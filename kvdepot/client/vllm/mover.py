@@ -10,8 +10,10 @@ the *side stream*):
   when it takes the step's save, after the forward that wrote the blocks (``wait_for_save``
   posts it); the blocks stay the request's until its store ended (vLLM's
   ``delay_free_blocks``), so the gather may run any time later, after later forwards too.
-  Models with a sliding-window group are the exception (vLLM frees blocks that leave the
-  window while the request runs): a later forward that may write one of their blocks (the
+  Models with a sliding-window group (vLLM frees blocks that leave the window while the
+  request runs) too, where the scheduler pins the sliding-window blocks of each step's stores
+  until every worker reported the save ended (`PinnedSaves`, ``KVDepotWorkerMeta``); without
+  pins they are the exception: a later forward that may write one of their blocks (the
   scheduler's ``written_block_ids``) must follow their gathers (`WorkerSide.bind`). CUDA: the
   save comes with the engine's stream (`PostedSave`), and this thread gathers it on that
   stream when it takes it (`JobPieces.stage_saves`; every forward enqueued later follows),
@@ -48,7 +50,7 @@ import torch
 from kvdepot.client.client import KVDepotClient
 from kvdepot.client.many import RetrieveItem, StoreItem
 from kvdepot.client.vllm.jobs import DOWN, JobPieces
-from kvdepot.client.vllm.pieces import LoadOutcomes, Op, Piece, PostedSave, Preemption, Results
+from kvdepot.client.vllm.pieces import LoadOutcomes, Op, Piece, PinnedSaves, PostedSave, Preemption, Results
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
 log = logging.getLogger("kvdepot.vllm")
@@ -93,9 +95,7 @@ class TransferThread(JobPieces):
         self._thread: threading.Thread | None = None
         self._failed = False
         self._loads = LoadOutcomes(side)  # loads that ended since the last publish
-        # pinned saves (`KVDepotMetadata.pin_seq`) not reported yet: seq -> [their pieces still
-        # to end, the side-stream event recorded once they all had (None before)]
-        self._pinned: dict[int, list] = {}
+        self._pinned = PinnedSaves()  # pinned saves (`KVDepotMetadata.pin_seq`) not reported yet
 
     # ------------------------------------------------------------------ engine thread
 
@@ -282,8 +282,8 @@ class TransferThread(JobPieces):
             stream, event = event, torch.cuda.Event()
             event.record(stream)
         seq = self._saves_gathered + 1
-        if pin:  # every piece made for the save from here on keeps its pins (`_pinned_ended`)
-            had = {id(op.piece) for op in self._ops} | {id(p) for p in self._queue}
+        if pin:  # every piece made for the save from here on keeps its pins (`PinnedSaves`)
+            had = self._live_piece_ids()
         try:
             sliding = not self.side.stores_may_wait
             if isinstance(event, PostedSave):
@@ -297,8 +297,8 @@ class TransferThread(JobPieces):
                     self._await_unstaged([op for op in self._ops if id(op) not in before])
         finally:  # counted even if it failed: the engine thread may wait for the count
             if pin:
-                self._pinned[pin] = [[op.piece for op in self._ops if id(op.piece) not in had]
-                                     + [p for p in self._queue if id(p) not in had], None]
+                self._pinned.add(pin, [op.piece for op in self._ops if id(op.piece) not in had]
+                                 + [p for p in self._queue if id(p) not in had])
             if not self.side.stores_may_wait and staged is None:  # only `bind` of those waits on it
                 ev = None
                 if self._side is not None:
@@ -328,39 +328,13 @@ class TransferThread(JobPieces):
             posted.event_here()
         return posted.staged, posted.event
 
-    def _pinned_ended(self) -> set[int]:
-        """Pinned saves no gather can read any more: their pieces all ended (answered, skipped
-        or given up), then a side-stream event recorded after that ran (a piece given up may
-        have had its gather queued; an answered one's ran before the daemon's copy)."""
-        out: set[int] = set()
-        live = None
-        for seq, entry in list(self._pinned.items()):
-            pieces, ev = entry
-            if ev is None:
-                if pieces:
-                    if live is None:
-                        live = {id(op.piece) for op in self._ops} | {id(p) for p in self._queue}
-                    if any(id(p) in live for p in pieces):
-                        continue
-                if self._side is None:
-                    out.add(seq)
-                    del self._pinned[seq]
-                    continue
-                ev = torch.cuda.Event()
-                ev.record(self._side)
-                entry[:] = [(), ev]
-            if ev.query():
-                out.add(seq)
-                del self._pinned[seq]
-        return out
-
     def _publish(self) -> None:
         sending = set()
         if self._release:
             sending = {r for r in self._release if not self._busy(r)}
             self._release -= sending
             self._stopped -= sending
-        ended = self._pinned_ended() if self._pinned else set()
+        ended = self._pinned.ended(self._live_piece_ids, self._side) if self._pinned else set()
         lo = self._loads
         if not (sending or lo.recving or lo.failed_recving or lo.invalid_blocks or ended):
             return
@@ -386,9 +360,7 @@ class TransferThread(JobPieces):
         for p in self._queue:
             self._drop(p, "the transfer thread failed")
         self._ops, self._queue = [], collections.deque()
-        for entry in self._pinned.values():
-            if entry[1] is None:
-                entry[0] = ()  # nothing of theirs is sent any more: ended once their gathers ran
+        self._pinned.abandon()
         try:
             self._publish()
         except Exception:
@@ -613,6 +585,9 @@ class TransferThread(JobPieces):
             self._stopped.add(p.req_id)
         else:
             self._loads.piece_ended(p, 0)
+
+    def _live_piece_ids(self) -> set[int]:
+        return {id(op.piece) for op in self._ops} | {id(p) for p in self._queue}
 
     def _busy(self, req_id: str) -> bool:
         return any(op.piece.req_id == req_id for op in self._ops) or any(p.req_id == req_id for p in self._queue)

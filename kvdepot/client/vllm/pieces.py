@@ -172,3 +172,55 @@ class LoadOutcomes:
 
 
 __all__ = ["Piece", "Load", "LoadOutcomes", "Op", "Preemption", "Results"]
+
+
+class PinnedSaves:
+    """A worker's pinned saves not reported yet (`KVDepotMetadata.pin_seq`: the scheduler holds
+    the sliding-window blocks they read until every worker reported them ended), on the
+    transfer thread.
+
+    A save ends once none of its pieces is in flight or queued any more (answered, skipped or
+    given up) and a side-stream event recorded after that ran: a piece given up may have had
+    its gather queued already (an answered one's ran before the daemon's copy).
+    """
+
+    def __init__(self) -> None:
+        self._saves: dict[int, list] = {}  # seq -> [its pieces still to end, the event once they all had]
+
+    def __bool__(self) -> bool:
+        return bool(self._saves)
+
+    def add(self, seq: int, pieces: list[Piece]) -> None:
+        self._saves[seq] = [pieces, None]
+
+    def abandon(self) -> None:
+        """Nothing of any of them will be sent any more (the thread failed): each ends once the
+        gathers queued before now ran."""
+        for entry in self._saves.values():
+            if entry[1] is None:
+                entry[0] = ()
+
+    def ended(self, live_ids, side_stream) -> set[int]:
+        """The saves that ended since the last call; ``live_ids()``: the ``id`` of every piece
+        in flight or queued; ``side_stream``: the stream of the thread's gathers (None: CPU)."""
+        out: set[int] = set()
+        live = None
+        for seq, entry in list(self._saves.items()):
+            pieces, ev = entry
+            if ev is None:
+                if pieces:
+                    if live is None:
+                        live = live_ids()
+                    if any(id(p) in live for p in pieces):
+                        continue
+                if side_stream is None:
+                    out.add(seq)
+                    del self._saves[seq]
+                    continue
+                ev = torch.cuda.Event()
+                ev.record(side_stream)
+                entry[:] = [(), ev]
+            if ev.query():
+                out.add(seq)
+                del self._saves[seq]
+        return out
