@@ -157,3 +157,35 @@ def test_a_pinned_save_ends_when_its_last_piece_did():
     assert saves.ended(live, side_stream) == set()  # p1 still in flight
     ops.remove(p1)
     assert saves.ended(live, side_stream) == {3} and not saves
+
+
+@pytest.mark.parametrize("rank_processes", [False, True], ids=["one-process", "rank-processes"])
+def test_tensor_parallel_pins_drop_once_both_ranks_reported(daemon, tmp_path, rank_processes):
+    """TP=2 hybrid model: each rank reports its saves (``rank-processes``: rank 1's report comes
+    back pickled, as from vLLM's multiprocess executor) and vLLM's ``KVOutputAggregator`` merges
+    them; no allocation hands out a pinned block, and every pin is dropped at the end."""
+    cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, chunk_size=CHUNK,
+                             max_num_batched_tokens=48, max_model_len=256, extra={"model_id": "store-pins-tp2"})
+    e = H.Engine(cfg, H.hybrid_specs(sliding_window=16), num_blocks=40, tp=2, rank_processes=rank_processes)
+    try:
+        side = e.sched_conn.scheduler
+        pool = e.scheduler.kv_cache_manager.block_pool
+        free_at_start = pool.get_num_free_blocks()
+        assert side._workers == 2
+        get_new = pool.get_new_blocks
+
+        def allocate(*a, **k):
+            got = get_new(*a, **k)
+            pinned = {id(b) for blocks in side._pins.values() for b in blocks}
+            assert not any(id(b) in pinned for b in got), "vLLM handed out a block a store still reads"
+            return got
+
+        pool.get_new_blocks = allocate
+        for i in range(3):
+            e.add(H.tokens(80 + i, 200), max_tokens=4)
+        e.run(timeout_s=60)
+        assert side._pin_seq >= 3 and side._pins == {} and side._pin_reports == {}
+        assert pool.get_num_free_blocks() == free_at_start, "a pin was never dropped"
+        assert [e.worker_stats(r)["stored_chunks"] for r in range(2)] == [9, 9]
+    finally:
+        e.close()
