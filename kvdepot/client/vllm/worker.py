@@ -196,7 +196,8 @@ class WorkerSide:
     def bind(self, meta: KVDepotMetadata) -> None:
         """Before the forward. For a model with a sliding-window group (vLLM frees blocks that
         leave the window while their request runs), the forward must not write a block before
-        an earlier step's store gathered it: see `_order_after_gathers`."""
+        an earlier step's store gathered it: the scheduler pins those blocks until the save
+        ended (``meta.stores_pinned``: nothing to do here), else see `_order_after_gathers`."""
         self._meta = meta
         if not self.stores_may_wait and getattr(meta, "stores_pinned", False):
             # the scheduler pins the sliding-window blocks of every store until its save ended:
