@@ -137,9 +137,11 @@ class SchedulerSide:
         """vLLM's ``BlockPool`` (``bind_gpu_block_pool``): for a model with a sliding-window
         group, every store's sliding-window blocks are pinned (``touch``) until every worker
         reported its save ended (`KVDepotWorkerMeta`), so vLLM cannot give them to another
-        request while a gather may still read them. Needs vLLM's worker metadata channel
-        (``build_connector_worker_meta``, vLLM >= 0.33); else the workers order each forward
-        after the gathers of the stores whose blocks it may write (``written_block_ids``)."""
+        request while a gather may still read them (a pinned block stays in use for vLLM: its
+        ``reset_prefix_cache`` fails until the pins dropped). Needs vLLM's worker metadata
+        channel (``build_connector_worker_meta``, vLLM >= 0.33); without it, or with
+        ``$KVDEPOT_NO_STORE_PINS`` set, the workers order each forward after the gathers of the
+        stores whose blocks it may write (``written_block_ids``)."""
         if (self.sliding and self.enabled and KVConnectorWorkerMetadata is not None
                 and hasattr(pool, "touch") and hasattr(pool, "blocks") and not os.environ.get(NO_STORE_PINS_ENV)):
             self._pool = pool
