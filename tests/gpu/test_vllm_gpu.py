@@ -53,8 +53,10 @@ def test_engine_a_stores_engine_b_in_another_process_loads_every_byte(tmp_path, 
     warm-up request) loads the cached chunks and its forward finds every KV byte as A computed
     it; both sample the same tokens. ``hybrid``: two KV-cache groups (full attention, 16 tokens
     per block; sliding window, 32 tokens per block). ``hybrid-pieces``: a 1000-token prompt
-    and a 1 MiB staging ring (21 chunks of 48 KiB, pieces of 5): the engine thread gathers the
-    step's three pieces with one call (`KVDepotClient.stage_store_pieces`)."""
+    and a 1 MiB staging ring (21 chunks of 48 KiB, pieces of 5): the step's store goes in three
+    pieces (with store pins, the default, the transfer thread gathers them; with
+    ``$KVDEPOT_NO_STORE_PINS`` the engine thread gathers them with one call,
+    `KVDepotClient.stage_store_pieces`)."""
     ep, _ = daemon
     extra = {"staging_bytes": ring} if ring else {}
     name = f"gpu-{specs}-{tokens}"

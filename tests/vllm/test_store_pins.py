@@ -189,3 +189,14 @@ def test_tensor_parallel_pins_drop_once_both_ranks_reported(daemon, tmp_path, ra
         assert [e.worker_stats(r)["stored_chunks"] for r in range(2)] == [9, 9]
     finally:
         e.close()
+
+
+def test_a_failed_transfer_thread_ends_its_pinned_saves():
+    """`TransferThread._fail_all`: nothing of theirs is sent any more, so each pinned save ends
+    (on CPU at once; on CUDA once an event after the gathers queued so far ran)."""
+    saves = PinnedSaves()
+    piece = object()
+    saves.add(1, [piece])
+    assert saves.ended(lambda: {id(piece)}, None) == set()  # in flight
+    saves.abandon()  # the thread dropped every op and queued piece
+    assert saves.ended(lambda: set(), None) == {1} and not saves
