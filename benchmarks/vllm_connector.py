@@ -23,7 +23,11 @@ on the current stream. Per shape:
   before). Worker side includes the per-layer ``wait_for_layer_load``
   / ``save_kv_layer`` calls, if vLLM makes any. The worker's transfer thread (the stores' and
   loads' work itself) runs beside the engine's thread: its CPU time per step is reported
-  apart (``thread_cpu_us_per_step``).
+  apart (``thread_cpu_us_per_step``). ``vllm_sched_us``: vLLM's own ``Scheduler.schedule`` and
+  ``update_from_output`` in the same steps, less the connector's calls inside them (median):
+  work the connector takes over from vLLM shows there as time vLLM no longer spends (a
+  sliding-window model's pinned blocks go back to vLLM's free queue in the connector's
+  ``update_connector_output`` instead of vLLM's ``schedule``).
 * ``decode_step_us``: the same for a step that moves nothing (8 short requests decoding).
 * As vLLM's engine core does after start-up (`vllm.utils.gc_utils.freeze_gc_heap`), each engine's
   objects are frozen out of the garbage collector once it is warm, so that a full collection
@@ -99,6 +103,7 @@ from transfer_bench.procs import FALLBACK_FLAG, DaemonProc, kernels_missing  # n
 CHUNKS_PER_STEP = 16
 SCHED_CALLS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                "request_finished", "request_finished_all_groups", "update_connector_output")
+VLLM_SCHED_CALLS = ("schedule", "update_from_output")  # `Scheduler`'s, which call the scheduler side's
 WORKER_CALLS = ("handle_preemptions", "bind_connector_metadata", "start_load_kv", "has_connector_metadata",
                 "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_transfer_results", "get_block_ids_with_load_errors",
                 "clear_connector_metadata")
@@ -120,14 +125,17 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
     side, worker side, and per method (median over those steps)."""
     sched_t = CallTimer(engine.sched_conn, SCHED_CALLS)
     work_t = CallTimer(engine.worker_conn, WORKER_CALLS)
+    # vLLM's own scheduler calls, around the connector's scheduler-side calls made inside them
+    vllm_t = CallTimer(engine.scheduler, VLLM_SCHED_CALLS)
     before = dict(engine.worker_conn.worker.stats)
     stages = StageTimers(engine)
     for p in prompts:
         engine.add(p, max_tokens=1)
     _sync()
     added = sched_t.take()  # on_new_request (keys hashed, lookup sent) at add time, not a step's
+    vllm_t.take()
     gcm = GcMeter()
-    steps, waits, gcs, t0 = [], [], [], time.perf_counter()
+    steps, waits, gcs, vllm_own, t0 = [], [], [], [], time.perf_counter()
     timeline = Timeline(engine, t0)
     forward_steps = 0
     engine_s = 0.0  # the engine's own time (its steps that ran a forward, less the connector's)
@@ -137,11 +145,14 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
         so = engine.step()
         step_s = time.perf_counter() - ts
         timeline.step(ts, ts + step_s, bool(so.total_num_scheduled_tokens))
-        calls = dict(work_t.calls)
+        calls, sched_calls = dict(work_t.calls), sum(sched_t.calls.values())
         sched, work = sched_t.take(), less_probe(work_t.take(), calls)
+        # vLLM's scheduler less the connector's calls in it (and their timers' own cost)
+        own = sum(vllm_t.take().values()) - sum(sched.values()) - CallTimer.overhead_s() * sched_calls
         in_gc = gcm.take()
         if getattr(so.kv_connector_metadata, kind, None):
             steps.append((sched, work))
+            vllm_own.append(max(0.0, own))
             gcs.append((*in_gc, sum(sched_t.gc_s.values()) + sum(work_t.gc_s.values())))
             waits.append(_waited(sched, sched_t.cpu_s) + _waited(work, work_t.cpu_s))
         if so.total_num_scheduled_tokens:
@@ -164,7 +175,9 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
             "step_wait_us_median": 1e6 * med(waits) if waits else None,
             "sched_us_median": med([1e6 * sum(a.values()) for a, _ in steps]) if steps else None,
             "worker_us_median": med([1e6 * sum(b.values()) for _, b in steps]) if steps else None,
-            "per_call_us_median": per_call, "on_new_request_us_per_request": 1e6 * sum(added.values()) / len(prompts),
+            "per_call_us_median": per_call,
+            "vllm_sched_us_median": 1e6 * med(vllm_own) if vllm_own else None,
+            "on_new_request_us_per_request": 1e6 * sum(added.values()) / len(prompts),
             "stages": stages.take(), "stats": stats,
             # garbage collections inside the measured steps (anywhere in the step: vLLM's code too)
             # and inside the connector's calls: taken out of the figures above (`CallTimer`)
@@ -325,7 +338,7 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
     for op, d in (("store", store), ("load", load)):
         for k in ("step_us_median", "step_us_p99", "step_wait_us_median", "sched_us_median", "worker_us_median", "per_call_us_median",
                   "steps_measured", "on_new_request_us_per_request", "stages", "thread_cpu_us_per_step", "timeline",
-                  "gc_in_steps"):
+                  "gc_in_steps", "vllm_sched_us_median"):
             res[f"{op}_{k}"] = d[k]
     res["store_stats"], res["load_stats"] = store["stats"], load["stats"]
     # a store step's figure with its prompts' on_new_request (keys, lookup sent) counted in:
@@ -380,7 +393,8 @@ def report(r: dict) -> str:
             f" engine's own steps {1e3 * r['store_engine_s']:.0f} ms); per step"
             f" +{r['store_step_us_median']:.0f} us median, {r['store_step_us_p99']:.0f} p99 (waiting"
             f" {r['store_step_wait_us_median']:.0f} of it; scheduler"
-            f" {r['store_sched_us_median']:.0f}, worker {r['store_worker_us_median']:.0f}; {calls('store')});"
+            f" {r['store_sched_us_median']:.0f}, worker {r['store_worker_us_median']:.0f}; {calls('store')};"
+            f" vLLM's own scheduler {r['store_vllm_sched_us_median']:.0f} beside it);"
             f" +{r['store_step_with_new_requests_us_median']:.0f} us with the step's"
             f" {CHUNKS_PER_STEP // r['prompt_chunks']} new prompt(s)' on_new_request"
             f" ({r['store_on_new_request_us_per_request']:.0f} us each: keys, lookup sent);"
@@ -392,7 +406,8 @@ def report(r: dict) -> str:
             f" engine's own steps {1e3 * r['load_engine_s']:.0f} ms); per step"
             f" +{r['load_step_us_median']:.0f} us median over {r['load_steps_measured']} steps (waiting"
             f" {r['load_step_wait_us_median']:.0f} of it; scheduler"
-            f" {r['load_sched_us_median']:.0f}, worker {r['load_worker_us_median']:.0f}; {calls('load')});"
+            f" {r['load_sched_us_median']:.0f}, worker {r['load_worker_us_median']:.0f}; {calls('load')};"
+            f" vLLM's own scheduler {r['load_vllm_sched_us_median']:.0f} beside it);"
             f" transfer thread {r['load_thread_cpu_us_per_step']:.0f} us CPU per forward step{_gc(r, 'load')}\n"
             f"  decode step (8 requests, nothing moved): +{r['decode_step_us_median']:.0f} us median,"
             f" {r['decode_step_us_p99']:.0f} p99, waiting {r['decode_step_wait_us_median']:.0f} (the timer's own {r['timer_overhead_us_per_call']:.2f} us per call"

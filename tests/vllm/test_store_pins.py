@@ -22,17 +22,22 @@ from kvdepot.client.vllm.worker import WorkerSide  # noqa: E402
 CHUNK = 64
 
 
-def test_vllm_never_hands_out_a_pinned_block_and_every_pin_is_dropped(daemon, tmp_path):
+@pytest.mark.parametrize("live_blocks", [True, False], ids=["live-blocks", "by-id"])
+def test_vllm_never_hands_out_a_pinned_block_and_every_pin_is_dropped(daemon, tmp_path, live_blocks):
     """Through vLLM's real scheduler and block pool (chunked prefill of a hybrid model with a
     16-token window and a KV cache of 40 blocks, so blocks that leave the window are wanted
-    again at once): no block vLLM allocates is pinned at that moment; some pinned blocks were
-    held by the pin alone (their request had let go of them), so the pins did something; once
-    every request ended no pin is left and the pool has every block back."""
+    again at once): each save pins exactly the sliding-window blocks its stores read; no block
+    vLLM allocates is pinned at that moment; some pinned blocks were held by the pin alone
+    (their request had let go of them), so the pins did something; once every request ended no
+    pin is left and the pool has every block back. ``by-id``: without vLLM's ``get_blocks``,
+    the blocks are found by their ids."""
     cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, chunk_size=CHUNK,
                              max_num_batched_tokens=48, max_model_len=256, extra={"model_id": "store-pins"})
     e = H.Engine(cfg, H.hybrid_specs(sliding_window=16), num_blocks=40)
     try:
         side = e.sched_conn.scheduler
+        if not live_blocks:
+            side._get_blocks = None
         pool = e.scheduler.kv_cache_manager.block_pool
         free_at_start = pool.get_num_free_blocks()
         assert side._pool is pool
@@ -54,6 +59,13 @@ def test_vllm_never_hands_out_a_pinned_block_and_every_pin_is_dropped(daemon, tm
             assert meta.stores_pinned and meta.written_block_ids is None
             seen["metas"] += 1
             seen["pinned_saves"] += bool(meta.pin_seq)
+            # the save pins exactly the sliding-window blocks its stores read (vLLM's null block
+            # aside), the same KVCacheBlock objects vLLM's pool holds
+            read = sorted(b for job in meta.stores for i in side._sliding_gids for b in job.block_ids[i]
+                          if b != meta.null_block_id)
+            pinned = [b for b in side._pins.get(meta.pin_seq, ()) if not b.is_null]
+            assert sorted(b.block_id for b in pinned) == read
+            assert all(pool.blocks[b.block_id] is b and b.ref_cnt >= 2 for b in pinned)
             seen["held_by_pin_alone"] += sum(b.ref_cnt == 1 for blocks in side._pins.values() for b in blocks)
             return meta
 
@@ -107,27 +119,26 @@ def test_a_pinned_hybrid_models_prefix_loads_back_bit_exact(daemon, tmp_path):
         b.close()
 
 
-class _Pool:
-    def __init__(self) -> None:
-        self.freed: list = []
-
-    def free_blocks(self, blocks) -> None:
-        self.freed.append(list(blocks))
-
-
 def test_pins_drop_once_every_worker_reported_the_save():
+    from vllm.v1.core.block_pool import BlockPool
+
     side = object.__new__(SchedulerSide)
-    side._pool, side._workers = _Pool(), 2
-    held, left, other = (types.SimpleNamespace(ref_cnt=n) for n in (2, 1, 2))  # left: its request let go
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
+    side._pool, side._workers = pool, 2
+    held, left, other = pool.get_new_blocks(3)  # one reference each: their request's
+    pool.touch((held, left, other))  # the pins
+    pool.free_blocks([left])  # left: its request let go (vLLM's remove_skipped_blocks)
+    free_before = pool.get_num_free_blocks()
     side._pins, side._pin_reports = {1: [held, left], 2: [other]}, {}
     rank0, rank1 = KVDepotWorkerMeta({1: 1}), KVDepotWorkerMeta({1: 1, 2: 1})
     assert rank0.aggregate(rank1).saves_ended == {1: 2, 2: 1}  # vLLM's KVOutputAggregator, one step
     side._unpin(rank0)  # rank 1 has not reported save 1 yet
-    assert side._pool.freed == [] and side._pin_reports == {1: 1} and held.ref_cnt == 2
+    assert pool.get_num_free_blocks() == free_before and side._pin_reports == {1: 1} and held.ref_cnt == 2
     side._unpin(rank1)
-    # the request still holds ``held``: one reference less; ``left`` goes back through vLLM's free_blocks
-    assert held.ref_cnt == 1 and side._pool.freed == [[left]]
+    # the request still holds ``held``: one reference less; ``left`` is back in vLLM's free queue
+    assert held.ref_cnt == 1 and left.ref_cnt == 0 and pool.get_num_free_blocks() == free_before + 1
     assert side._pins == {2: [other]} and side._pin_reports == {2: 1} and other.ref_cnt == 2
+    assert left in pool.get_new_blocks(pool.get_num_free_blocks())  # given out again
 
 
 def test_a_pinned_save_a_worker_does_not_send_is_reported_at_once():
