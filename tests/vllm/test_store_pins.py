@@ -22,22 +22,18 @@ from kvdepot.client.vllm.worker import WorkerSide  # noqa: E402
 CHUNK = 64
 
 
-@pytest.mark.parametrize("live_blocks", [True, False], ids=["live-blocks", "by-id"])
-def test_vllm_never_hands_out_a_pinned_block_and_every_pin_is_dropped(daemon, tmp_path, live_blocks):
+def test_vllm_never_hands_out_a_pinned_block_and_every_pin_is_dropped(daemon, tmp_path):
     """Through vLLM's real scheduler and block pool (chunked prefill of a hybrid model with a
     16-token window and a KV cache of 40 blocks, so blocks that leave the window are wanted
     again at once): each save pins exactly the sliding-window blocks its stores read; no block
     vLLM allocates is pinned at that moment; some pinned blocks were held by the pin alone
     (their request had let go of them), so the pins did something; once every request ended no
-    pin is left and the pool has every block back. ``by-id``: without vLLM's ``get_blocks``,
-    the blocks are found by their ids."""
+    pin is left and the pool has every block back."""
     cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, chunk_size=CHUNK,
                              max_num_batched_tokens=48, max_model_len=256, extra={"model_id": "store-pins"})
     e = H.Engine(cfg, H.hybrid_specs(sliding_window=16), num_blocks=40)
     try:
         side = e.sched_conn.scheduler
-        if not live_blocks:
-            side._get_blocks = None
         pool = e.scheduler.kv_cache_manager.block_pool
         free_at_start = pool.get_num_free_blocks()
         assert side._pool is pool

@@ -111,7 +111,6 @@ class SchedulerSide:
         self._pool = None
         self._pin_seq = 0
         self._pins: dict[int, list] = {}  # pinned save -> the KVCacheBlocks touched for it
-        self._step_pins: list = []  # the KVCacheBlocks this step's stores read (`_pin_blocks`)
         self._pin_reports: dict[int, int] = {}  # pinned save -> workers that reported it ended so far
         pc = vllm_config.parallel_config  # every worker of the engine reports each pinned save
         self._workers = (tp * int(getattr(pc, "pipeline_parallel_size", 1) or 1)
@@ -147,39 +146,27 @@ class SchedulerSide:
                 and hasattr(pool, "touch") and hasattr(pool, "blocks") and not os.environ.get(NO_STORE_PINS_ENV)):
             self._pool = pool
 
-    def _pin(self) -> int:
-        """Pin the sliding-window blocks this step's stores read (`_store_job` collected them:
-        one more reference each, what vLLM's ``BlockPool.touch`` does); returns the save's
-        number, 0 if they read none. vLLM's null block may be among them: its count means
-        nothing to vLLM, which never frees it."""
-        pinned, self._step_pins = self._step_pins, []
+    def _pin(self, stores: list[StoreJob]) -> int:
+        """Pin the sliding-window blocks ``stores`` read (one reference each, vLLM's
+        ``BlockPool.touch``); returns the save's number, 0 if it reads none."""
+        pool, null = self._pool, self._null_block_id
+        blocks = pool.blocks
+        pinned = []
+        for job in stores:
+            for i in self._sliding_gids:
+                for b in job.block_ids[i]:
+                    if b != null:
+                        blk = blocks[b]
+                        if blk.ref_cnt:  # its request holds it (always, as the step's stores are built)
+                            blk.ref_cnt += 1  # what touch() does to it, less a call per block
+                        else:
+                            pool.touch((blk,))  # in the free queue: taken out of it
+                        pinned.append(blk)
         if not pinned:
             return 0
-        pool = self._pool
-        for blk in pinned:
-            if blk.ref_cnt:  # its request holds it (always, as the step's stores are built)
-                blk.ref_cnt += 1  # what touch() does to it, less a call per block
-            else:
-                pool.touch((blk,))  # in the free queue: taken out of it
         self._pin_seq += 1
         self._pins[self._pin_seq] = pinned
         return self._pin_seq
-
-    def _pin_blocks(self, req_id: str, first: int, end_chunk: int, ids: list[list[int]], live) -> None:
-        """Collect the ``KVCacheBlock`` objects of a store's sliding-window blocks for `_pin`:
-        sliced from the request's live lists (``live``, or vLLM's ``get_blocks`` now), which
-        hold this step's allocation as ``ids`` do; looked up by id where they cannot be."""
-        if live is None:
-            live = self._blocks_of(req_id)
-        c = self.cfg.chunk_size
-        for i in self._sliding_gids:
-            g = self.groups[i]
-            per = c // g.block_size
-            got = live[g.vllm_gid][first * per:end_chunk * per] if live is not None else None
-            if got is None or len(got) != len(ids[i]):
-                blocks, null = self._pool.blocks, self._null_block_id
-                got = [blocks[b] for b in ids[i] if b != null]
-            self._step_pins.extend(got)
 
     def _unpin(self, worker_meta) -> None:
         """Drop the pins of the saves every worker has now reported ended."""
@@ -359,7 +346,6 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output) -> KVDepotMetadata:
         meta = KVDepotMetadata(fingerprint=self.fingerprint, null_block_id=self._null_block_id)
-        self._step_pins = []
         self.client.poll()
         for rid in scheduler_output.preempted_req_ids or ():
             meta.preempted.append(rid)
@@ -396,7 +382,7 @@ class SchedulerSide:
         if self._pool is not None:
             meta.stores_pinned = True
             if meta.stores:
-                meta.pin_seq = self._pin()
+                meta.pin_seq = self._pin(meta.stores)
         elif self.sliding and self.enabled:
             meta.written_block_ids = written_blocks(scheduler_output)
         return meta
@@ -464,8 +450,6 @@ class SchedulerSide:
                 st.store_stopped = True
                 return None
             ids.append(got)
-        if self._pool is not None:
-            self._pin_blocks(req_id, first, end_chunk, ids, blocks)
         st.next_store_chunk = end_chunk
         st.stored = True
         return StoreJob(req_id=req_id, chain=st.chain[first:end_chunk], parent=st.chain[first - 1] if first else b"",
