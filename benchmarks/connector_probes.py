@@ -136,8 +136,15 @@ class Timeline:
             self.answered.setdefault(got.rid, time.perf_counter())
             return on_reply(got)
 
+        handle = mover._handle
+        self.handled = []  # perf_counter of each command the transfer thread took, in order
+
+        def timed_handle(cmd):
+            self.handled.append(time.perf_counter())
+            return handle(cmd)
+
         take = mover.take
-        self._undo = (*self._undo, take)
+        self._undo = (*self._undo, take, handle)
         self.reported = []  # perf_counter of each take() that handed the engine finished requests
 
         def timed_take():
@@ -147,6 +154,7 @@ class Timeline:
             return got
 
         client.submit, client._on_reply, mover.post, mover.take = timed_submit, timed_reply, timed_post, timed_take
+        mover._handle = timed_handle
 
     def step(self, start_s: float, end_s: float, forward: bool) -> None:
         if self.enabled:
@@ -155,8 +163,11 @@ class Timeline:
     def take(self, end_s: float, chunk_bytes: int) -> dict | None:
         if not self.enabled:
             return None
-        client, submit, on_reply, mover, post, take = self._undo
-        client.submit, client._on_reply, mover.post, mover.take = submit, on_reply, post, take
+        client, submit, on_reply, mover, post, take, handle = self._undo
+        client.submit, client._on_reply, mover.post, mover.take, mover._handle = submit, on_reply, post, take, handle
+        # each posted command until the thread took it (one queue, taken in order; the engine
+        # posts every command through `post` but a preemption's)
+        pickup = sorted(1e6 * (h - p) for (p, _), h in zip(self.posted, self.handled))
         spans = sorted((t, self.answered.get(rid, end_s), n) for rid, (t, n) in self.sent.items())
         if not spans:
             return None
@@ -182,6 +193,9 @@ class Timeline:
                 "tail_to_reported_ms": 1e3 * (reported - last), "tail_after_reported_ms": 1e3 * (end_s - reported),
                 "busy_gbps": sum(n for *_, n in spans) * chunk_bytes / busy_s / 1e9 if busy_s else None,
                 "requests": len(spans), "depth_at_send_median": statistics.median(depth),
+                "post_to_take_us_median": statistics.median(pickup) if pickup else None,
+                "post_to_take_us_p99": pickup[min(len(pickup) - 1, int(0.99 * len(pickup)))] if pickup else None,
+                "post_to_take_us_max": pickup[-1] if pickup else None,
                 "forward_steps_ms": 1e3 * sum(e - s for s, e, f in self.steps if f),
                 "idle_steps": sum(1 for *_, f in self.steps if not f)}
 

@@ -65,6 +65,8 @@ on the current stream. Per shape:
 * ``--timeline``: each phase's wall time split into its lead-in (first step until the first
   transfer is sent), the time with one or more transfers at the daemon (and their GB/s), the
   time with none, and the tail (last answer until vLLM freed every request); see `Timeline`.
+  Also how long each command the engine thread posted waited until the transfer thread took it
+  (``post_to_take_us``).
 
     python benchmarks/vllm_connector.py --out result.json [--chunk 256] [--requests 24] [--timeline]
 
@@ -429,7 +431,9 @@ def _timeline_line(r: dict, op: str) -> str:
             f" (until the last finished request reached the engine {t.get('tail_to_reported_ms', float('nan')):.1f},"
             f" vLLM's steps after it {t.get('tail_after_reported_ms', float('nan')):.1f});"
             f" {t['requests']} requests, {t['depth_at_send_median']:.0f} at the daemon at a send (median);"
-            f" forward steps {t['forward_steps_ms']:.1f} ms, {t['idle_steps']} steps without a forward")
+            f" forward steps {t['forward_steps_ms']:.1f} ms, {t['idle_steps']} steps without a forward;"
+            f" a posted command taken by the transfer thread after {t['post_to_take_us_median'] or 0:.0f} us median,"
+            f" {t['post_to_take_us_p99'] or 0:.0f} p99, {t['post_to_take_us_max'] or 0:.0f} max")
 
 
 def _stages_line(r: dict, op: str) -> str:

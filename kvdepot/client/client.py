@@ -119,6 +119,7 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
         self._hello_rid: int | None = None  # the Hello sent on a (re)connected socket
         self._unread = 0  # requests sent on this socket whose reply has not been read yet
         self._idle_poll_at = 0.0  # time.monotonic() before which an idle `poll` does nothing
+        self._wake_poller: tuple | None = None  # (socket, wake fd, zmq.Poller of both): `poll`'s
         self.replies_read = 0  # replies read so far (a change says `poll` brought something)
         # staged registrations' stores / retrieves that went the daemon-gathers way (no ring room)
         self.unstaged_requests = 0
@@ -168,6 +169,7 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+            self._wake_poller = None
         self._outstanding -= self._unconfirmed  # done for their callers: nobody waits for these
         self._unconfirmed.clear()
         for rid in self._outstanding:
@@ -239,9 +241,10 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
                 return
             self.poll(min(left, 1e-3))
 
-    def poll(self, timeout_s: float = 0.0) -> None:
-        """Collect every reply that has arrived (waiting at most ``timeout_s`` for the first);
-        never raises: a connection the daemon closed loses its outstanding requests
+    def poll(self, timeout_s: float = 0.0, wake_fd: int | None = None) -> None:
+        """Collect every reply that has arrived (waiting at most ``timeout_s`` for the first,
+        or until file descriptor ``wake_fd`` is readable: another thread's way to cut the wait
+        short; it is not read here); never raises: a connection the daemon closed loses its outstanding requests
         (DISCONNECTED, see `PendingStore.done`). While every reply has been read it looks at
         the socket (for a connection the daemon closed) at most every `_IDLE_POLL_S`: an
         engine's step calls it several times, and each look is a system call. The same holds
@@ -259,6 +262,17 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
             self._idle_poll_at = now + _IDLE_POLL_S
         ms = max(0, int(timeout_s * 1000))
         try:
+            if wake_fd is not None and ms:
+                if not sock.poll(0):  # (a stream socket may hold a whole reply read before)
+                    poller = self._wake_poller
+                    if poller is None or poller[0] is not sock or poller[1] != wake_fd:
+                        both = zmq.Poller()  # a stream socket is watched by its file descriptor
+                        both.register(sock, zmq.POLLIN)
+                        both.register(wake_fd, zmq.POLLIN)
+                        poller = self._wake_poller = (sock, wake_fd, both)
+                    if sock not in dict(poller[2].poll(ms)):
+                        return  # woken, or the time is up
+                ms = 0
             while sock.poll(ms):
                 ms = 0
                 self._on_reply(codec.decode_reply(sock.recv()))

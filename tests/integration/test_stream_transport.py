@@ -222,3 +222,35 @@ def test_stream_socket_poll_s_times_out_below_a_millisecond(module_daemon):
         assert codec.decode_reply(s.recv()).rid == 7
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("transport", ["stream", "zmq"])
+def test_a_poll_waiting_for_a_reply_returns_when_its_wake_fd_is_signalled(daemon, monkeypatch, transport):
+    """``poll(timeout_s, wake_fd)`` waits for the first reply or for ``wake_fd`` (how the vLLM
+    worker's transfer thread sees a command posted while replies are due): with the daemon
+    stopped (SIGSTOP) no reply can come, yet a poll of 30 s returns once another thread signals
+    the eventfd; without a signal it waits for its timeout; the reply is still read after."""
+    import signal
+
+    if transport == "zmq":
+        monkeypatch.setenv(ENV_TRANSPORT, "zmq")
+    wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    with KVDepotClient(daemon.endpoint) as c:
+        assert c.transport == transport
+        c.ping()
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            rid = c.submit(m.Ping(rid=0))
+            t0 = time.monotonic()
+            c.poll(0.05, wake)  # nothing signals it: the whole timeout
+            assert time.monotonic() - t0 >= 0.05 and c.awaiting_replies
+            threading.Timer(0.1, os.eventfd_write, (wake, 1)).start()
+            t0 = time.monotonic()
+            c.poll(30.0, wake)
+            assert time.monotonic() - t0 < 20.0, "the signalled eventfd did not end the poll"
+            assert c.awaiting_replies and not c.done(rid)
+            assert os.eventfd_read(wake) == 1  # left for its owner to read
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert isinstance(c.wait(rid, timeout_s=10), m.Pong)
+    os.close(wake)

@@ -32,6 +32,7 @@ def test_connector_benchmark_smoke_run_with_timeline_and_stages(tmp_path):
         parts = t["lead_in_steps_before_ms"] + t["lead_in_step_to_post_ms"] + t["lead_in_post_to_send_ms"]
         assert parts == pytest.approx(t["lead_in_ms"], abs=1e-6)
         assert r[f"{op}_stages"][sent_as]["calls"] >= t["requests"]
+        assert 0 <= t["post_to_take_us_median"] <= t["post_to_take_us_p99"] <= t["post_to_take_us_max"]
     assert r["store_stages"]["mover.post"]["calls"] >= 2  # the engine thread's side is timed too
     # vLLM's own scheduler, beside the connector's calls inside it, was timed in the same steps
     assert r["store_vllm_sched_us_median"] > 0 and r["load_vllm_sched_us_median"] > 0

@@ -5,6 +5,7 @@ sent, how loads ended, preemptions and results."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import torch
@@ -171,7 +172,7 @@ class LoadOutcomes:
             self.failed_recving.add(job.req_id)  # hybrid: vLLM takes failures per request only
 
 
-__all__ = ["Piece", "Load", "LoadOutcomes", "Op", "Preemption", "Results"]
+__all__ = ["Piece", "Load", "LoadOutcomes", "Op", "Preemption", "Results", "PinnedSaves", "Wake"]
 
 
 class PinnedSaves:
@@ -224,3 +225,34 @@ class PinnedSaves:
                 out.add(seq)
                 del self._saves[seq]
         return out
+
+
+class Wake:
+    """An eventfd by which the engine thread cuts short the transfer thread's wait for replies
+    (`KVDepotClient.poll` with ``wake_fd``). The thread sets ``waiting`` before its last look
+    at its inbox and clears it after the wait, so a command put while it is set is either seen
+    by that look or signalled; a command put after needs no signal."""
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.waiting = False
+        self._signalled = False  # set after a write: `drain` reads only then (no syscall per wait)
+
+    def signal(self) -> None:
+        """Engine thread: end the thread's wait, if it is in one."""
+        if self.waiting:
+            os.eventfd_write(self.fd, 1)
+            self._signalled = True  # after the write: a drain that sees it reads the count
+
+    def drain(self) -> None:
+        """Transfer thread, after its wait: reset a signal (one that came too late leaves a
+        count behind, which would end the next wait at once)."""
+        if self._signalled:
+            self._signalled = False
+            try:
+                os.eventfd_read(self.fd)
+            except BlockingIOError:
+                pass
+
+    def close(self) -> None:
+        os.close(self.fd)
