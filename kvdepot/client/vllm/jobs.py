@@ -302,3 +302,23 @@ class JobPieces:
                     op.pending.result(timeout_s=self.cfg.rpc_timeout_s)
                 except KVDepotError:
                     pass  # `_collect` books the failure
+
+    def _drop_preempted(self, gone: set[str]) -> None:
+        """The transfer thread, for a preemption (`TransferThread._preempt`): the queued stores
+        of ``gone`` are dropped (counted as failed, their later chunks skipped); a store in
+        flight that the daemon gathers from the blocks itself (no staging) is waited for."""
+        kept = collections.deque()
+        for piece in self._queue:
+            if piece.req_id in gone and piece.kind == "store":
+                self.side.stats["store_failures"] += 1
+                self._stopped.add(piece.req_id)
+            else:
+                kept.append(piece)
+        self._queue = kept
+        for op in self._ops:
+            if op.piece.req_id in gone and op.piece.kind == "store" and op.pending._region is None:
+                try:
+                    op.pending.result(timeout_s=self.cfg.rpc_timeout_s)
+                except KVDepotError as exc:
+                    log.error("kvdepot: store of preempted request %s did not end (%s); its blocks are reused now",
+                              op.piece.req_id, exc)

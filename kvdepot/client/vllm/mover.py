@@ -412,23 +412,6 @@ class TransferThread(JobPieces):
             p.done.set()
         self._collect()
 
-    def _drop_preempted(self, gone: set[str]) -> None:
-        kept = collections.deque()
-        for piece in self._queue:
-            if piece.req_id in gone and piece.kind == "store":
-                self.side.stats["store_failures"] += 1
-                self._stopped.add(piece.req_id)
-            else:
-                kept.append(piece)
-        self._queue = kept
-        for op in self._ops:
-            if op.piece.req_id in gone and op.piece.kind == "store" and op.pending._region is None:
-                try:
-                    op.pending.result(timeout_s=self.cfg.rpc_timeout_s)
-                except KVDepotError as exc:
-                    log.error("kvdepot: store of preempted request %s did not end (%s); its blocks are reused now",
-                              op.piece.req_id, exc)
-
     # ------------------------------------------------------------------ sending and collecting
 
     def _pump(self, stores_now: bool = False) -> None:
