@@ -270,7 +270,8 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
                         both.register(sock, zmq.POLLIN)
                         both.register(wake_fd, zmq.POLLIN)
                         poller = self._wake_poller = (sock, wake_fd, both)
-                    if sock not in dict(poller[2].poll(ms)):
+                    ready = dict(poller[2].poll(ms))  # (a stream socket comes back as its fd)
+                    if len(ready) == (wake_fd in ready):
                         return  # woken, or the time is up
                 ms = 0
             while sock.poll(ms):

@@ -229,7 +229,8 @@ def test_a_poll_waiting_for_a_reply_returns_when_its_wake_fd_is_signalled(daemon
     """``poll(timeout_s, wake_fd)`` waits for the first reply or for ``wake_fd`` (how the vLLM
     worker's transfer thread sees a command posted while replies are due): with the daemon
     stopped (SIGSTOP) no reply can come, yet a poll of 30 s returns once another thread signals
-    the eventfd; without a signal it waits for its timeout; the reply is still read after."""
+    the eventfd; without a signal it waits for its timeout; the reply, once it comes, ends a
+    wait and is read by it."""
     import signal
 
     if transport == "zmq":
@@ -252,5 +253,7 @@ def test_a_poll_waiting_for_a_reply_returns_when_its_wake_fd_is_signalled(daemon
             assert os.eventfd_read(wake) == 1  # left for its owner to read
         finally:
             os.kill(daemon.proc.pid, signal.SIGCONT)
-        assert isinstance(c.wait(rid, timeout_s=10), m.Pong)
+        c.poll(10.0, wake)  # the reply ends this wait, and is read by it
+        assert c.done(rid) and not c.awaiting_replies
+        assert isinstance(c.wait(rid, timeout_s=1), m.Pong)
     os.close(wake)
