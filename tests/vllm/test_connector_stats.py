@@ -61,7 +61,12 @@ def test_worker_counters_reach_vllms_log_line_and_prometheus(daemon, tmp_path, m
         assert ws["stored_chunks"] == 3 and wl["loaded_chunks"] == 3
 
         # vLLM's front end rebuilds and sums the dicts: every counter's increases add up to it
-        for got, w in ((emitted, ws), (emitted_b, wl)):
+        # (the scheduler side's counters too: vLLM adds them to the workers')
+        for got, e in ((emitted, stores), (emitted_b, loads)):
+            left = e.sched_conn.get_kv_connector_stats()
+            if left is not None:
+                got.append(left.data)
+            w = {**e.sched_conn.scheduler.stats, **e.worker_conn.worker.stats}
             total = KVDepotConnector.build_kv_connector_stats()
             for d in got:
                 total = total.aggregate(KVDepotConnector.build_kv_connector_stats(d))
@@ -131,3 +136,21 @@ def test_a_key_from_a_newer_kvdepot_is_ignored_by_prometheus():
     prom.observe({"stored_chunks": 2, "something_new": 9}, 0)
     assert registry.get_sample_value("vllm:kvdepot_stored_chunks_total", {"engine": "0"}) == 2
 
+
+def test_the_schedulers_pins_go_out_at_once_when_none_is_held_any_more(monkeypatch):
+    """The scheduler's pin counters: within the interval only once every pin is let go again
+    (vLLM asks only while it steps: an engine idle after a burst must not show pins held)."""
+    counters = {"blocks_pinned": 0, "blocks_unpinned": 0}
+    clock = [100.0]
+    monkeypatch.setattr(kvstats.time, "monotonic", lambda: clock[0])
+    taker = kvstats.StatsTaker(counters, balanced=("blocks_pinned", "blocks_unpinned"))
+    assert taker.take() is None
+    counters["blocks_pinned"] = 256
+    clock[0] += kvstats.EMIT_INTERVAL_S
+    assert taker.take().data == {"blocks_pinned": 256}
+    counters["blocks_pinned"] = 512
+    counters["blocks_unpinned"] = 256
+    assert taker.take() is None  # some still held: within the interval
+    counters["blocks_unpinned"] = 512
+    assert taker.take().data == {"blocks_pinned": 256, "blocks_unpinned": 512}  # none held: at once
+    assert taker.take() is None  # nothing new

@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm_harness as H  # noqa: E402
+from kvdepot.client.vllm import stats as kvstats  # noqa: E402
 from kvdepot.client.vllm.pieces import PinnedSaves  # noqa: E402
 from kvdepot.client.vllm.plan import KVDepotMetadata, KVDepotWorkerMeta, StoreJob  # noqa: E402
 from kvdepot.client.vllm.scheduler import SchedulerSide  # noqa: E402
@@ -22,13 +23,15 @@ from kvdepot.client.vllm.worker import WorkerSide  # noqa: E402
 CHUNK = 64
 
 
-def test_vllm_never_hands_out_a_pinned_block_and_every_pin_is_dropped(daemon, tmp_path):
+def test_vllm_never_hands_out_a_pinned_block_and_every_pin_is_dropped(daemon, tmp_path, monkeypatch):
     """Through vLLM's real scheduler and block pool (chunked prefill of a hybrid model with a
     16-token window and a KV cache of 40 blocks, so blocks that leave the window are wanted
     again at once): each save pins exactly the sliding-window blocks its stores read; no block
     vLLM allocates is pinned at that moment; some pinned blocks were held by the pin alone
     (their request had let go of them), so the pins did something; once every request ended no
-    pin is left and the pool has every block back."""
+    pin is left and the pool has every block back. The pins' counters reach vLLM's scheduler
+    stats (``vllm:kvdepot_blocks_{pinned,unpinned}_total``), pinned as many as let go."""
+    monkeypatch.setattr(kvstats, "EMIT_INTERVAL_S", 0.0)  # every step that changed something
     cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, chunk_size=CHUNK,
                              max_num_batched_tokens=48, max_model_len=256, extra={"model_id": "store-pins"})
     e = H.Engine(cfg, H.hybrid_specs(sliding_window=16), num_blocks=40)
@@ -66,6 +69,18 @@ def test_vllm_never_hands_out_a_pinned_block_and_every_pin_is_dropped(daemon, tm
             return meta
 
         e.sched_conn.build_connector_meta = spy
+        emitted = []
+        update = e.scheduler.update_from_output
+
+        def stats_spy(so, out):  # what vLLM's scheduler passes on to its metrics
+            outputs = update(so, out)
+            for eco in (outputs or {}).values():
+                st = getattr(eco, "scheduler_stats", None)
+                if st is not None and st.kv_connector_stats:
+                    emitted.append(st.kv_connector_stats)
+            return outputs
+
+        e.scheduler.update_from_output = stats_spy
         for i in range(3):
             e.add(H.tokens(60 + i, 200), max_tokens=4)
         e.run(timeout_s=60)
@@ -73,6 +88,11 @@ def test_vllm_never_hands_out_a_pinned_block_and_every_pin_is_dropped(daemon, tm
         assert seen["held_by_pin_alone"] > 0, "no pinned block left its request's window: nothing tested"
         assert side._pins == {} and side._pin_reports == {} and side.pinned_blocks == 0
         assert pool.get_num_free_blocks() == free_at_start, "a pin was never dropped"
+        assert side.stats["blocks_pinned"] == side.stats["blocks_unpinned"] > 0
+        left = e.sched_conn.get_kv_connector_stats()  # what the last step left unreported
+        for k in ("blocks_pinned", "blocks_unpinned"):
+            sent = sum(d.get(k, 0) for d in emitted) + (left.data.get(k, 0) if left is not None else 0)
+            assert sent == side.stats[k], k
         w = e.worker_conn.worker
         assert w.stores_may_wait and w.stats["stored_chunks"] >= 6 and w.stats["forwards_waiting_for_gathers"] == 0
     finally:
@@ -121,6 +141,7 @@ def test_pins_drop_once_every_worker_reported_the_save():
     side = object.__new__(SchedulerSide)
     pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
     side._pool, side._workers = pool, 2
+    side.stats = {"blocks_pinned": 3, "blocks_unpinned": 0}
     held, left, other = pool.get_new_blocks(3)  # one reference each: their request's
     pool.touch((held, left, other))  # the pins
     pool.free_blocks([left])  # left: its request let go (vLLM's remove_skipped_blocks)
@@ -133,6 +154,7 @@ def test_pins_drop_once_every_worker_reported_the_save():
     side._unpin(rank1)
     # the request still holds ``held``: one reference less; ``left`` is back in vLLM's free queue
     assert held.ref_cnt == 1 and left.ref_cnt == 0 and pool.get_num_free_blocks() == free_before + 1
+    assert side.stats == {"blocks_pinned": 3, "blocks_unpinned": 2}
     assert side._pins == {2: [other]} and side._pin_reports == {2: 1} and other.ref_cnt == 2
     assert left in pool.get_new_blocks(pool.get_num_free_blocks())  # given out again
 

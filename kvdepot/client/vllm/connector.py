@@ -104,6 +104,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats: StatsTaker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(*args)
+            self._stats = StatsTaker(self.scheduler.stats, balanced=("blocks_pinned", "blocks_unpinned"))
         else:
             self.worker = WorkerSide(*args)
             self._stats = StatsTaker(self.worker.stats)
@@ -180,8 +181,9 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ metrics (kvdepot.client.vllm.stats)
 
     def get_kv_connector_stats(self) -> KVDepotStats | None:
-        """Worker: the increases of its counters since the last report, at most once a second
-        (`StatsTaker`); None on the scheduler side and in between."""
+        """The increases of this side's counters since the last report, at most once a second
+        (`StatsTaker`; the worker's transfers, the scheduler's pins), else None. vLLM adds the
+        scheduler's to the workers' (``Scheduler.update_from_output``)."""
         return self._stats.take() if self._stats is not None else None
 
     @classmethod

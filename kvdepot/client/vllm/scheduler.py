@@ -112,6 +112,7 @@ class SchedulerSide:
         self._pin_seq = 0
         self._pins: dict[int, list] = {}  # pinned save -> the KVCacheBlocks touched for it
         self._pin_reports: dict[int, int] = {}  # pinned save -> workers that reported it ended so far
+        self.stats = {"blocks_pinned": 0, "blocks_unpinned": 0}  # (`kvdepot.client.vllm.stats.COUNTERS`)
         pc = vllm_config.parallel_config  # every worker of the engine reports each pinned save
         self._workers = (tp * int(getattr(pc, "pipeline_parallel_size", 1) or 1)
                          * int(getattr(pc, "prefill_context_parallel_size", 1) or 1))
@@ -166,6 +167,7 @@ class SchedulerSide:
             return 0
         self._pin_seq += 1
         self._pins[self._pin_seq] = pinned
+        self.stats["blocks_pinned"] += len(pinned)
         return self._pin_seq
 
     def _unpin(self, worker_meta) -> None:
@@ -182,6 +184,7 @@ class SchedulerSide:
                 # (most of them: vLLM dropped its own when they left the window), as vLLM's
                 # free_blocks would have queued them itself without the pin
                 self._pool.free_blocks(pinned)
+                self.stats["blocks_unpinned"] += len(pinned)
 
     @property
     def pinned_blocks(self) -> int:

@@ -11,7 +11,9 @@ front-end process rebuilds it (``build_kv_connector_stats``) for the log and fee
 ``build_prom_metrics``'s object. A worker reports at most once per `EMIT_INTERVAL_S` and only
 what changed, so a step costs one clock read; what a worker counted in its last second before
 it exits may go unreported. Counts are per TP rank summed: a chunk stored by 4 ranks counts 4
-(each stores its own shard).
+(each stores its own shard). The scheduler side's counters (blocks pinned for sliding-window
+stores) go the same way: vLLM's scheduler asks its connector too (``update_from_output``) and
+adds them to the workers'.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 EMIT_INTERVAL_S = 1.0  # a worker's stats go out at most this often
 
-# worker counter (`WorkerSide.stats`) -> (Prometheus counter, its help text)
+# worker counter (`WorkerSide.stats`) or scheduler counter (`SchedulerSide.stats`) -> (Prometheus
+# counter, its help text)
 COUNTERS: dict[str, tuple[str, str]] = {
     "loads": ("vllm:kvdepot_loads_total", "Load jobs (one per request and step) the kvdepot connector's workers began."),
     "load_failures": ("vllm:kvdepot_load_failures_total",
@@ -47,6 +50,12 @@ COUNTERS: dict[str, tuple[str, str]] = {
                                      "whose stores the transfer thread gathers)."),
     "thread_cpu_s": ("vllm:kvdepot_transfer_thread_cpu_seconds_total",
                      "CPU time of the workers' transfer threads (they share the engine process's GIL)."),
+    # the scheduler side's (`SchedulerSide.stats`)
+    "blocks_pinned": ("vllm:kvdepot_blocks_pinned_total",
+                      "Sliding-window KV blocks the scheduler pinned in vLLM's block pool for a store "
+                      "(until every worker reported the save ended)."),
+    "blocks_unpinned": ("vllm:kvdepot_blocks_unpinned_total",
+                        "Pinned blocks let go again; pinned minus let go is what the connector holds now."),
 }
 
 
@@ -72,18 +81,24 @@ class KVDepotStats(KVConnectorStats):
 
 
 class StatsTaker:
-    """The increases of a worker's counters since the last call that returned some, at most
-    once per `EMIT_INTERVAL_S` (`take`). Engine thread only; the counters themselves are
-    written by the transfer thread (a read sees a whole int or float)."""
+    """The increases of a side's counters since the last call that returned some, at most
+    once per `EMIT_INTERVAL_S` (`take`). Engine thread only; a worker's counters are written
+    by its transfer thread (a read sees a whole int or float).
 
-    def __init__(self, counters: dict[str, int | float]) -> None:
+    ``balanced`` (the scheduler's ``("blocks_pinned", "blocks_unpinned")``): once the two are
+    equal again after a change, they go out at once, interval or not. vLLM asks only while it
+    steps, so the last pins of a burst would otherwise stay unreported while the engine idles
+    (and the held count, their difference, would show pins that are gone)."""
+
+    def __init__(self, counters: dict[str, int | float], balanced: tuple[str, str] | None = None) -> None:
         self.counters = counters
         self.reported = {k: counters.get(k, 0) for k in COUNTERS}
         self.next_s = 0.0
+        self.balanced = balanced
 
     def take(self) -> KVDepotStats | None:
         now = time.monotonic()
-        if now < self.next_s:
+        if now < self.next_s and not self._settled():
             return None
         self.next_s = now + EMIT_INTERVAL_S
         got = {}
@@ -93,6 +108,14 @@ class StatsTaker:
                 got[k] = v - was
                 self.reported[k] = v
         return KVDepotStats(data=got) if got else None
+
+    def _settled(self) -> bool:
+        """The ``balanced`` pair is equal again and not reported so."""
+        if self.balanced is None:
+            return False
+        a, b = self.balanced
+        c = self.counters
+        return c[a] == c[b] and c[b] != self.reported[b]
 
 
 class KVDepotPromMetrics(KVConnectorPromMetrics):
