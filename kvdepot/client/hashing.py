@@ -59,15 +59,22 @@ def shard_name(tp_rank: int, tp_size: int) -> str:
     return f"tp{tp_rank}of{tp_size}"
 
 
-def namespace_seed(model: str, layout_fingerprint: str, cache_salt: str = "", chain_source: str = "") -> bytes:
+def namespace_seed(model: str, layout_fingerprint: str, cache_salt: str = "", chain_source: str = "",
+                   attention: str = "") -> bytes:
     """The 16-byte seed of every chunk chain of one (model, object format, tenant); the shard
     enters through `shard_mask`. ``chain_source``: empty for chains of `chain_hashes` (this
     module's token hashing), else what made the chain values (`VLLM_BLOCK_HASH_SOURCE`), so
-    the two kinds of chains never share a key."""
+    the two kinds of chains never share a key. ``attention``: empty for full attention, else
+    which blocks of a chunk the engine may leave out (sliding windows, local-attention chunks:
+    `kvdepot.client.vllm.layout.attention_tag`): such an engine's stores hold whatever its null
+    block held where it had let a block go, so engines that keep other blocks must not share
+    its keys. Empty arguments leave the seed as it was without them."""
     msg = b"kvdepot-chunk-key" + _lp(f"{HASH_ALGORITHM}/v{HASH_VERSION}") + _lp(model) + _lp(layout_fingerprint) \
         + _lp(cache_salt)
-    if chain_source:
+    if chain_source or attention:
         msg += _lp(chain_source)
+    if attention:
+        msg += _lp("attention=" + attention)
     return hashlib.blake2b(msg, digest_size=KEY_BYTES).digest()
 
 

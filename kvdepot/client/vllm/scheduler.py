@@ -41,7 +41,7 @@ from kvdepot.client.client import KVDepotClient
 from kvdepot.client.hashing import (VLLM_BLOCK_HASH_SOURCE, chain_from_block_hashes, chain_hashes, namespace_seed,
                                     shard_keys, shard_mask, shard_name)
 from kvdepot.client.vllm.config import EXTRA_CONFIG, ConnectorConfig
-from kvdepot.client.vllm.layout import TransferGroup
+from kvdepot.client.vllm.layout import TransferGroup, attention_tag
 from kvdepot.client.vllm.plan import (KVConnectorWorkerMetadata, KVDepotMetadata, KVDepotWorkerMeta, LoadJob, StoreJob,
                                      blocks_covering, chunk_block_ids, plan_load)
 from kvdepot.protocol import messages as m
@@ -120,6 +120,7 @@ class SchedulerSide:
         # vLLM block hashes per chunk where chain values come from them (0: tokens hashed here)
         self._blocks_per_chunk, self._chain_source = block_hash_chains(cfg, vllm_config, kv_cache_config)
         self._namespaces: dict[tuple[str, bool], tuple[bytes, list[bytes]]] = {}  # `_namespace`
+        self._attention = attention_tag(kv_cache_config, groups)  # sliding windows etc. (`namespace_seed`)
         if not self._blocks_per_chunk and cfg.key_source == "auto" and self.enabled:
             log.info("kvdepot: chunk keys hashed from tokens, not vLLM's block hashes: %s", self._chain_source)
 
@@ -252,7 +253,7 @@ class SchedulerSide:
             if len(self._namespaces) >= _NAMESPACES_KEPT:
                 self._namespaces.clear()  # many tenants: made again as they come
             seed = namespace_seed(self.model_id, self.fingerprint, seed_salt,
-                                  self._chain_source if from_block_hashes else "")
+                                  self._chain_source if from_block_hashes else "", self._attention)
             got = self._namespaces[(seed_salt, from_block_hashes)] = seed, [shard_mask(seed, s) for s in self.shards]
         return got
 
