@@ -64,7 +64,7 @@ def test_the_window_changes_the_seed_and_full_attention_keeps_the_seed_it_had():
 
     base = namespace_seed("m", "fp", "salt")
     assert namespace_seed("m", "fp", "salt", "", "") == base  # full attention: keys as before
-    tags = ["", "g0=SlidingWindowSpec:sw=32:acs=None", "g0=SlidingWindowSpec:sw=64:acs=None"]
+    tags = ["", "g0=sw=32:acs=None", "g0=sw=64:acs=None"]
     seeds = {namespace_seed("m", "fp", "salt", src, tag) for src in ("", "vllm-block-hash/sha256") for tag in tags}
     assert len(seeds) == 6  # every (source, windows) its own namespace
     # an attention tag never reproduces a chain source's seed, nor the other way round
