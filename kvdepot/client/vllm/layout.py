@@ -108,9 +108,10 @@ def transfer_groups(kv_cache_config) -> tuple[list[TransferGroup], str]:
 
 def attention_tag(kv_cache_config, groups: Sequence[TransferGroup]) -> str:
     """Which blocks of a chunk the engine may hold as vLLM's null block (`namespace_seed`'s
-    ``attention``): per group that may hold some, its vLLM gid and every layer's sliding window
-    and local-attention chunk size (not the specs' class names, which vLLM may rename); empty
-    for a full-attention model. A store of such a group carries the null block's bytes where
+    ``attention``): per group that may hold some, its vLLM gid, its tokens per block (vLLM lets
+    whole blocks go, so the block size decides which tokens a window keeps) and every layer's
+    sliding window and local-attention chunk size (not the specs' class names, which vLLM may
+    rename); empty for a full-attention model. A store of such a group carries the null block's bytes where
     vLLM had already let a block go, which only an engine that lets the same blocks go never
     loads."""
     from vllm.v1.kv_cache_interface import iter_layer_specs
@@ -121,7 +122,7 @@ def attention_tag(kv_cache_config, groups: Sequence[TransferGroup]) -> str:
             spec = kv_cache_config.kv_cache_groups[g.vllm_gid].kv_cache_spec
             kinds = sorted({f"sw={getattr(s, 'sliding_window', None)}:acs={getattr(s, 'attention_chunk_size', None)}"
                             for s in iter_layer_specs(spec)})
-            parts.append(f"g{g.vllm_gid}=" + ",".join(kinds))
+            parts.append(f"g{g.vllm_gid}:bs={g.block_size}=" + ",".join(kinds))
     return ";".join(parts)
 
 
