@@ -42,3 +42,21 @@ def wait_for_lookup_answer(engine: H.Engine, req_id: str) -> None:
         if st.lookup_rid is not None and client.done(st.lookup_rid):
             return
     raise AssertionError("no lookup answer")
+
+
+def collect_scheduler_stats(engine: H.Engine) -> list[dict]:
+    """Every ``SchedulerStats.kv_connector_stats`` dict vLLM's scheduler emits from now on (what
+    it passes on to its metrics: the workers' stats with the scheduler side's added)."""
+    got: list[dict] = []
+    update = engine.scheduler.update_from_output
+
+    def spy(so, out):
+        outputs = update(so, out)
+        for eco in (outputs or {}).values():
+            s = getattr(eco, "scheduler_stats", None)
+            if s is not None and s.kv_connector_stats:
+                got.append(s.kv_connector_stats)
+        return outputs
+
+    engine.scheduler.update_from_output = spy
+    return got

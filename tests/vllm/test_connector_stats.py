@@ -14,27 +14,11 @@ import vllm_harness as H  # noqa: E402
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm  # noqa: E402
 
+from connector_testing import collect_scheduler_stats  # noqa: E402
 from kvdepot.client.vllm import stats as kvstats  # noqa: E402
 from kvdepot.client.vllm.connector import KVDepotConnector  # noqa: E402
 
 CHUNK = 64
-
-
-def _collect_scheduler_stats(engine) -> list[dict]:
-    """Every ``SchedulerStats.kv_connector_stats`` dict vLLM's scheduler emits from now on."""
-    got: list[dict] = []
-    update = engine.scheduler.update_from_output
-
-    def spy(so, out):
-        outputs = update(so, out)
-        for eco in (outputs or {}).values():
-            s = getattr(eco, "scheduler_stats", None)
-            if s is not None and s.kv_connector_stats:
-                got.append(s.kv_connector_stats)
-        return outputs
-
-    engine.scheduler.update_from_output = spy
-    return got
 
 
 def test_worker_counters_reach_vllms_log_line_and_prometheus(daemon, tmp_path, monkeypatch):
@@ -45,8 +29,8 @@ def test_worker_counters_reach_vllms_log_line_and_prometheus(daemon, tmp_path, m
     loads = H.Engine(H.make_vllm_config(model, daemon.endpoint, chunk_size=CHUNK,
                                         extra={"model_id": "stats"}), H.dense_specs())
     try:
-        emitted = _collect_scheduler_stats(stores)
-        emitted_b = _collect_scheduler_stats(loads)
+        emitted = collect_scheduler_stats(stores)
+        emitted_b = collect_scheduler_stats(loads)
         prompt = H.tokens(5, 200)  # 3 whole chunks
         stores.add(prompt, max_tokens=2)
         stores.run()

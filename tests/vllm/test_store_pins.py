@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm_harness as H  # noqa: E402
+from connector_testing import collect_scheduler_stats  # noqa: E402
 from kvdepot.client.vllm import stats as kvstats  # noqa: E402
 from kvdepot.client.vllm.pieces import PinnedSaves  # noqa: E402
 from kvdepot.client.vllm.plan import KVDepotMetadata, KVDepotWorkerMeta, StoreJob  # noqa: E402
@@ -69,18 +70,7 @@ def test_vllm_never_hands_out_a_pinned_block_and_every_pin_is_dropped(daemon, tm
             return meta
 
         e.sched_conn.build_connector_meta = spy
-        emitted = []
-        update = e.scheduler.update_from_output
-
-        def stats_spy(so, out):  # what vLLM's scheduler passes on to its metrics
-            outputs = update(so, out)
-            for eco in (outputs or {}).values():
-                st = getattr(eco, "scheduler_stats", None)
-                if st is not None and st.kv_connector_stats:
-                    emitted.append(st.kv_connector_stats)
-            return outputs
-
-        e.scheduler.update_from_output = stats_spy
+        emitted = collect_scheduler_stats(e)  # what vLLM's scheduler passes on to its metrics
         for i in range(3):
             e.add(H.tokens(60 + i, 200), max_tokens=4)
         e.run(timeout_s=60)
