@@ -75,8 +75,9 @@ def test_keys_come_from_vllms_block_hashes_and_match_another_process(shared_daem
     per = CHUNK // e.hash_block_size
     assert st.from_block_hashes and side._blocks_per_chunk == per
     assert st.chain == [bytes(req.block_hashes[(i + 1) * per - 1])[:KEY_BYTES] for i in range(3)]
-    assert st.seed == namespace_seed("test_keys_come_from_vllms_block_hashes_and_match_another_process",
-                                     side.fingerprint, "", "vllm-block-hash/sha256")
+    # model_id with the toy model's (unquantized, KV cache in the model's dtype) other factors
+    assert side.model_id == "test_keys_come_from_vllms_block_hashes_and_match_another_process|rev=|q=|kv=auto"
+    assert st.seed == namespace_seed(side.model_id, side.fingerprint, "", "vllm-block-hash/sha256")
     # vLLM's block hashes of the same prompt in a fresh process (the harness seeds them as vLLM's
     # engine core does: init_none_hash(sha256)): equal, so another engine process finds these keys
     code = ("import json, sys, vllm_harness as H\n"
@@ -102,7 +103,7 @@ def test_engines_of_the_two_key_sources_never_share_a_key(shared_daemon, cfg, en
     st = a.sched_conn.scheduler._reqs[ra]
     assert not st.from_block_hashes
     # the tokens' keys are those of every other kvdepot client of this namespace
-    seed = namespace_seed("test_engines_of_the_two_key_sources_never_share_a_key", a.sched_conn.scheduler.fingerprint, "")
+    seed = namespace_seed(a.sched_conn.scheduler.model_id, a.sched_conn.scheduler.fingerprint, "")
     assert st.keys[0] == chunk_keys(seed, prompt, CHUNK, "tp0of1")
     a.run()
     assert stored_chunks(shared_daemon.endpoint, a) == 2
@@ -128,6 +129,5 @@ def test_a_request_without_block_hashes_hashes_its_tokens(shared_daemon, cfg, en
     side = e.sched_conn.scheduler
     st = side._state(req)
     assert not st.from_block_hashes
-    assert st.keys[0] == chunk_keys(namespace_seed("test_a_request_without_block_hashes_hashes_its_tokens",
-                                                   side.fingerprint, ""), prompt, CHUNK, "tp0of1")
+    assert st.keys[0] == chunk_keys(namespace_seed(side.model_id, side.fingerprint, ""), prompt, CHUNK, "tp0of1")
     side.request_finished(req)

@@ -112,9 +112,10 @@ def make_vllm_config(model: str, endpoint: str, *, block_size: int = 16, chunk_s
                      extra: dict | None = None, max_num_batched_tokens: int = 2048, layout: str = "LBNHC",
                      policy: str = "recompute", connector: str = "KVDepotConnector",
                      module: str = "kvdepot.client.vllm", device: str = "cpu", max_model_len: int = 2048,
-                     max_num_seqs: int = 16) -> VllmConfig:
+                     max_num_seqs: int = 16, model_kw: dict | None = None) -> VllmConfig:
     """A VllmConfig for the toy model with the kvdepot connector (vLLM imports ``module`` and
-    takes its ``connector`` class, as ``--kv-transfer-config`` makes it do)."""
+    takes its ``connector`` class, as ``--kv-transfer-config`` makes it do); ``model_kw``: more
+    `ModelConfig` arguments (e.g. ``hf_overrides``)."""
     kv = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module,
                           kv_role="kv_both", kv_load_failure_policy=policy,
                           kv_connector_extra_config={"endpoint": endpoint, "chunk_size": chunk_size,
@@ -128,7 +129,7 @@ def make_vllm_config(model: str, endpoint: str, *, block_size: int = 16, chunk_s
                                 category=DeprecationWarning)
         cfg = VllmConfig(
             model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16",
-                                     max_model_len=max_model_len),
+                                     max_model_len=max_model_len, **(model_kw or {})),
             cache_config=cache,
             scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                              max_model_len=max_model_len, enable_chunked_prefill=True,

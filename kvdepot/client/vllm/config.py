@@ -8,9 +8,10 @@ key                     default      meaning
                                      ``ipc://<tmpdir>/kvdepot-<uid>.sock`` (what ``kvdepot serve`` binds)
 ``chunk_size``          256          tokens per cached chunk; a multiple of the least common multiple of
                                      every KV-cache group's tokens per block
-``model_id``            derived      the model identity in chunk keys (default: model name or path,
-                                     revision, quantization and KV-cache dtype); set it when engines
-                                     load the same weights from different paths
+``model_id``            derived      which weights these are, in chunk keys (default: model name or
+                                     path and revision; quantization, dtypes and ``--hf-overrides``
+                                     are added either way: `connector.model_identity`); set it when
+                                     engines load the same weights from different paths
 ``store``               true         store computed chunks into the daemon
 ``load``                true         load cached chunks from the daemon
 ``store_generated``     false        also store whole chunks of generated (decode) tokens, not only of

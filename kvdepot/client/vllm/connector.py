@@ -15,6 +15,8 @@ restarted), vLLM recomputes what could not be loaded and skips what could not be
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -44,13 +46,29 @@ log = logging.getLogger("kvdepot.vllm")
 
 
 def model_identity(vllm_config, cfg: ConnectorConfig) -> str:
-    """What the chunk keys say the KV belongs to: ``model_id`` if configured, else the model
-    (name or path), revision, quantization and KV-cache dtype."""
-    if cfg.model_id:
-        return cfg.model_id
+    """What the chunk keys say the KV belongs to, also the daemon's ``model`` label.
+
+    ``"{model}|rev={revision}|q={quantization}|kv={cache_dtype}"``, where ``model`` and
+    ``rev`` are vLLM's model name or path and revision, or ``model_id`` with an empty revision
+    where configured (it says which weights these are, nothing else). Appended only where they
+    apply, so that other engines' keys stay as they were: ``|dtype={model dtype}`` when the
+    KV-cache dtype is not ``auto`` (with ``auto`` the KV dtype is the model's and is already in
+    the layout fingerprint; an fp8 cache of a bfloat16 and of a float16 run hold other bytes),
+    and ``|hf={16 hex digits}``, a hash of ``--hf-overrides`` when set (a ``rope_theta`` or
+    ``rope_scaling`` override gives other KV for the same weights and tokens; a callable
+    override is known by its module and qualified name only)."""
     mc = vllm_config.model_config
-    parts = [str(mc.model), f"rev={mc.revision or ''}", f"q={mc.quantization or ''}",
-             f"kv={getattr(vllm_config.cache_config, 'cache_dtype', '')}"]
+    name, rev = (cfg.model_id, "") if cfg.model_id else (str(mc.model), mc.revision or "")
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    parts = [name, f"rev={rev}", f"q={mc.quantization or ''}", f"kv={cache_dtype}"]
+    if cache_dtype != "auto":
+        parts.append(f"dtype={str(mc.dtype).removeprefix('torch.')}")
+    overrides = getattr(mc, "hf_overrides", None)
+    if callable(overrides):
+        overrides = f"callable:{overrides.__module__}.{overrides.__qualname__}"
+    if overrides:
+        text = json.dumps(overrides, sort_keys=True, default=repr, separators=(",", ":"))
+        parts.append("hf=" + hashlib.blake2b(text.encode(), digest_size=8).hexdigest())
     return "|".join(parts)
 
 

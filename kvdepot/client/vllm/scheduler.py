@@ -197,7 +197,9 @@ class SchedulerSide:
         salt = cache_salt
         lora = getattr(request, "lora_request", None)
         if lora is not None:
-            salt += f"\x00lora={lora.lora_name}"  # an adapter changes the KV of the same tokens
+            # an adapter changes the KV of the same tokens; engines name their adapters freely,
+            # so the name alone could give another engine's adapter the same keys
+            salt += f"\x00lora={lora.lora_name}\x00{getattr(lora, 'lora_path', '')}"
         if self._epoch:
             salt += f"\x00reset={self._epoch}"
         return salt, cache_salt
