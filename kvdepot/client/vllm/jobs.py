@@ -33,6 +33,8 @@ class JobPieces:
     ``client``, ``_queue``, ``_ops``, ``_stopped``, ``_masks``, ``_loads``; its ``_pump`` and
     ``_drop``)."""
 
+    _warned_window = False  # `_window_blocks_only` logged its warning
+
     def _keys(self, chain: list[bytes], seed: bytes) -> list[bytes]:
         mask = self._masks.get(seed)
         if mask is None:
@@ -68,6 +70,9 @@ class JobPieces:
         reg = side.reg
         ids = [self._block_ids(reg, g, b, null_id) for g, b in enumerate(job.block_ids)]
         bpc = [c // gs.tokens_per_block for gs in reg.groups]
+        if not self._window_blocks_only(ids, bpc):
+            self._loads.finish(job, 0)  # vLLM recomputes it
+            return
         starts = list(range(0, len(keys), per))
         load = Load(job, [None] * len(starts), [min(per, len(keys) - s) for s in starts])
         now = time.monotonic()
@@ -76,6 +81,25 @@ class JobPieces:
             self._queue.append(Piece(job.req_id, "load", keys[s:e], [x[s * n:e * n] for x, n in zip(ids, bpc)],
                                       skip_tokens=job.skip_tokens if i == 0 else 0, load=load, index=i,
                                       queued_at=now, after=event))
+
+    def _window_blocks_only(self, ids: list[list[int]], bpc: list[int]) -> bool:
+        """Whether a load's registered block ids (`_block_ids`, null -> -1) ask for no block a
+        store left out (`TransferGroup.kept_from`): a vLLM that kept more of a sliding window
+        than this connector expects gets no bytes of vLLM's null block (the load fails and
+        vLLM recomputes; logged once)."""
+        c = self.cfg.chunk_size
+        for g, x, n in zip(self.side.groups, ids, bpc):
+            drop = g.kept_from(c)
+            if drop:
+                r = n * g.block_size // c  # registered blocks per vLLM block
+                if any(b != -1 for i in range(0, len(x), n) for b in x[i:i + drop * r]):
+                    if not self._warned_window:
+                        self._warned_window = True
+                        log.warning("kvdepot: vLLM gave a load blocks of KV-cache group %d more than %d blocks "
+                                    "before a chunk's end (the stores keep only those): such loads fail and "
+                                    "vLLM recomputes them", g.vllm_gid, g.window_blocks)
+                    return False
+        return True
 
     def _save(self, jobs: list[StoreJob], event) -> None:
         side = self.side

@@ -60,6 +60,11 @@ class TransferGroup:
     layer_names: the group's layers, in vLLM's order.
     has_null_blocks: vLLM may put its null block into this group's block table for tokens the
         group no longer needs (sliding window, chunked local attention).
+    window_blocks: sliding-window groups (vLLM's ``SlidingWindowSpec``): the blocks before a
+        hit's end that vLLM keeps for it, ``ceil((window + extra_retained_tokens) / block_size)``
+        (it lets every earlier block of a hit go: ``SlidingWindowManager.get_num_skipped_tokens``;
+        one more token covers a full hit whose last token vLLM computes again); 0 for others.
+        A store writes only each chunk's last ``window_blocks`` blocks of the group (`kept_from`).
     """
 
     daemon_gid: int
@@ -67,6 +72,15 @@ class TransferGroup:
     block_size: int
     layer_names: tuple[str, ...]
     has_null_blocks: bool
+    window_blocks: int = 0
+
+    def kept_from(self, chunk_size: int) -> int:
+        """Within each chunk of ``chunk_size`` tokens, the index of the first of this group's
+        blocks a load can ever be given (0: all): since a hit ends on a chunk boundary, vLLM
+        hands a load non-null blocks of this group only for the last ``window_blocks`` blocks
+        of the hit's last chunk, so a store's earlier blocks would never be read."""
+        per = chunk_size // self.block_size
+        return per - self.window_blocks if 0 < self.window_blocks < per else 0
 
 
 def _layer_spec(group, layer_name: str):
@@ -100,10 +114,23 @@ def transfer_groups(kv_cache_config) -> tuple[list[TransferGroup], str]:
             continue
         full = all(isinstance(s, FullAttentionSpec) and getattr(s, "sliding_window", None) is None
                    and getattr(s, "attention_chunk_size", None) is None for s in iter_layer_specs(spec))
-        out.append(TransferGroup(len(out), vgid, spec.block_size, tuple(group.layer_names), not full))
+        out.append(TransferGroup(len(out), vgid, spec.block_size, tuple(group.layer_names), not full,
+                                 _window_blocks(spec)))
     if not out:
         return [], "the model has no prefix-cacheable attention KV-cache group"
     return out, ""
+
+
+def _window_blocks(spec) -> int:
+    """`TransferGroup.window_blocks` of a group's spec: > 0 only where every layer is vLLM's
+    ``SlidingWindowSpec`` (its manager lets the blocks behind the window go)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec, iter_layer_specs
+
+    specs = list(iter_layer_specs(spec))
+    if not specs or not all(isinstance(s, SlidingWindowSpec) and s.sliding_window for s in specs):
+        return 0
+    tokens = max(s.sliding_window + int(getattr(s, "extra_retained_tokens", 0) or 0) for s in specs)
+    return -(-tokens // spec.block_size)
 
 
 def attention_tag(kv_cache_config, groups: Sequence[TransferGroup]) -> str:
@@ -111,7 +138,9 @@ def attention_tag(kv_cache_config, groups: Sequence[TransferGroup]) -> str:
     ``attention``): per group that may hold some, its vLLM gid, its tokens per block (vLLM lets
     whole blocks go, so the block size decides which tokens a window keeps) and every layer's
     sliding window and local-attention chunk size (not the specs' class names, which vLLM may
-    rename); empty for a full-attention model. A store of such a group carries the null block's bytes where
+    rename), with the tokens vLLM keeps behind a window where it keeps any
+    (``extra_retained_tokens``: they decide `TransferGroup.window_blocks`, the blocks a store
+    holds); empty for a full-attention model. A store of such a group carries the null block's bytes where
     vLLM had already let a block go, which only an engine that lets the same blocks go never
     loads."""
     from vllm.v1.kv_cache_interface import iter_layer_specs
@@ -121,6 +150,7 @@ def attention_tag(kv_cache_config, groups: Sequence[TransferGroup]) -> str:
         if g.has_null_blocks:
             spec = kv_cache_config.kv_cache_groups[g.vllm_gid].kv_cache_spec
             kinds = sorted({f"sw={getattr(s, 'sliding_window', None)}:acs={getattr(s, 'attention_chunk_size', None)}"
+                            + (f":extra={extra}" if (extra := getattr(s, "extra_retained_tokens", 0)) else "")
                             for s in iter_layer_specs(spec)})
             parts.append(f"g{g.vllm_gid}:bs={g.block_size}=" + ",".join(kinds))
     return ";".join(parts)

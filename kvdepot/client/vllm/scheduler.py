@@ -117,6 +117,9 @@ class SchedulerSide:
         self._workers = (tp * int(getattr(pc, "pipeline_parallel_size", 1) or 1)
                          * int(getattr(pc, "prefill_context_parallel_size", 1) or 1))
         self._sliding_gids = [i for i, g in enumerate(groups) if g.has_null_blocks]
+        # per group, the blocks of each chunk a store leaves to vLLM's null block: a load is
+        # never given them (`TransferGroup.kept_from`), so they are neither pinned nor read
+        self._dropped = [g.kept_from(cfg.chunk_size) for g in groups]
         # vLLM block hashes per chunk where chain values come from them (0: tokens hashed here)
         self._blocks_per_chunk, self._chain_source = block_hash_chains(cfg, vllm_config, kv_cache_config)
         self._namespaces: dict[tuple[str, bool], tuple[bytes, list[bytes]]] = {}  # `_namespace`
@@ -442,7 +445,7 @@ class SchedulerSide:
                 return None
         ids = []
         null = self._null_block_id
-        for g in self.groups:
+        for g, drop in zip(self.groups, self._dropped):
             if blocks is not None:
                 per = c // g.block_size
                 held = blocks[g.vllm_gid]
@@ -455,6 +458,10 @@ class SchedulerSide:
                             "its later chunks are not stored", req_id, first, end_chunk - 1, g.vllm_gid)
                 st.store_stopped = True
                 return None
+            if drop:
+                per, nulls = c // g.block_size, [null] * drop
+                for j in range(0, len(got), per):
+                    got[j:j + drop] = nulls
             ids.append(got)
         st.next_store_chunk = end_chunk
         st.stored = True
