@@ -214,8 +214,11 @@ class SchedulerSide:
         if st is not None or not self.enabled or rid in self._ineligible:
             return st
         if (request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None
-                or getattr(request, "mm_features", None) or getattr(request, "resumable", False)):
-            # placeholder tokens of images / embeddings do not identify the KV: never share it
+                or getattr(request, "resumable", False)
+                or (getattr(request, "mm_features", None) and not (self._blocks_per_chunk and request.block_hashes))):
+            # placeholder tokens of images / embeddings do not identify the KV, so such a request
+            # shares none unless vLLM's block hashes key it: they hold each block's multimodal
+            # items (vLLM's ``("mm", identifier, offset)`` extra keys), chained
             self._ineligible.add(rid)
             return None
         salt, cache_salt = self._seed_salt(request)
