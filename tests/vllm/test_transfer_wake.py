@@ -6,6 +6,7 @@ a stopped daemon in tests/integration/test_stream_transport.py."""
 
 from __future__ import annotations
 
+import os
 import select
 import threading
 import time
@@ -39,6 +40,21 @@ def test_wake_signals_only_a_waiting_thread_and_drain_resets_it():
         w.drain()  # nothing signalled since: no read, nothing raised
     finally:
         w.close()
+
+
+def test_a_wake_dropped_unclosed_closes_its_eventfd_and_close_is_idempotent():
+    import gc
+
+    w = Wake()
+    fd = w.fd
+    assert os.fstat(fd)
+    del w
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed with the object (a fd number reused meanwhile would be a flake: none is made here)
+    w = Wake()
+    w.close()
+    w.close()
 
 
 class _Client:

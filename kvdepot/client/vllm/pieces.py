@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import weakref
 
 import torch
 
@@ -235,6 +236,8 @@ class Wake:
 
     def __init__(self) -> None:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # closed by `close`, else when the object goes (a transfer thread dropped unstopped)
+        self._close = weakref.finalize(self, os.close, self.fd)
         self.waiting = False
         self._signalled = False  # set after a write: `drain` reads only then (no syscall per wait)
 
@@ -255,4 +258,5 @@ class Wake:
                 pass
 
     def close(self) -> None:
-        os.close(self.fd)
+        """Close the eventfd (once; later calls do nothing)."""
+        self._close()
