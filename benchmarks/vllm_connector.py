@@ -62,6 +62,11 @@ on the current stream. Per shape:
   tokens; with async scheduling, vLLM's default, for the step before's). Together they give the
   engine thread the GPU waits a real model gives it, when the transfer thread may run.
 
+* ``--hits N``: on a third engine, N of the prompts again (a hit each), half of them alone and
+  half while new prompts are prefilled and stored: how long each hit's load took from its post
+  to its report, and from its arrival to its first token, next to its bytes' time on the link
+  (`connector_hits.py`).
+
 * ``--timeline``: each phase's wall time split into its lead-in (first step until the first
   transfer is sent), the time with one or more transfers at the daemon (and their GB/s), the
   time with none, and the tail (last answer until vLLM freed every request); see `Timeline`.
@@ -99,6 +104,8 @@ from kvdepot.client import KVDepotClient  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from connector_model import FillEngine, FillForward, WaitingFillEngine, WaitingFillForward, shapes  # noqa: E402
+from connector_hits import hit_latency  # noqa: E402
+from connector_hits import report as hits_report  # noqa: E402
 from connector_probes import CallTimer, GcMeter, LayerProbe, StageTimers, Timeline, less_probe  # noqa: E402
 from transfer_bench.procs import FALLBACK_FLAG, DaemonProc, kernels_missing  # noqa: E402
 
@@ -283,7 +290,7 @@ def roofline(nbytes: int) -> dict:
 def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int, requests: int,
                 device: str = "cuda", staging_bytes: int = 0, prompt_chunks: int = CHUNKS_PER_STEP,
                 output_wait: str = "", kv_blocks_factor: float = 1.0, forward_us: float = 0.0,
-                key_source: str = "auto") -> dict:
+                key_source: str = "auto", hits: int = 0) -> dict:
     tokens = CHUNKS_PER_STEP * chunk  # per step (vLLM's max_num_batched_tokens)
     prompt_tokens = prompt_chunks * chunk
     block_bytes = sum(s.page_size_bytes for s in specs.values())
@@ -322,6 +329,16 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
         b.run(timeout_s=60)
         freeze_gc_heap()
         load = drive(b, prompts, "loads", res["chunk_bytes"])
+        if hits:  # engine C: hits of A's prompts, alone and while fresh prompts are stored
+            c = engine()
+            try:
+                c.add(H.tokens(6, 200), max_tokens=1)
+                c.run(timeout_s=60)
+                freeze_gc_heap()
+                res.update(hit_latency(c, prompts[:hits], [H.tokens(3000 + i, prompt_tokens) for i in range(hits)],
+                                       res["chunk_bytes"], chunk))
+            finally:
+                c.close()
         if device == "cpu":  # B's shared-memory segments go with close()
             res.update(direct(b.worker_conn.worker.reg, num_blocks, endpoint, chunk, requests, res["chunk_bytes"],
                               device, staging_bytes))
@@ -486,6 +503,9 @@ def main(argv=None) -> int:
     p.add_argument("--key-source", default="auto", choices=["auto", "vllm", "tokens"],
                    help="the connector's key_source: chunk keys from vLLM's block hashes (auto / vllm) or from the "
                         "tokens hashed by the connector (tokens, the way before; for comparisons)")
+    p.add_argument("--hits", type=int, default=0,
+                   help="also time N prefix hits' loads on a third engine, half alone, half while other prompts' "
+                        "stores stream (`connector_hits.py`); N <= --requests")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke run of the same steps with shared-memory KV caches (no roofline)")
     args = p.parse_args(argv)
@@ -526,8 +546,8 @@ def main(argv=None) -> int:
                     c.flush()
                 r = bench_shape(name, specs, ep, wd, args.chunk, args.requests, args.device, args.staging_bytes,
                                 args.prompt_chunks, args.output_wait, args.kv_blocks_factor, args.forward_us,
-                                args.key_source)
-                print(report(r) if "store_vs_roofline" in r else json.dumps(r), flush=True)
+                                args.key_source, args.hits)
+                print(report(r) + hits_report(r) if "store_vs_roofline" in r else json.dumps(r), flush=True)
                 results.append(r)
         finally:
             d.stop()

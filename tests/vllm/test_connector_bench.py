@@ -36,3 +36,21 @@ def test_connector_benchmark_smoke_run_with_timeline_and_stages(tmp_path):
     assert r["store_stages"]["mover.post"]["calls"] >= 2  # the engine thread's side is timed too
     # vLLM's own scheduler, beside the connector's calls inside it, was timed in the same steps
     assert r["store_vllm_sched_us_median"] > 0 and r["load_vllm_sched_us_median"] > 0
+
+
+def test_connector_benchmark_times_hits_alone_and_while_stores_stream(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import vllm_connector as bench
+
+    out = tmp_path / "r.json"
+    assert bench.main(["--device", "cpu", "--shapes", "Llama-3.1-70B TP4 shard", "--requests", "4", "--hits", "4",
+                       "--chunk", "64", "--l1-bytes", "1g", "--out", str(out)]) == 0
+    (r,) = json.loads(out.read_text())
+    assert r["hits_lone"] == r["hits_streaming"] == 2 and r["hit_chunks"] == bench.CHUNKS_PER_STEP
+    # every hit loaded whole (a third engine: the chunks engine A stored), the streamed prompts stored
+    assert r["streaming_loaded_chunks"] == 2 * bench.CHUNKS_PER_STEP
+    assert r["streaming_stored_chunks"] == 4 * bench.CHUNKS_PER_STEP
+    for mode in ("lone", "streaming"):
+        assert r[f"{mode}_loads_timed"] == 2
+        assert 0 < r[f"{mode}_post_to_loaded_ms_median"] <= r[f"{mode}_post_to_loaded_ms_max"]
+        assert r[f"{mode}_post_to_loaded_ms_median"] <= r[f"{mode}_added_to_first_token_ms_max"]

@@ -1,0 +1,148 @@
+"""`benchmarks/vllm_connector.py --hits N`: how long a prefix hit's load takes through the
+connector, alone and while other prompts' stores stream through the same worker, next to the
+time the link needs for its bytes.
+
+A hit request's life in vLLM with an asynchronous load: the scheduler allocates its blocks and
+parks it (``WAITING_FOR_REMOTE_KVS``); the worker's ``start_load_kv`` posts the load to the
+transfer thread; a later ``get_transfer_results`` reports it in ``finished_recving``; the next
+schedule computes its last token. Per hit this measures, on the engine thread's clock:
+
+* ``post_to_loaded_ms``: ``start_load_kv`` of the step that carried its load until the
+  ``get_transfer_results`` that reported it (what the connector and the daemon take; a step's
+  length bounds its resolution: the report is read once per step);
+* ``added_to_first_token_ms``: ``add_request`` until its first sampled token (the lookup's
+  answer, the wait for a step, the load, the step that computes its last token);
+* ``link_ms``: its chunks' bytes at the same run's pinned host-to-device roofline.
+
+Lone: each hit runs on an engine with nothing else to do. Streaming: a new (uncached) prompt
+arrives every step (a step's token budget prefills one, and stores it) and a hit every other
+step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import vllm_harness as H
+
+
+class HitClock:
+    """Stamps, per request, when its load was posted and when it was reported loaded (wraps the
+    worker-side connector's ``start_load_kv`` and ``get_transfer_results``)."""
+
+    def __init__(self, engine: H.Engine) -> None:
+        self.posted: dict[str, float] = {}
+        self.loaded: dict[str, float] = {}
+        conn = engine.worker_conn
+        start, results = conn.start_load_kv, conn.get_transfer_results
+
+        def start_load_kv(forward_context, **kw):
+            meta = conn._get_connector_metadata()
+            now = time.perf_counter()
+            for job in getattr(meta, "loads", None) or ():
+                self.posted.setdefault(job.req_id, now)
+            return start(forward_context, **kw)
+
+        def get_transfer_results(finished):
+            res = results(finished)
+            now = time.perf_counter()
+            for rid in res.finished_recving or ():
+                self.loaded.setdefault(rid, now)
+            return res
+
+        conn.start_load_kv, conn.get_transfer_results = start_load_kv, get_transfer_results
+
+
+def _step_until(engine: H.Engine, done, timeout_s: float = 120.0, on_step=None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        so = engine.step()
+        if on_step is not None:
+            on_step()
+        if not so.total_num_scheduled_tokens:
+            time.sleep(0.0002)
+        assert time.monotonic() < deadline, "engine did not finish"
+
+
+def hit_latency(engine: H.Engine, cached: list[list[int]], fresh: list[list[int]], chunk_bytes: int,
+                chunk_tokens: int) -> dict:
+    """``cached``: prompts whose chunks the daemon holds (a hit each: half measured lone, half
+    while ``fresh`` prompts, none cached, are prefilled and stored one per step)."""
+    clock = HitClock(engine)
+    added: dict[str, float] = {}
+    first: dict[str, float] = {}
+
+    def note_first_tokens():
+        now = time.perf_counter()
+        for rid in added:
+            if rid not in first and engine.runs[rid].outputs:
+                first[rid] = now
+
+    def add_hit(prompt):
+        rid = engine.add(prompt, max_tokens=1)
+        added[rid] = time.perf_counter()
+        return rid
+
+    half = len(cached) // 2
+    lone = []
+    for p in cached[:half]:
+        rid = add_hit(p)
+        lone.append(rid)
+        _step_until(engine, lambda: not engine.scheduler.has_requests(), on_step=note_first_tokens)
+    stored_before = engine.worker_conn.worker.stats["stored_chunks"]
+    loaded_before = engine.worker_conn.worker.stats["loaded_chunks"]
+    # one fresh prompt arrives per step (a step's token budget prefills one), a hit every other
+    # step: no backlog of prompts ahead of a hit in vLLM's waiting queue
+    streaming, pending, new, steps = [], list(cached[half:]), list(fresh), 0
+    engine.add(new.pop(0), max_tokens=1)
+    t0 = time.perf_counter()
+
+    def on_step():
+        nonlocal steps
+        steps += 1
+        note_first_tokens()
+        if new:
+            engine.add(new.pop(0), max_tokens=1)
+        if pending and steps % 2 == 0:
+            streaming.append(add_hit(pending.pop(0)))
+
+    _step_until(engine, lambda: not pending and not new and not engine.scheduler.has_requests(), on_step=on_step)
+    wall_s = time.perf_counter() - t0
+    stats = engine.worker_conn.worker.stats
+    out = {"hit_chunks": len(cached[0]) // chunk_tokens, "hits_lone": len(lone), "hits_streaming": len(streaming),
+           "streaming_stored_chunks": stats["stored_chunks"] - stored_before,
+           "streaming_loaded_chunks": stats["loaded_chunks"] - loaded_before,
+           "streaming_store_gbps": (stats["stored_chunks"] - stored_before) * chunk_bytes / wall_s / 1e9,
+           "streaming_steps": steps}
+    for name, rids in (("lone", lone), ("streaming", streaming)):
+        post = [1e3 * (clock.loaded[r] - clock.posted[r]) for r in rids if r in clock.loaded and r in clock.posted]
+        ttft = [1e3 * (first[r] - added[r]) for r in rids if r in first]
+        out[f"{name}_loads_timed"] = len(post)
+        out[f"{name}_post_to_loaded_ms_median"] = statistics.median(post) if post else None
+        out[f"{name}_post_to_loaded_ms_max"] = max(post) if post else None
+        out[f"{name}_added_to_first_token_ms_median"] = statistics.median(ttft) if ttft else None
+        out[f"{name}_added_to_first_token_ms_max"] = max(ttft) if ttft else None
+    return out
+
+
+def report(r: dict) -> str:
+    """One line per mode; ``r`` has the roofline (``roofline_h2d_gbps``) and ``chunk_bytes``."""
+    if "lone_post_to_loaded_ms_median" not in r:
+        return ""
+    link_ms = r["hit_chunks"] * r["chunk_bytes"] / r["roofline_h2d_gbps"] / 1e6
+    r["hit_link_ms"] = link_ms
+    lines = [f"\n  a hit of {r['hit_chunks']} chunks (its bytes take {link_ms:.1f} ms on the link at the roofline):"]
+    for name, what in (("lone", "alone"),
+                       ("streaming", f"while stores stream ({r['streaming_store_gbps']:.1f} GB/s stored, "
+                                     f"{r['streaming_stored_chunks']} chunks, {r['streaming_steps']} steps)")):
+        med = r[f"{name}_post_to_loaded_ms_median"]
+        if med is None:
+            lines.append(f"  {what}: no load timed")
+            continue
+        r[f"{name}_post_to_loaded_vs_link"] = link_ms / med
+        lines.append(f"  {what}: posted to reported loaded {med:.1f} ms median ({100 * link_ms / med:.0f}% of the"
+                     f" link's time), {r[f'{name}_post_to_loaded_ms_max']:.1f} max; added to first token"
+                     f" {r[f'{name}_added_to_first_token_ms_median']:.1f} ms median,"
+                     f" {r[f'{name}_added_to_first_token_ms_max']:.1f} max ({r[f'{name}_loads_timed']} hits)")
+    return "\n".join(lines)
