@@ -11,7 +11,8 @@ schedule computes its last token. Per hit this measures, on the engine thread's 
   ``get_transfer_results`` that reported it (what the connector and the daemon take; a step's
   length bounds its resolution: the report is read once per step);
 * ``added_to_first_token_ms``: ``add_request`` until its first sampled token (the lookup's
-  answer, the wait for a step, the load, the step that computes its last token);
+  answer, the wait for a step, the load, the step that computes its last token), and of it
+  ``added_to_posted_ms`` and ``loaded_to_first_token_ms`` (vLLM's scheduling either side);
 * ``link_ms``: its chunks' bytes at the same run's pinned host-to-device roofline.
 
 Lone: each hit runs on an engine with nothing else to do. Streaming: a new (uncached) prompt
@@ -118,6 +119,10 @@ def hit_latency(engine: H.Engine, cached: list[list[int]], fresh: list[list[int]
     for name, rids in (("lone", lone), ("streaming", streaming)):
         post = [1e3 * (clock.loaded[r] - clock.posted[r]) for r in rids if r in clock.loaded and r in clock.posted]
         ttft = [1e3 * (first[r] - added[r]) for r in rids if r in first]
+        before = [1e3 * (clock.posted[r] - added[r]) for r in rids if r in clock.posted]
+        after = [1e3 * (first[r] - clock.loaded[r]) for r in rids if r in first and r in clock.loaded]
+        out[f"{name}_added_to_posted_ms_median"] = statistics.median(before) if before else None
+        out[f"{name}_loaded_to_first_token_ms_median"] = statistics.median(after) if after else None
         out[f"{name}_loads_timed"] = len(post)
         out[f"{name}_post_to_loaded_ms_median"] = statistics.median(post) if post else None
         out[f"{name}_post_to_loaded_ms_max"] = max(post) if post else None
@@ -144,5 +149,7 @@ def report(r: dict) -> str:
         lines.append(f"  {what}: posted to reported loaded {med:.1f} ms median ({100 * link_ms / med:.0f}% of the"
                      f" link's time), {r[f'{name}_post_to_loaded_ms_max']:.1f} max; added to first token"
                      f" {r[f'{name}_added_to_first_token_ms_median']:.1f} ms median,"
-                     f" {r[f'{name}_added_to_first_token_ms_max']:.1f} max ({r[f'{name}_loads_timed']} hits)")
+                     f" {r[f'{name}_added_to_first_token_ms_max']:.1f} max (of it, added to posted"
+                     f" {r[f'{name}_added_to_posted_ms_median']:.1f}, reported loaded to first token"
+                     f" {r[f'{name}_loaded_to_first_token_ms_median']:.1f}; {r[f'{name}_loads_timed']} hits)")
     return "\n".join(lines)

@@ -76,11 +76,16 @@ class JobPieces:
         starts = list(range(0, len(keys), per))
         load = Load(job, [None] * len(starts), [min(per, len(keys) - s) for s in starts])
         now = time.monotonic()
+        # ahead of the stores waiting for ring room (a request waits for its load; nobody waits
+        # for a store): queued pieces hold no room yet, and no load reads a chunk a store of
+        # this queue writes (the daemon answered the lookup before those stores were sent)
+        q = self._queue
+        at = next((k for k, x in enumerate(q) if x.kind == "store"), len(q))
         for i, s in enumerate(starts):
             e = s + load.chunks[i]
-            self._queue.append(Piece(job.req_id, "load", keys[s:e], [x[s * n:e * n] for x, n in zip(ids, bpc)],
-                                      skip_tokens=job.skip_tokens if i == 0 else 0, load=load, index=i,
-                                      queued_at=now, after=event))
+            q.insert(at + i, Piece(job.req_id, "load", keys[s:e], [x[s * n:e * n] for x, n in zip(ids, bpc)],
+                                   skip_tokens=job.skip_tokens if i == 0 else 0, load=load, index=i,
+                                   queued_at=now, after=event))
 
     def _window_blocks_only(self, ids: list[list[int]], bpc: list[int]) -> bool:
         """Whether a load's registered block ids (`_block_ids`, null -> -1) ask for no block a
