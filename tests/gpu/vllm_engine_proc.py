@@ -64,7 +64,7 @@ def main(sc: dict) -> dict:
                 "more_outputs": [eng.runs[r].outputs for r in more], "more_computed": [eng.runs[r].computed for r in more],
                 "stats": [eng.worker_stats(r) for r in range(eng.tp)], "stubbed": vllm_stubs.STUBBED,
                 "registrations": [eng.registration_id(r) for r in range(eng.tp)],
-                "stores_pinned": eng.sched_conn.scheduler._pool is not None,
+                "stores_pinned": eng.sched_conn.scheduler._pins is not None,
                 "pinned_blocks_left": eng.sched_conn.scheduler.pinned_blocks}
     finally:
         eng.close()

@@ -18,7 +18,7 @@ from connector_testing import collect_scheduler_stats  # noqa: E402
 from kvdepot.client.vllm import stats as kvstats  # noqa: E402
 from kvdepot.client.vllm.pieces import PinnedSaves  # noqa: E402
 from kvdepot.client.vllm.plan import KVDepotMetadata, KVDepotWorkerMeta, StoreJob  # noqa: E402
-from kvdepot.client.vllm.scheduler import SchedulerSide  # noqa: E402
+from kvdepot.client.vllm.pins import StorePins  # noqa: E402
 from kvdepot.client.vllm.worker import WorkerSide  # noqa: E402
 
 CHUNK = 64
@@ -40,13 +40,13 @@ def test_vllm_never_hands_out_a_pinned_block_and_every_pin_is_dropped(daemon, tm
         side = e.sched_conn.scheduler
         pool = e.scheduler.kv_cache_manager.block_pool
         free_at_start = pool.get_num_free_blocks()
-        assert side._pool is pool
+        assert side._pins.pool is pool
         seen = {"allocations": 0, "pinned_saves": 0, "held_by_pin_alone": 0, "metas": 0}
         get_new = pool.get_new_blocks
 
         def allocate(*a, **k):
             got = get_new(*a, **k)
-            pinned = {id(b) for blocks in side._pins.values() for b in blocks}
+            pinned = {id(b) for blocks in side._pins.saves.values() for b in blocks}
             assert not any(id(b) in pinned for b in got), "vLLM handed out a block a store still reads"
             seen["allocations"] += len(got)
             return got
@@ -63,10 +63,10 @@ def test_vllm_never_hands_out_a_pinned_block_and_every_pin_is_dropped(daemon, tm
             # aside), the same KVCacheBlock objects vLLM's pool holds
             read = sorted(b for job in meta.stores for i in side._sliding_gids for b in job.block_ids[i]
                           if b != meta.null_block_id)
-            pinned = [b for b in side._pins.get(meta.pin_seq, ()) if not b.is_null]
+            pinned = [b for b in side._pins.saves.get(meta.pin_seq, ()) if not b.is_null]
             assert sorted(b.block_id for b in pinned) == read
             assert all(pool.blocks[b.block_id] is b and b.ref_cnt >= 2 for b in pinned)
-            seen["held_by_pin_alone"] += sum(b.ref_cnt == 1 for blocks in side._pins.values() for b in blocks)
+            seen["held_by_pin_alone"] += sum(b.ref_cnt == 1 for blocks in side._pins.saves.values() for b in blocks)
             return meta
 
         e.sched_conn.build_connector_meta = spy
@@ -76,7 +76,7 @@ def test_vllm_never_hands_out_a_pinned_block_and_every_pin_is_dropped(daemon, tm
         e.run(timeout_s=60)
         assert seen["pinned_saves"] >= 3 and seen["allocations"] >= 20, seen
         assert seen["held_by_pin_alone"] > 0, "no pinned block left its request's window: nothing tested"
-        assert side._pins == {} and side._pin_reports == {} and side.pinned_blocks == 0
+        assert side._pins.saves == {} and side._pins.reports == {} and side.pinned_blocks == 0
         assert pool.get_num_free_blocks() == free_at_start, "a pin was never dropped"
         assert side.stats["blocks_pinned"] == side.stats["blocks_unpinned"] > 0
         left = e.sched_conn.get_kv_connector_stats()  # what the last step left unreported
@@ -128,24 +128,23 @@ def test_a_pinned_hybrid_models_prefix_loads_back_bit_exact(daemon, tmp_path):
 def test_pins_drop_once_every_worker_reported_the_save():
     from vllm.v1.core.block_pool import BlockPool
 
-    side = object.__new__(SchedulerSide)
     pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
-    side._pool, side._workers = pool, 2
-    side.stats = {"blocks_pinned": 3, "blocks_unpinned": 0}
+    stats = {"blocks_pinned": 3, "blocks_unpinned": 0}
+    pins = StorePins(pool, [1], workers=2, stats=stats)
     held, left, other = pool.get_new_blocks(3)  # one reference each: their request's
     pool.touch((held, left, other))  # the pins
     pool.free_blocks([left])  # left: its request let go (vLLM's remove_skipped_blocks)
     free_before = pool.get_num_free_blocks()
-    side._pins, side._pin_reports = {1: [held, left], 2: [other]}, {}
+    pins.saves = {1: [held, left], 2: [other]}
     rank0, rank1 = KVDepotWorkerMeta({1: 1}), KVDepotWorkerMeta({1: 1, 2: 1})
     assert rank0.aggregate(rank1).saves_ended == {1: 2, 2: 1}  # vLLM's KVOutputAggregator, one step
-    side._unpin(rank0)  # rank 1 has not reported save 1 yet
-    assert pool.get_num_free_blocks() == free_before and side._pin_reports == {1: 1} and held.ref_cnt == 2
-    side._unpin(rank1)
+    pins.unpin(rank0.saves_ended)  # rank 1 has not reported save 1 yet
+    assert pool.get_num_free_blocks() == free_before and pins.reports == {1: 1} and held.ref_cnt == 2
+    pins.unpin(rank1.saves_ended)
     # the request still holds ``held``: one reference less; ``left`` is back in vLLM's free queue
     assert held.ref_cnt == 1 and left.ref_cnt == 0 and pool.get_num_free_blocks() == free_before + 1
-    assert side.stats == {"blocks_pinned": 3, "blocks_unpinned": 2}
-    assert side._pins == {2: [other]} and side._pin_reports == {2: 1} and other.ref_cnt == 2
+    assert stats == {"blocks_pinned": 3, "blocks_unpinned": 2}
+    assert pins.saves == {2: [other]} and pins.reports == {2: 1} and other.ref_cnt == 2 and pins.held == 1
     assert left in pool.get_new_blocks(pool.get_num_free_blocks())  # given out again
 
 
@@ -195,7 +194,7 @@ def test_tensor_parallel_pins_drop_once_both_ranks_reported(daemon, tmp_path, ra
 
         def allocate(*a, **k):
             got = get_new(*a, **k)
-            pinned = {id(b) for blocks in side._pins.values() for b in blocks}
+            pinned = {id(b) for blocks in side._pins.saves.values() for b in blocks}
             assert not any(id(b) in pinned for b in got), "vLLM handed out a block a store still reads"
             return got
 
@@ -203,7 +202,7 @@ def test_tensor_parallel_pins_drop_once_both_ranks_reported(daemon, tmp_path, ra
         for i in range(3):
             e.add(H.tokens(80 + i, 200), max_tokens=4)
         e.run(timeout_s=60)
-        assert side._pin_seq >= 3 and side._pins == {} and side._pin_reports == {}
+        assert side._pins.saves_pinned >= 3 and side._pins.saves == {} and side._pins.reports == {}
         assert pool.get_num_free_blocks() == free_at_start, "a pin was never dropped"
         assert [e.worker_stats(r)["stored_chunks"] for r in range(2)] == [9, 9]
     finally:

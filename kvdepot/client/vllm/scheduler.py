@@ -42,6 +42,7 @@ from kvdepot.client.hashing import (VLLM_BLOCK_HASH_SOURCE, chain_from_block_has
                                     shard_keys, shard_mask, shard_name)
 from kvdepot.client.vllm.config import EXTRA_CONFIG, ConnectorConfig
 from kvdepot.client.vllm.layout import TransferGroup, attention_tag
+from kvdepot.client.vllm.pins import StorePins
 from kvdepot.client.vllm.plan import (KVConnectorWorkerMetadata, KVDepotMetadata, KVDepotWorkerMeta, LoadJob, StoreJob,
                                      blocks_covering, chunk_block_ids, plan_load)
 from kvdepot.protocol import messages as m
@@ -106,12 +107,9 @@ class SchedulerSide:
         self._epoch = 0
         self._kv_cache_manager = None
         self._get_blocks = None
-        # sliding-window models: vLLM's block pool, where the scheduler pins the blocks a store
-        # reads until every worker reported its save ended (`bind_block_pool`); None: not pinned
-        self._pool = None
-        self._pin_seq = 0
-        self._pins: dict[int, list] = {}  # pinned save -> the KVCacheBlocks touched for it
-        self._pin_reports: dict[int, int] = {}  # pinned save -> workers that reported it ended so far
+        # sliding-window models: the pins on the blocks a store reads, in vLLM's block pool,
+        # until every worker reported its save ended (`bind_block_pool`); None: not pinned
+        self._pins: StorePins | None = None
         self.stats = {"blocks_pinned": 0, "blocks_unpinned": 0}  # (`kvdepot.client.vllm.stats.COUNTERS`)
         pc = vllm_config.parallel_config  # every worker of the engine reports each pinned save
         self._workers = (tp * int(getattr(pc, "pipeline_parallel_size", 1) or 1)
@@ -149,51 +147,12 @@ class SchedulerSide:
         stores whose blocks it may write (``written_block_ids``)."""
         if (self.sliding and self.enabled and KVConnectorWorkerMetadata is not None
                 and hasattr(pool, "touch") and hasattr(pool, "blocks") and not os.environ.get(NO_STORE_PINS_ENV)):
-            self._pool = pool
-
-    def _pin(self, stores: list[StoreJob]) -> int:
-        """Pin the sliding-window blocks ``stores`` read (one reference each, vLLM's
-        ``BlockPool.touch``); returns the save's number, 0 if it reads none."""
-        pool, null = self._pool, self._null_block_id
-        blocks = pool.blocks
-        pinned = []
-        for job in stores:
-            for i in self._sliding_gids:
-                for b in job.block_ids[i]:
-                    if b != null:
-                        blk = blocks[b]
-                        if blk.ref_cnt:  # its request holds it (always, as the step's stores are built)
-                            blk.ref_cnt += 1  # what touch() does to it, less a call per block
-                        else:
-                            pool.touch((blk,))  # in the free queue: taken out of it
-                        pinned.append(blk)
-        if not pinned:
-            return 0
-        self._pin_seq += 1
-        self._pins[self._pin_seq] = pinned
-        self.stats["blocks_pinned"] += len(pinned)
-        return self._pin_seq
-
-    def _unpin(self, worker_meta) -> None:
-        """Drop the pins of the saves every worker has now reported ended."""
-        for seq, n in worker_meta.saves_ended.items():
-            got = self._pin_reports.get(seq, 0) + n
-            if got < self._workers:
-                self._pin_reports[seq] = got
-                continue
-            self._pin_reports.pop(seq, None)
-            pinned = self._pins.pop(seq, None)
-            if pinned:
-                # one reference less each; blocks only the pin held go back to vLLM's free queue
-                # (most of them: vLLM dropped its own when they left the window), as vLLM's
-                # free_blocks would have queued them itself without the pin
-                self._pool.free_blocks(pinned)
-                self.stats["blocks_unpinned"] += len(pinned)
+            self._pins = StorePins(pool, self._sliding_gids, self._workers, self.stats)
 
     @property
     def pinned_blocks(self) -> int:
         """Blocks the scheduler holds a pin on now (sliding-window stores not ended)."""
-        return sum(len(b) for b in self._pins.values())
+        return self._pins.held if self._pins is not None else 0
 
     def _seed_salt(self, request) -> tuple[str, str]:
         cache_salt = request.cache_salt or ""
@@ -391,10 +350,10 @@ class SchedulerSide:
                 if st is not None and (st.store_stopped or st.next_store_chunk >= len(st.keys[0])):
                     del self._unstored[req_id]  # its prompt's chunks are all stored (or never will be)
         meta.release, self._release = self._release, []
-        if self._pool is not None:
+        if self._pins is not None:
             meta.stores_pinned = True
             if meta.stores:
-                meta.pin_seq = self._pin(meta.stores)
+                meta.pin_seq = self._pins.pin(meta.stores, self._null_block_id)
         elif self.sliding and self.enabled:
             meta.written_block_ids = written_blocks(scheduler_output)
         return meta
@@ -505,8 +464,8 @@ class SchedulerSide:
 
     def update_connector_output(self, connector_output) -> None:
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(worker_meta, KVDepotWorkerMeta) and self._pins:
-            self._unpin(worker_meta)
+        if isinstance(worker_meta, KVDepotWorkerMeta) and self._pins is not None and self._pins.saves:
+            self._pins.unpin(worker_meta.saves_ended)
         failed = set(connector_output.failed_recving or ())
         invalid = set(connector_output.invalid_block_ids or ())
         if invalid:
