@@ -132,7 +132,8 @@ def hit_latency(engine: H.Engine, cached: list[list[int]], fresh: list[list[int]
 
 
 def report(r: dict) -> str:
-    """One line per mode; ``r`` has the roofline (``roofline_h2d_gbps``) and ``chunk_bytes``."""
+    """One line per mode; ``r`` has the roofline (``roofline_h2d_gbps``) and ``chunk_bytes``.
+    Adds ``hit_link_ms`` and ``{lone,streaming}_post_to_loaded_vs_link`` to ``r`` (saved with it)."""
     if "lone_post_to_loaded_ms_median" not in r:
         return ""
     link_ms = r["hit_chunks"] * r["chunk_bytes"] / r["roofline_h2d_gbps"] / 1e6
