@@ -30,13 +30,39 @@ import vllm_harness as H
 
 class HitClock:
     """Stamps, per request, when its load was posted and when it was reported loaded (wraps the
-    worker-side connector's ``start_load_kv`` and ``get_transfer_results``)."""
+    worker-side connector's ``start_load_kv`` and ``get_transfer_results``); and, on the transfer
+    thread (wrapping its ``_submit`` and its loads' ``finish``), when its first and last piece
+    got staging-ring room and went to the daemon, and when its last piece ended (its scatter
+    queued), so that a load's time splits into waiting for ring room, at the daemon, and
+    waiting for the engine's next step to report it."""
 
     def __init__(self, engine: H.Engine) -> None:
         self.posted: dict[str, float] = {}
         self.loaded: dict[str, float] = {}
+        self.first_sent: dict[str, float] = {}
+        self.last_sent: dict[str, float] = {}
+        self.ended: dict[str, float] = {}
+        self.steps: list[float] = []  # perf_counter at the end of each engine step (`hit_latency`)
         conn = engine.worker_conn
         start, results = conn.start_load_kv, conn.get_transfer_results
+        mover = conn.worker.mover
+        submit, finish = mover._submit, mover._loads.finish
+
+        def timed_submit(kvreg, batch, stream):
+            got = submit(kvreg, batch, stream)
+            if got is not None:
+                now = time.perf_counter()
+                for q in batch:
+                    if q.kind == "load":
+                        self.first_sent.setdefault(q.req_id, now)
+                        self.last_sent[q.req_id] = now
+            return got
+
+        def timed_finish(job, retrieved):
+            self.ended.setdefault(job.req_id, time.perf_counter())
+            return finish(job, retrieved)
+
+        mover._submit, mover._loads.finish = timed_submit, timed_finish
 
         def start_load_kv(forward_context, **kw):
             meta = conn._get_connector_metadata()
@@ -76,6 +102,7 @@ def hit_latency(engine: H.Engine, cached: list[list[int]], fresh: list[list[int]
 
     def note_first_tokens():
         now = time.perf_counter()
+        clock.steps.append(now)
         for rid in added:
             if rid not in first and engine.runs[rid].outputs:
                 first[rid] = now
@@ -91,6 +118,8 @@ def hit_latency(engine: H.Engine, cached: list[list[int]], fresh: list[list[int]
         rid = add_hit(p)
         lone.append(rid)
         _step_until(engine, lambda: not engine.scheduler.has_requests(), on_step=note_first_tokens)
+    step_ends = {"lone": clock.steps}
+    clock.steps = step_ends["streaming"] = []
     stored_before = engine.worker_conn.worker.stats["stored_chunks"]
     loaded_before = engine.worker_conn.worker.stats["loaded_chunks"]
     # one fresh prompt arrives per step (a step's token budget prefills one), a hit every other
@@ -128,6 +157,17 @@ def hit_latency(engine: H.Engine, cached: list[list[int]], fresh: list[list[int]
         out[f"{name}_post_to_loaded_ms_max"] = max(post) if post else None
         out[f"{name}_added_to_first_token_ms_median"] = statistics.median(ttft) if ttft else None
         out[f"{name}_added_to_first_token_ms_max"] = max(ttft) if ttft else None
+        # where post-to-loaded went: ring room for the first / last piece, the daemon after the
+        # last piece was sent, the engine's next report after the load ended
+        for part, a, b in (("post_to_first_sent", clock.posted, clock.first_sent),
+                           ("post_to_last_sent", clock.posted, clock.last_sent),
+                           ("last_sent_to_ended", clock.last_sent, clock.ended),
+                           ("ended_to_reported", clock.ended, clock.loaded)):
+            got = [1e3 * (b[r] - a[r]) for r in rids if r in a and r in b]
+            out[f"{name}_{part}_ms_median"] = statistics.median(got) if got else None
+        ends = step_ends[name]
+        spans = [t1 - t0 for t0, t1 in zip(ends, ends[1:])]
+        out[f"{name}_step_ms_median"] = 1e3 * statistics.median(spans) if spans else None
     return out
 
 
@@ -153,4 +193,8 @@ def report(r: dict) -> str:
                      f" {r[f'{name}_added_to_first_token_ms_max']:.1f} max (of it, added to posted"
                      f" {r[f'{name}_added_to_posted_ms_median']:.1f}, reported loaded to first token"
                      f" {r[f'{name}_loaded_to_first_token_ms_median']:.1f}; {r[f'{name}_loads_timed']} hits)")
+        parts = [(k, r.get(f"{name}_{k}_ms_median")) for k in
+                 ("post_to_first_sent", "post_to_last_sent", "last_sent_to_ended", "ended_to_reported", "step")]
+        lines.append("    of posted to reported (ms, medians): " + ", ".join(
+            f"{k.replace('_', ' ')} {v:.1f}" for k, v in parts if v is not None))
     return "\n".join(lines)

@@ -101,6 +101,7 @@ import vllm_harness as H  # noqa: E402
 from vllm.utils.gc_utils import freeze_gc_heap  # noqa: E402
 
 from kvdepot.client import KVDepotClient  # noqa: E402
+from kvdepot.client.vllm.config import load_ring_bytes  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from connector_model import FillEngine, FillForward, WaitingFillEngine, WaitingFillForward, shapes  # noqa: E402
@@ -290,7 +291,7 @@ def roofline(nbytes: int) -> dict:
 def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int, requests: int,
                 device: str = "cuda", staging_bytes: int = 0, prompt_chunks: int = CHUNKS_PER_STEP,
                 output_wait: str = "", kv_blocks_factor: float = 1.0, forward_us: float = 0.0,
-                key_source: str = "auto", hits: int = 0) -> dict:
+                key_source: str = "auto", hits: int = 0, load_staging_bytes: int = 0) -> dict:
     tokens = CHUNKS_PER_STEP * chunk  # per step (vLLM's max_num_batched_tokens)
     prompt_tokens = prompt_chunks * chunk
     block_bytes = sum(s.page_size_bytes for s in specs.values())
@@ -301,7 +302,8 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
         cfg = H.make_vllm_config(model, endpoint, chunk_size=chunk, device=device, max_model_len=tokens + 64,
                                  max_num_batched_tokens=tokens, max_num_seqs=requests,
                                  extra={"model_id": f"bench-{name}", "rpc_timeout_s": 30.0,
-                                        "staging_bytes": staging_bytes, "key_source": key_source,
+                                        "staging_bytes": staging_bytes, "load_staging_bytes": load_staging_bytes,
+                                        "key_source": key_source,
                                         "lookup_timeout_s": 5.0, "hold_max_s": 60.0})
         FillForward.forward_us = forward_us
         WaitingFillForward.lag = 1 if output_wait == "previous" else 0
@@ -319,6 +321,7 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
         store = drive(a, prompts, "stores", res["chunk_bytes"])
         staging_bytes = a.worker_conn.worker.staging_bytes()  # the ring used (0 above: the connector's auto size)
         res["staging_bytes"] = staging_bytes
+        res["load_staging_bytes"] = load_ring_bytes(a.worker_conn.worker.cfg)  # 0: loads share the ring
         res.update(decode_steps(a))
     finally:
         a.close()
@@ -404,7 +407,9 @@ def _gc(r: dict, op: str) -> str:
 def report(r: dict) -> str:
     calls = lambda op: ", ".join(f"{k} {v:.0f}" for k, v in sorted(r[f"{op}_per_call_us_median"].items(),  # noqa: E731
                                                                    key=lambda kv: -kv[1]) if v >= 1)
-    return (f"{r['shape']:<24} chunk {r['chunk_tokens']:>3}, ring {r['staging_bytes'] >> 20} MiB, "
+    loads = r.get("load_staging_bytes", 0)
+    return (f"{r['shape']:<24} chunk {r['chunk_tokens']:>3}, ring {r['staging_bytes'] >> 20} MiB"
+            f"{f' + {loads >> 20} MiB for loads' if loads else ' (loads too)'}, "
             f"{r['requests']} prompts of {r['prompt_chunks']} chunks:\n"
             f"  store: {r['store_gbps']:.1f} GB/s = {100 * r['store_vs_roofline']:.1f}% of {r['roofline_d2h_gbps']:.1f}"
             f" (direct {r['direct_store_gbps']:.1f} = {100 * r['direct_store_vs_roofline']:.1f}%); wall"
@@ -474,6 +479,9 @@ def main(argv=None) -> int:
                    help="wait at most this long for the daemon to page-lock L1 before measuring (default 120)")
     p.add_argument("--staging-bytes", type=int, default=0,
                    help="the connector's staging ring (its staging_bytes setting; default 0: its auto size)")
+    p.add_argument("--load-staging-bytes", type=int, default=0,
+                   help="the connector's ring for loads (its load_staging_bytes setting; default 0: its auto size; "
+                        "-1: loads share the staging ring)")
     p.add_argument("--out", default="", help="write the results as JSON here")
     p.add_argument("--profile", default="",
                    help="write a cProfile of the whole run (all shapes, both engines; on Python >= 3.12 every "
@@ -546,7 +554,7 @@ def main(argv=None) -> int:
                     c.flush()
                 r = bench_shape(name, specs, ep, wd, args.chunk, args.requests, args.device, args.staging_bytes,
                                 args.prompt_chunks, args.output_wait, args.kv_blocks_factor, args.forward_us,
-                                args.key_source, args.hits)
+                                args.key_source, args.hits, args.load_staging_bytes)
                 print(report(r) + hits_report(r) if "store_vs_roofline" in r else json.dumps(r), flush=True)
                 results.append(r)
         finally:

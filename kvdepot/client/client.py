@@ -454,7 +454,7 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
     def register(self, model: str, shard: str, chunk_size: int, storages: list[m.StorageSpec],
                  layers: list[m.LayerSpec], groups: list[m.KVGroupSpec], device: str = "cpu",
                  local_storages: Sequence | None = None, staging_bytes: int | None = None,
-                 storage_fds: Sequence[int | None] | None = None) -> Registration:
+                 storage_fds: Sequence[int | None] | None = None, load_staging_bytes: int = 0) -> Registration:
         """Register an engine's KV caches.
 
         storage_fds: CPU engines with sealed memfds (`kvdepot.client.kvcache.ShmKVCache` with
@@ -468,6 +468,9 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
             through a device staging ring of ``staging_bytes`` (default 256 MiB) shared with
             the daemon, which then only copies over PCIe (see `kvdepot.client.staging` for why).
             Without them, or ``staging_bytes=0``, the daemon gathers and scatters itself.
+            ``load_staging_bytes`` (staged only): 0, or a second ring of that many bytes for
+            retrieves alone, so that a retrieve never waits for ring room behind stores the
+            daemon is still copying out (`kvdepot.client.staging.EngineStaging`).
 
         Raises:
             KVDepotError: LAYOUT (layers the daemon cannot describe, chunk size not a multiple
@@ -481,7 +484,7 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
                          groups=groups, pid=os.getpid(), device=device)
         staging = None
         if device != "cpu" and local_storages is not None and staging_bytes != 0:
-            staging = engine_staging(req, local_storages, staging_bytes)
+            staging = engine_staging(req, local_storages, staging_bytes, load_staging_bytes)
             if staging is not None:
                 req.staging = staging.spec
         return self._register(req, staging, list(storage_fds) if storage_fds is not None else None)
@@ -521,7 +524,8 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
         it would otherwise stay taken."""
         new = self._register(reg.request, reg.staging, reg.storage_fds)
         if new.staging is not None and new.boot_id != reg.boot_id:
-            new.staging.ring.reset(new.staging.fence)
+            for ring in new.staging.rings:
+                ring.reset(new.staging.fence)
         return new
 
     def unregister(self, reg: Registration) -> None:

@@ -54,9 +54,10 @@ class Registration:
         return chunk_keys(self.seed(cache_salt), token_ids, self.request.chunk_size, self.request.shard)
 
 
-def engine_staging(req: m.Register, local_storages: Sequence, staging_bytes: int | None):
-    """The engine side of staged transfers, or None (logged) where this process cannot run
-    the kernels."""
+def engine_staging(req: m.Register, local_storages: Sequence, staging_bytes: int | None, load_staging_bytes: int = 0):
+    """The engine side of staged transfers (`EngineStaging`: a ring of ``staging_bytes``, default
+    256 MiB, and one of ``load_staging_bytes`` for retrieves alone where not 0), or None (logged)
+    where this process cannot run the kernels."""
     import logging
 
     from kvdepot.client.staging import DEFAULT_STAGING_BYTES, EngineStaging
@@ -69,7 +70,7 @@ def engine_staging(req: m.Register, local_storages: Sequence, staging_bytes: int
             raise KernelError("the kernel library is unavailable here")
         layout = group_layers(req.layers, req.groups, req.chunk_size, [s.size_bytes for s in req.storages])
         return EngineStaging(kernels, local_storages[0].device, layout, local_storages,
-                             staging_bytes or DEFAULT_STAGING_BYTES)
+                             staging_bytes or DEFAULT_STAGING_BYTES, load_staging_bytes)
     except Exception as exc:  # noqa: BLE001 - the daemon-side path still works
         logging.getLogger("kvdepot.client").warning("engine-side staging off (the daemon gathers): %s", exc)
         return None

@@ -15,6 +15,9 @@ Ring: one device buffer per registration (`Register.staging`), allocated first-i
 (its reply) and its gather has run (its fence word, below); a retrieve's once the engine's
 scatter out of it ended (a local event after the scatter). A request that finds no room waits
 for the oldest region; one larger than the ring goes the daemon-gathers way instead.
+Optionally (`EngineStaging`'s ``load_ring_bytes``) retrieves get a second ring of their own
+after the first in the same buffer, numbered in the same sequence, so that a retrieve never
+waits for room behind stores still being copied out.
 
 Fence words (`FenceWords`): the store is sent as soon as its gather is enqueued, and the
 engine's GPU writes the region's sequence number into a word of host memory shared with the
@@ -81,40 +84,90 @@ class StagingRegion:
         self.is_free = lambda: True
 
 
-class StagingRing:
-    """First-in first-out allocator of 256-byte aligned regions in ``size_bytes`` bytes (the
-    offsets only; the memory is `EngineStaging.buffer`). Thread-safe: several clients (one per
-    thread) may share a registration; a region is reclaimed (its reply waited for) only by its
-    own client, and one of another client's is polled until free, for at most
-    ``foreign_wait_s``. Regions are numbered 1, 2, ... (``seq``); at most ``max_live`` are
-    live at once, so live regions' ``seq % (max_live + 1)`` differ (one fence word each)."""
+class _Numbering:
+    """What the rings of one staging buffer share: their regions' numbers (one sequence, so
+    that each live region of either ring has a fence word of its own and the daemon's
+    `Drain`, which goes by number, covers both) and the lock that guards them."""
 
-    def __init__(self, size_bytes: int, foreign_wait_s: float = 1.0, max_live: int = FENCE_WORDS - 1) -> None:
+    __slots__ = ("lock", "seq", "drained_through", "rings")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seq = 0  # never reset: a fence value is never reused
+        # regions up to this number whose requests were lost are settled (a `Drain` answered)
+        self.drained_through = 0
+        self.rings: list[StagingRing] = []
+
+    def oldest_live(self) -> int | None:
+        """The number of the oldest region live in any of the rings (None: none is); takes the
+        regions that freed off the front of each (a ring that allocates nothing for a while
+        would otherwise keep a freed region's number live). Call with ``lock`` held."""
+        oldest = None
+        for ring in self.rings:
+            live = ring.live
+            while live and live[0].is_free():
+                live.popleft()
+            if live and (oldest is None or live[0].seq < oldest):
+                oldest = live[0].seq
+        return oldest
+
+
+class StagingRing:
+    """First-in first-out allocator of 256-byte aligned regions in ``size_bytes`` bytes from
+    offset ``base`` of the staging buffer (the offsets only; the memory is
+    `EngineStaging.buffer`). Thread-safe: several clients (one per thread) may share a
+    registration; a region is reclaimed (its reply waited for) only by its own client, and one
+    of another client's is polled until free, for at most ``foreign_wait_s``. Regions are
+    numbered 1, 2, ... (``seq``), in one sequence with the rings of the same buffer
+    (``shares``: `EngineStaging.load_ring` numbers with `EngineStaging.ring`); live regions of
+    all of them span at most ``max_live`` numbers, so their ``seq % (max_live + 1)`` differ
+    (one fence word each)."""
+
+    def __init__(self, size_bytes: int, foreign_wait_s: float = 1.0, max_live: int = FENCE_WORDS - 1,
+                 base: int = 0, shares: StagingRing | None = None) -> None:
         self.size_bytes = size_bytes
+        self.base = base
+        self.end = base + size_bytes
         self.foreign_wait_s = foreign_wait_s
         self.max_live = max_live
         self.live: collections.deque[StagingRegion] = collections.deque()
-        self.head = 0  # where the next region starts, if it fits
-        self._seq = 0  # never reset: a fence value is never reused
-        # regions up to this number whose requests were lost are settled (a `Drain` answered)
-        self.drained_through = 0
-        self._lock = threading.Lock()
+        self.head = base  # where the next region starts, if it fits
+        self._numbering = shares._numbering if shares is not None else _Numbering()
+        self._numbering.rings.append(self)
+        self._lock = self._numbering.lock
 
     @property
     def last_seq(self) -> int:
-        """The number of the newest region handed out (0: none yet)."""
-        return self._seq
+        """The number of the newest region handed out (0: none yet), by this ring or one it
+        shares numbers with."""
+        return self._numbering.seq
+
+    @property
+    def drained_through(self) -> int:
+        """Regions up to this number (of this ring and those it shares numbers with) whose
+        requests were lost are settled: a `Drain` through it was answered."""
+        return self._numbering.drained_through
+
+    @drained_through.setter
+    def drained_through(self, seq: int) -> None:
+        self._numbering.drained_through = seq
+
+    def _numbers_for(self, count: int) -> bool:
+        """Whether ``count`` more regions may be numbered now (the live ones and they would span
+        at most ``max_live`` numbers)."""
+        oldest = self._numbering.oldest_live()
+        return oldest is None or self._numbering.seq + count - oldest < self.max_live
 
     def _fit(self, nbytes: int) -> int | None:
         if not self.live:
-            self.head = 0
-            return 0
+            self.head = self.base
+            return self.base
         tail = self.live[0].offset
-        if self.head > tail:  # taken: [tail, head); free: [head, end) and [0, tail)
-            if self.head + nbytes <= self.size_bytes:
+        if self.head > tail:  # taken: [tail, head); free: [head, end) and [base, tail)
+            if self.head + nbytes <= self.end:
                 return self.head
-            return 0 if nbytes <= tail else None
-        # wrapped: taken [tail, end) and [0, head); free: [head, tail) (empty when head == tail)
+            return self.base if self.base + nbytes <= tail else None
+        # wrapped: taken [tail, end) and [base, head); free: [head, tail) (empty when head == tail)
         return self.head if self.head + nbytes <= tail else None
 
     def reset(self, fence: FenceWords | None = None) -> None:
@@ -135,7 +188,7 @@ class StagingRing:
                         r.reclaim = functools.partial(await_word, fence, r.seq, self.foreign_wait_s)
                         keep.append(r)
             self.live = keep
-            self.head = keep[-1].offset + keep[-1].size_bytes if keep else 0
+            self.head = keep[-1].offset + keep[-1].size_bytes if keep else self.base
 
     def alloc(self, nbytes: int, owner: object = None, wait: bool = True,
               fenced: bool = False) -> StagingRegion | None:
@@ -152,10 +205,11 @@ class StagingRing:
             with self._lock:
                 while self.live and self.live[0].is_free():
                     self.live.popleft()
-                off = self._fit(nbytes) if len(self.live) < self.max_live else None
+                off = self._fit(nbytes) if self._numbers_for(1) else None
                 if off is not None:
-                    self._seq += 1
-                    region = StagingRegion(off, nbytes, owner, self._seq, fenced)
+                    numbering = self._numbering
+                    numbering.seq += 1
+                    region = StagingRegion(off, nbytes, owner, numbering.seq, fenced)
                     self.live.append(region)
                     self.head = off + nbytes
                     return region
@@ -185,9 +239,10 @@ class StagingRing:
         with self._lock:
             while self.live and self.live[0].is_free():
                 self.live.popleft()
-            if len(self.live) + len(sizes_bytes) > self.max_live:
+            if not self._numbers_for(len(sizes_bytes)):
                 return None
-            head, seq = self.head, self._seq
+            numbering = self._numbering
+            head, seq = self.head, numbering.seq
             out = []
             for n in sizes_bytes:
                 n = (n + _ALIGN - 1) // _ALIGN * _ALIGN
@@ -195,10 +250,10 @@ class StagingRing:
                 if off is None:
                     for _ in out:  # as if none was placed (their numbers were never seen)
                         self.live.pop()
-                    self.head, self._seq = head, seq
+                    self.head, numbering.seq = head, seq
                     return None
-                self._seq += 1
-                region = StagingRegion(off, n, owner, self._seq, fenced)
+                numbering.seq += 1
+                region = StagingRegion(off, n, owner, numbering.seq, fenced)
                 self.live.append(region)
                 self.head = off + n
                 out.append(region)
@@ -304,7 +359,8 @@ def _release_fence(kernels: Kernels, host_ptr: int, fd: int, mem: torch.Tensor) 
 
 class EngineStaging:
     """A registration's engine side: its layer groups in the kernel library (the engine's own
-    device pointers) and the staging ring.
+    device pointers) and the staging ring(s): ``ring`` for stores, ``load_ring`` for retrieves
+    (the same ring unless ``load_ring_bytes`` is given).
 
     Args:
         kernels: the kernel library, loaded in the engine's process.
@@ -314,13 +370,18 @@ class EngineStaging:
         storages: the engine's storage tensors (index = `LayerSpec.storage`); layer offsets are
             relative to their ``data_ptr()``.
         ring_bytes: bytes of the ring (device memory of the engine's GPU).
+        load_ring_bytes: 0, or the bytes of a second ring, after the first in the same buffer,
+            for retrieves alone: a retrieve then never waits for room behind stores whose
+            bytes the daemon is still copying out (a first-in first-out ring frees its regions
+            in order), e.g. a prefix hit's load while other prompts' stores fill the link.
 
     Raises:
         KernelError: the library refuses the layout; torch.OutOfMemoryError for the ring.
     """
 
     def __init__(self, kernels: Kernels, device: torch.device, layout: EngineLayout,
-                 storages: Sequence[torch.Tensor], ring_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+                 storages: Sequence[torch.Tensor], ring_bytes: int = DEFAULT_STAGING_BYTES,
+                 load_ring_bytes: int = 0) -> None:
         self.kernels = kernels
         self.device = device
         self.layout = layout
@@ -330,9 +391,11 @@ class EngineStaging:
         self.handle = kernels.engine_create(device.index if device.index is not None else torch.cuda.current_device(),
                                             descs, layer_ptrs, layout.chunk_size, layout.object_bytes)
         self._gids = [g.gid for g in layout.groups]
-        self.buffer = torch.empty(ring_bytes, dtype=torch.uint8, device=device)
+        self.buffer = torch.empty(ring_bytes + load_ring_bytes, dtype=torch.uint8, device=device)
         self.base_ptr = self.buffer.data_ptr()
         self.ring = StagingRing(ring_bytes)
+        self.load_ring = StagingRing(load_ring_bytes, base=ring_bytes, shares=self.ring) if load_ring_bytes else self.ring
+        self.rings = [self.ring] if self.load_ring is self.ring else [self.ring, self.load_ring]
         self.spec: StorageSpec = export_cuda_storage(self.buffer)
         try:
             self.fence: FenceWords | None = FenceWords(kernels, self.ring.max_live + 1)
@@ -420,7 +483,7 @@ class EngineStaging:
         if self.fence is None:
             return
         with self.ring._lock:
-            seqs = [r.seq for r in self.ring.live if r.gated]
+            seqs = [r.seq for ring in self.rings for r in ring.live if r.gated]
         for seq in seqs:
             self.fence.open_gate(seq)
 

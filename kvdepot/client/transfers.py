@@ -162,7 +162,7 @@ class TransferRequests:
             check_chains(reg, skip_tokens)
         region = None
         if reg.staging is not None and keys:
-            region = reg.staging.ring.alloc(len(keys) * reg.object_bytes, self, wait=wait_for_room)
+            region = reg.staging.load_ring.alloc(len(keys) * reg.object_bytes, self, wait=wait_for_room)
             if region is None:
                 if not wait_for_room:
                     return None

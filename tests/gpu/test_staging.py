@@ -21,7 +21,7 @@ def daemon(tmp_path_factory):
     yield from serve(tmp_path_factory.mktemp("staging-daemon"), "1g")
 
 
-def _engine(daemon, staging_bytes):
+def _engine(daemon, staging_bytes, load_staging_bytes=0):
     from kvdepot.client import KVDepotClient
     from kvdepot.client.kvcache import KVGroupShape, ShmKVCache
 
@@ -29,7 +29,8 @@ def _engine(daemon, staging_bytes):
     cache = ShmKVCache(groups, NUM_BLOCKS, "LBNHC", device=torch.device("cuda"))
     c = KVDepotClient(daemon, timeout_s=30)
     reg = c.register("staging-test", "tp0of1", CHUNK, cache.storage_specs(), cache.layer_specs(),
-                     cache.group_specs(), device="cuda", local_storages=[cache.storage], staging_bytes=staging_bytes)
+                     cache.group_specs(), device="cuda", local_storages=[cache.storage], staging_bytes=staging_bytes,
+                     load_staging_bytes=load_staging_bytes)
     return c, cache, groups, reg
 
 
@@ -139,6 +140,55 @@ def test_stores_behind_a_busy_engine_stream_wait_for_its_gather(daemon):
         for got, ref in outs:
             for a, b in zip(got, ref):
                 assert torch.equal(a, b)
+    finally:
+        c.unregister(reg)
+        c.close()
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated-scatter", "scatter-after-reply"])
+def test_retrieves_through_a_load_ring_of_their_own_pass_stores_that_fill_theirs(daemon, gated):
+    """``load_staging_bytes``: retrieves take room in a second ring after the first, so they
+    complete, bit-exact, while every region of the store ring is held by stores whose gathers
+    wait behind a busy engine stream (in one shared ring they would wait for those)."""
+    probe_c, _, _, probe = _engine(daemon, 1 << 20)
+    ob = probe.object_bytes
+    probe_c.unregister(probe)
+    probe_c.close()
+    c, cache, groups, reg = _engine(daemon, 4 * ob, 4 * ob)
+    try:
+        st = reg.staging
+        assert st is not None and st.load_ring is not st.ring and st.load_ring.base == 4 * ob
+        rng = random.Random(11 + gated)  # (the daemon is the module's: other keys per case)
+        cached = []
+        for ids in _disjoint_ids(rng, groups, 1, 4):
+            keys = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
+            cache.storage.copy_(torch.randint(0, 256, (cache.size_bytes,), dtype=torch.uint8, device="cuda"))
+            ref = [cache.read_tokens(li, ids[gid], as_bytes=True).clone() for li, gid in enumerate(cache.layer_gids)]
+            assert c.store(reg, keys, ids, after=torch.cuda.current_stream()).stored == 1
+            cached.append((keys, ref))
+        torch.cuda.synchronize()
+        busy = torch.cuda.Stream()
+        held = []
+        with torch.cuda.stream(busy):
+            torch.cuda._sleep(2_000_000_000)  # about a second: the stores' gathers wait behind it
+            for _ in range(4):
+                keys = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
+                held.append(c.submit_store(reg, keys, _ids(rng, groups, 1), after=busy))
+        assert len(st.ring.live) == 4 and not any(r.is_free() for r in st.ring.live)  # the store ring is full
+        cache.storage.fill_(0x5A)
+        here = torch.cuda.current_stream()
+        for keys, ref in cached:
+            ids = _ids(rng, groups, 1)
+            pend = c.submit_retrieve(reg, keys, ids, scatter_on=here if gated else None)
+            region = st.load_ring.live[-1]
+            assert region.offset >= 4 * ob and pend._gated == (gated and st.landed_active)
+            assert pend.result(before=here) == 1
+            here.synchronize()
+            for (li, gid), want in zip(enumerate(cache.layer_gids), ref):
+                assert torch.equal(cache.read_tokens(li, ids[gid], as_bytes=True), want)
+        assert not busy.query()  # all of it while the stores still held their ring
+        busy.synchronize()
+        assert [p.result().stored for p in held] == [1] * 4
     finally:
         c.unregister(reg)
         c.close()

@@ -102,6 +102,48 @@ def test_live_regions_have_distinct_fence_words_and_numbers_are_never_reused():
     assert ring.alloc(256).seq == 5
 
 
+def test_a_load_ring_beside_the_store_ring_has_room_of_its_own_and_numbers_in_one_sequence():
+    """`EngineStaging.load_ring`: a second ring after the first in the same buffer, for
+    retrieves. A full store ring leaves its room alone; both number their regions in one
+    sequence, and their live regions span at most max_live numbers (one fence word each)."""
+    stores = StagingRing(1024, max_live=4)
+    loads = StagingRing(1024, base=1024, shares=stores, max_live=4)
+    a, b = stores.alloc(512, wait=False), stores.alloc(512, wait=False)
+    assert stores.alloc(256, wait=False) is None  # the store ring is full...
+    x = loads.alloc(768, wait=False)  # ...the load ring is not: its room starts at its base
+    assert (x.offset, x.size_bytes) == (1024, 768)
+    assert [a.seq, b.seq, x.seq] == [1, 2, 3] and stores.last_seq == loads.last_seq == 3
+    assert loads.alloc(512, wait=False) is None  # no room: it never reaches past its own part
+    x.is_free = lambda: True
+    y = loads.alloc(512, wait=False)
+    assert y.offset == 1024 and y.seq == 4  # wrapped to its own base
+    # live numbers 1, 2 (stores) and 4 (loads): a fifth number would make them span 5 > max_live
+    # though the load ring has room
+    assert loads.alloc(256, wait=False) is None
+    a.is_free = lambda: True  # the oldest number frees: 2..5 fit
+    z = loads.alloc(256, wait=False)
+    assert (z.offset, z.seq) == (1536, 5)
+    live = [r.seq for ring in (stores, loads) for r in ring.live]
+    assert sorted(live) == [2, 4, 5] and len({n % 5 for n in live}) == 3
+    # a Drain (by number) settles both rings' regions
+    loads.drained_through = 4
+    assert stores.drained_through == 4
+
+
+def test_an_idle_ring_does_not_keep_a_freed_region_number_live():
+    """A ring that allocates nothing for a while pops no freed region of its own: the other
+    ring's numbering takes them off, so stores never stall on an old load's number."""
+    stores = StagingRing(1 << 20, max_live=3)
+    loads = StagingRing(1 << 20, base=1 << 20, shares=stores, max_live=3)
+    old = loads.alloc(256)
+    old.is_free = lambda: True
+    for _ in range(10):
+        r = stores.alloc(256, wait=False)
+        assert r is not None
+        r.is_free = lambda: True
+    assert list(loads.live) == []
+
+
 def test_a_fenced_store_region_is_free_only_once_its_gather_ran():
     """After the reply (or an error reply) the region stays taken until the fence word holds
     its number: the gather may still be queued on the engine's stream."""
@@ -239,8 +281,9 @@ def _staged_client(gather_fails: bool):
 
     fence = _fence_words()
     fence.signal = lambda seq, stream: calls.append(("signal", seq))
-    staging = types.SimpleNamespace(fence_active=True, landed_active=False, fence=fence, ring=StagingRing(4096), gather=gather,
-                                    device=None)
+    ring = StagingRing(4096)
+    staging = types.SimpleNamespace(fence_active=True, landed_active=False, fence=fence, ring=ring, load_ring=ring,
+                                    rings=[ring], gather=gather, device=None)
     reg = types.SimpleNamespace(staging=staging, object_bytes=1024, id="r1")
     c.submit = submit
     return c, reg, calls

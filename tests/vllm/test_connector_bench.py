@@ -54,3 +54,9 @@ def test_connector_benchmark_times_hits_alone_and_while_stores_stream(tmp_path):
         assert r[f"{mode}_loads_timed"] == 2
         assert 0 < r[f"{mode}_post_to_loaded_ms_median"] <= r[f"{mode}_post_to_loaded_ms_max"]
         assert r[f"{mode}_post_to_loaded_ms_median"] <= r[f"{mode}_added_to_first_token_ms_max"]
+        # the split of posted-to-reported: ring room, the daemon, the next report (each hit's
+        # parts add up to its whole, so no part's median exceeds the largest whole)
+        parts = [r[f"{mode}_{k}_ms_median"] for k in ("post_to_last_sent", "last_sent_to_ended", "ended_to_reported")]
+        assert all(v is not None and 0 <= v <= r[f"{mode}_post_to_loaded_ms_max"] for v in parts), parts
+        assert r[f"{mode}_post_to_first_sent_ms_median"] <= r[f"{mode}_post_to_last_sent_ms_median"]
+        assert r[f"{mode}_step_ms_median"] > 0

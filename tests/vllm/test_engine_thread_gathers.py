@@ -71,7 +71,7 @@ class _Client:
 def _thread(ring_objects: int = 16, chains: bool = False):
     ring = StagingRing(ring_objects * OBJECT_BYTES)
     client = _Client(ring)
-    kvreg = types.SimpleNamespace(staging=types.SimpleNamespace(fence_active=True, ring=ring),
+    kvreg = types.SimpleNamespace(staging=types.SimpleNamespace(fence_active=True, ring=ring, load_ring=ring, rings=[ring]),
                                   object_bytes=OBJECT_BYTES, chains=chains)
     reg = types.SimpleNamespace(device="cuda", ratio=[1, 1], groups=[types.SimpleNamespace(tokens_per_block=TPB)] * 2,
                                 expand=lambda g, ids: list(ids))

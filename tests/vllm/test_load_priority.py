@@ -51,3 +51,76 @@ def test_loads_go_ahead_of_queued_stores_in_their_own_order():
         assert [p.req_id for p in mv._queue] == ["c"]
     finally:
         mv._wake.close()
+
+
+class _RingClient:
+    """Stands in for `KVDepotClient`: a store takes room in the store ring, a retrieve in the
+    load ring (as `KVDepotClient.submit_store` / `submit_retrieve` do), never waiting."""
+
+    def __init__(self, staging) -> None:
+        self.staging = staging
+        self.generation, self.up = 0, True
+        self.sent: list[tuple[str, str]] = []
+
+    def poll(self, *a) -> None:
+        pass
+
+    def _sent(self, ring, kind: str, keys, request: str):
+        region = ring.alloc(len(keys) * 256, self, wait=False)
+        if region is None:
+            return None
+        self.sent.append((kind, request))
+        return types.SimpleNamespace(done=lambda: False)
+
+    def submit_store(self, kvreg, keys, block_ids, parent=b"", cache_salt="", request="", after=None,
+                     wait_for_room=True):
+        return self._sent(self.staging.ring, "store", keys, request)
+
+    def submit_retrieve(self, kvreg, keys, block_ids, skip_tokens=0, request="", wait_for_room=True):
+        return self._sent(self.staging.load_ring, "load", keys, request)
+
+
+@pytest.mark.parametrize("own_load_ring", [True, False])
+def test_with_a_load_ring_of_their_own_a_waiting_load_holds_back_no_store_nor_a_store_a_load(own_load_ring):
+    """`EngineStaging.load_ring`: a load finding no room in its ring lets the stores queued
+    behind it go out through theirs, and stores without room let loads go; with one shared
+    ring the first piece without room stops the queue, as it must (first in, first out)."""
+    from kvdepot.client.staging import StagingRing
+
+    ring = StagingRing(4 * 256)
+    load_ring = StagingRing(2 * 256, base=4 * 256, shares=ring) if own_load_ring else ring
+    staging = types.SimpleNamespace(ring=ring, load_ring=load_ring,
+                                    rings=[ring, load_ring] if own_load_ring else [ring])
+    mv = _thread()
+    client = _RingClient(staging)
+    mv.client = mv.side.client = client
+    mv.side.kvreg = types.SimpleNamespace(staging=staging, object_bytes=256, chains=False)
+    mv.side.reg_generation, mv.side.stores_skip_when_full = 0, False
+    mv.side.cfg.rpc_timeout_s = mv.side.cfg.hold_max_s = 60.0
+    try:
+        held = load_ring.alloc(2 * 256 if own_load_ring else 3 * 256)  # the loads' room is taken
+        mv._queue = collections.deque([Piece("hit", "load", [b"k" * 16] * 2, [[1]], queued_at=1e18)]
+                                      + [Piece(f"s{i}", "store", [bytes([i]) * 16], [[1]], queued_at=1e18)
+                                         for i in range(3)])
+        mv._pump()
+        if own_load_ring:
+            assert client.sent == [("store", "s0"), ("store", "s1"), ("store", "s2")]
+            assert [p.req_id for p in mv._queue] == ["hit"]
+        else:
+            assert client.sent == [] and len(mv._queue) == 4
+        held.is_free = lambda: True
+        mv._pump()
+        assert ("load", "hit") in client.sent
+        if own_load_ring:
+            # the store ring full (3 of its 4 regions taken, t0 takes the last, t1 waits): a load still goes
+            more = [Piece(f"t{i}", "store", [bytes([i]) * 16] * (i + 1), [[1]], queued_at=1e18) for i in range(2)]
+            mv._queue.extend(more)
+            mv._pump()
+            assert [p.req_id for p in mv._queue] == ["t1"]
+            for r in load_ring.live:
+                r.is_free = lambda: True
+            mv._queue.appendleft(Piece("hit2", "load", [b"k" * 16], [[1]], queued_at=1e18))
+            mv._pump()
+            assert client.sent[-1] == ("load", "hit2") and [p.req_id for p in mv._queue] == ["t1"]
+    finally:
+        mv._wake.close()

@@ -12,7 +12,8 @@ pytest.importorskip("vllm")
 
 import vllm_harness as H  # noqa: E402
 from kvdepot.client import KVDepotClient  # noqa: E402
-from kvdepot.client.vllm.config import ConnectorConfig, auto_staging_bytes, check_chunk_size  # noqa: E402
+from kvdepot.client.vllm.config import (ConnectorConfig, auto_staging_bytes, check_chunk_size,  # noqa: E402
+                                         load_ring_bytes)
 from kvdepot.client.vllm.layout import (  # noqa: E402
     ShmSegments,
     build_registration,
@@ -55,6 +56,17 @@ def test_extra_config_defaults_and_validation(monkeypatch):
     assert ConnectorConfig.from_extra({"staging_bytes": 1 << 20}).staging_bytes == 1 << 20
     with pytest.raises(ValueError, match="staging_bytes: 4096 must be 0 \\(auto\\) or >= 1 MiB"):
         ConnectorConfig.from_extra({"staging_bytes": 4096})
+
+
+def test_loads_get_a_staging_ring_of_their_own_unless_told_to_share():
+    mib = 1 << 20
+    assert load_ring_bytes(ConnectorConfig.from_extra({})) == 256 * mib  # auto
+    assert load_ring_bytes(ConnectorConfig.from_extra({"load_staging_bytes": 64 * mib})) == 64 * mib
+    assert load_ring_bytes(ConnectorConfig.from_extra({"load_staging_bytes": -1})) == 0  # shared
+    assert load_ring_bytes(ConnectorConfig.from_extra({"load": False})) == 0  # nothing to load
+    for bad in (4096, -2):
+        with pytest.raises(ValueError, match="load_staging_bytes: .* must be 0 \\(auto\\), -1"):
+            ConnectorConfig.from_extra({"load_staging_bytes": bad})
 
 
 def test_auto_staging_ring_holds_two_steps_of_stores_for_sliding_window_models():

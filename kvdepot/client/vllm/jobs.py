@@ -1,16 +1,19 @@
 """Jobs -> pieces for the worker's transfer thread (`kvdepot.client.vllm.mover`): this shard's
 chunk keys, registered block ids, the split of a job into pieces of at most a quarter of the
-staging ring, and the ways a store's chunks reach the ring (gathered on the thread's stream after
-an engine event, or on the engine's stream: `JobPieces.stage_saves`)."""
+staging ring, the ways a store's chunks reach the ring (gathered on the thread's stream after
+an engine event, or on the engine's stream: `JobPieces.stage_saves`), and the sending of queued
+pieces as the ring has room (`JobPieces._pump`)."""
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
 import time
 
 from kvdepot.client.hashing import shard_keys, shard_mask
+from kvdepot.client.many import RetrieveItem, StoreItem
 from kvdepot.client.vllm.layout import Registration
 from kvdepot.client.vllm.pieces import Load, Op, Piece
 from kvdepot.client.vllm.plan import LoadJob, StoreJob
@@ -26,12 +29,13 @@ TOGETHER = "together"  # `JobPieces.stage_saves`: this job's chunks are in the s
 # `stage_saves`: a job of several pieces gathered by one call (`_stage_pieces`); off
 # ($KVDEPOT_NO_JOB_GATHER set): one call per piece, for comparisons
 ONE_GATHER = not os.environ.get("KVDEPOT_NO_JOB_GATHER")
+_MAX_RUNS = 64  # queued pieces sent in one request at most (`JobPieces._batch`)
 
 
 class JobPieces:
     """Mixed into `kvdepot.client.vllm.mover.TransferThread` (its state: ``side``, ``cfg``,
-    ``client``, ``_queue``, ``_ops``, ``_stopped``, ``_masks``, ``_loads``; its ``_pump`` and
-    ``_drop``)."""
+    ``client``, ``_queue``, ``_ops``, ``_stopped``, ``_masks``, ``_loads``, ``_side``; its
+    ``_collect`` and ``_drop``)."""
 
     _warned_window = False  # `_window_blocks_only` logged its warning
 
@@ -43,12 +47,14 @@ class JobPieces:
             mask = self._masks[seed] = shard_mask(seed, self.side.shard)
         return shard_keys(chain, [mask])[0]
 
-    def _piece_chunks(self) -> int:
-        """Most chunks per piece: a quarter of the ring, so that several are in flight."""
+    def _piece_chunks(self, kind: str = "store") -> int:
+        """Most chunks per piece of a ``kind`` ("store" / "load") job: a quarter of the ring it
+        goes through (loads: `EngineStaging.load_ring`), so that several are in flight."""
         kvreg = self.side.kvreg
         if kvreg is None or kvreg.staging is None:
             return 1 << 30
-        return max(1, kvreg.staging.ring.size_bytes // 4 // kvreg.object_bytes)
+        st = kvreg.staging
+        return max(1, (st.load_ring if kind == "load" else st.ring).size_bytes // 4 // kvreg.object_bytes)
 
     def _block_ids(self, reg: Registration, g: int, ids: list[int], null_id: int | None) -> list[int]:
         """Manager block ids of daemon gid ``g`` -> registered block ids; ``null_id`` -> -1."""
@@ -66,7 +72,7 @@ class JobPieces:
             return
         keys = self._keys(job.chain, job.seed)
         c = self.cfg.chunk_size
-        per = self._piece_chunks()
+        per = self._piece_chunks("load")
         reg = side.reg
         ids = [self._block_ids(reg, g, b, null_id) for g, b in enumerate(job.block_ids)]
         bpc = [c // gs.tokens_per_block for gs in reg.groups]
@@ -351,3 +357,124 @@ class JobPieces:
                 except KVDepotError as exc:
                     log.error("kvdepot: store of preempted request %s did not end (%s); its blocks are reused now",
                               op.piece.req_id, exc)
+
+    # ------------------------------------------------------------------ sending
+
+    def _pump(self, stores_now: bool = False) -> None:
+        """Send queued pieces, in order, while the staging ring has room (never waits for it).
+        ``stores_now``: this step's stores must be gathered now or never (sliding-window models).
+        Where loads have a ring of their own (`EngineStaging.load_ring`), a load without room
+        does not hold back the stores queued behind it, nor they the loads."""
+        q = self._queue
+        if not q:
+            return
+        side, c = self.side, self.client
+        c.poll()
+        self._collect()
+        kvreg = side.kvreg
+        stream = self._side
+        waited = None  # the engine event the side stream waits on already
+        # kinds whose ring had no room in this pass (one ring: a full ring stops both)
+        full: set[str] = set()
+        own_load_ring = kvreg is not None and kvreg.staging is not None and len(kvreg.staging.rings) > 1
+        at = 0  # the queue's first piece of a kind not in ``full`` (loads come before stores)
+        while at < len(q):
+            p = q[at]
+            if p.kind in full:
+                at += 1
+                continue
+            if kvreg is None or side.reg_generation != c.generation or not c.up:
+                self._drop(self._take(at), "the daemon is not available")
+                continue
+            if p.kind == "store" and p.req_id in self._stopped:
+                self._take(at)
+                side.stats["store_failures"] += 1
+                continue
+            batch = self._batch(kvreg, at)
+            for b in batch:
+                if stream is not None and b.after is not None and b.after is not waited:
+                    stream.wait_event(b.after)  # GPU-side: after the engine's forward / block allocation
+                    waited = b.after
+            try:
+                pending = self._submit(kvreg, batch, stream)
+                if pending is None and len(batch) > 1:  # no room for all of them: the first alone
+                    batch = batch[:1]
+                    pending = self._submit(kvreg, batch, stream)
+            except KVDepotError as exc:
+                if exc.code in DOWN:
+                    c.mark_down()
+                self._drop(self._take(at), str(exc))
+                continue
+            if pending is None:  # no room in the ring now
+                if p.kind == "store" and (stores_now and side.stores_skip_when_full):
+                    self._take(at)
+                    side.stats["stores_skipped_ring_full"] += 1
+                    self._stopped.add(p.req_id)
+                    continue
+                if time.monotonic() - p.queued_at > self.cfg.rpc_timeout_s:
+                    self._take(at)  # the daemon drains the ring too slowly
+                    if p.kind == "store":
+                        side.stats["stores_skipped_ring_full"] += 1
+                        self._stopped.add(p.req_id)
+                    else:
+                        self._loads.piece_ended(p, 0)  # recomputed
+                    continue
+                if not p.waited:  # a piece waits once however many pumps find the ring still full
+                    p.waited = True
+                    side.stats["pieces_queued"] += 1
+                if not own_load_ring:
+                    break
+                full.add(p.kind)
+                continue
+            now = time.monotonic()
+            if len(batch) == 1:
+                self._take(at)
+                self._ops.append(Op(p, pending, c.generation, now))
+                continue
+            for i, b in enumerate(batch):
+                self._take(at)
+                self._ops.append(Op(b, pending, c.generation, now, run=i))
+
+    def _take(self, at: int) -> Piece:
+        """Remove and return the queue's piece at index ``at``."""
+        q = self._queue
+        if at == 0:
+            return q.popleft()
+        p = q[at]
+        del q[at]
+        return p
+
+    def _batch(self, kvreg, at: int = 0) -> list[Piece]:
+        """The queue's piece at ``at``, and the pieces right behind it that may go in the same request
+        (`KVDepotClient.submit_store_many` / `submit_retrieve_many`): same kind, stores of one
+        cache salt whose requests still store, at most a piece's chunks in all (a quarter of the
+        ring), and a daemon that takes several runs per request (CUDA retrieves: staged only)."""
+        q = self._queue
+        first = q[at]
+        if len(q) == at + 1 or not kvreg.chains or (
+                first.kind == "load" and kvreg.staging is None and kvreg.request.device == "cuda"):
+            return [first]
+        room = self._piece_chunks(first.kind) - len(first.keys)
+        out = [first]
+        for p in itertools.islice(q, at + 1, at + _MAX_RUNS):
+            if (p.kind != first.kind or len(p.keys) > room or not p.keys
+                    or (p.kind == "store" and (p.cache_salt != first.cache_salt or p.req_id in self._stopped))):
+                break
+            out.append(p)
+            room -= len(p.keys)
+        return out
+
+    def _submit(self, kvreg, batch: list[Piece], stream):
+        """Send ``batch`` (`_batch`) as one request; None: no room in the staging ring now."""
+        c = self.client
+        if len(batch) == 1:
+            p = batch[0]
+            if p.kind == "store":
+                return c.submit_store(kvreg, p.keys, p.block_ids, p.parent, p.cache_salt, p.req_id,
+                                      after=stream, wait_for_room=False)
+            return c.submit_retrieve(kvreg, p.keys, p.block_ids, p.skip_tokens, p.req_id, wait_for_room=False)
+        if batch[0].kind == "store":
+            return c.submit_store_many(kvreg, [StoreItem(p.keys, p.block_ids, p.parent) for p in batch],
+                                       batch[0].cache_salt, after=stream, wait_for_room=False)
+        return c.submit_retrieve_many(kvreg, [RetrieveItem(p.keys, p.block_ids, p.skip_tokens) for p in batch],
+                                      wait_for_room=False)

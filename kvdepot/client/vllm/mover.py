@@ -4,7 +4,7 @@ commands and takes results; this thread owns the `KVDepotClient`, the staging ri
 piece in flight.
 
 Ordering with the engine's CUDA stream (the thread gathers and scatters on a stream of its own,
-the *side stream*):
+the *side stream*; loads' scatters on a stream of their own were measured no faster, twice):
 
 * a store's gather waits (GPU-side) on an event this thread records on the engine's stream
   when it takes the step's save, after the forward that wrote the blocks (``wait_for_save``
@@ -39,7 +39,6 @@ daemon down; its request keeps its blocks until the answer, the daemon's restart
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import queue
 import threading
@@ -48,7 +47,6 @@ import time
 import torch
 
 from kvdepot.client.client import KVDepotClient
-from kvdepot.client.many import RetrieveItem, StoreItem
 from kvdepot.client.vllm.jobs import DOWN, JobPieces
 from kvdepot.client.vllm.pieces import LoadOutcomes, Op, Piece, PinnedSaves, PostedSave, Preemption, Results, Wake
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
@@ -59,7 +57,6 @@ _REPLY_POLL_S = 1e-3  # while replies are due: the socket is watched this long a
 _ROOM_POLL_S = 100e-6  # while pieces wait for ring room and no reply is due
 _IDLE_S = 0.05  # nothing in flight: wait this long for a command at a time
 _FULL_PASS_S = 0.01  # ops in flight: look at them at least this often (timeouts), replies or not
-_MAX_RUNS = 64  # queued pieces sent in one request at most (`TransferThread._batch`)
 
 
 class TransferThread(JobPieces):
@@ -236,8 +233,7 @@ class TransferThread(JobPieces):
         kvreg = self.side.kvreg
         if kvreg is None or kvreg.staging is None:
             return False
-        live = kvreg.staging.ring.live
-        return bool(live) and live[0].is_free()
+        return any(ring.live and ring.live[0].is_free() for ring in kvreg.staging.rings)
 
     def _next(self):
         try:
@@ -413,103 +409,6 @@ class TransferThread(JobPieces):
         self._collect()
 
     # ------------------------------------------------------------------ sending and collecting
-
-    def _pump(self, stores_now: bool = False) -> None:
-        """Send queued pieces, in order, while the staging ring has room (never waits for it).
-        ``stores_now``: this step's stores must be gathered now or never (sliding-window models)."""
-        if not self._queue:
-            return
-        side, c = self.side, self.client
-        c.poll()
-        self._collect()
-        kvreg = side.kvreg
-        stream = self._side
-        waited = None  # the engine event the side stream waits on already
-        while self._queue:
-            p = self._queue[0]
-            if kvreg is None or side.reg_generation != c.generation or not c.up:
-                self._drop(self._queue.popleft(), "the daemon is not available")
-                continue
-            if p.kind == "store" and p.req_id in self._stopped:
-                self._queue.popleft()
-                side.stats["store_failures"] += 1
-                continue
-            batch = self._batch(kvreg)
-            for q in batch:
-                if stream is not None and q.after is not None and q.after is not waited:
-                    stream.wait_event(q.after)  # GPU-side: after the engine's forward / block allocation
-                    waited = q.after
-            try:
-                pending = self._submit(kvreg, batch, stream)
-                if pending is None and len(batch) > 1:  # no room for all of them: the first alone
-                    batch = batch[:1]
-                    pending = self._submit(kvreg, batch, stream)
-            except KVDepotError as exc:
-                if exc.code in DOWN:
-                    c.mark_down()
-                self._drop(self._queue.popleft(), str(exc))
-                continue
-            if pending is None:  # no room in the ring now
-                if p.kind == "store" and (stores_now and side.stores_skip_when_full):
-                    self._queue.popleft()
-                    side.stats["stores_skipped_ring_full"] += 1
-                    self._stopped.add(p.req_id)
-                    continue
-                if time.monotonic() - p.queued_at > self.cfg.rpc_timeout_s:
-                    self._queue.popleft()  # the daemon drains the ring too slowly
-                    if p.kind == "store":
-                        side.stats["stores_skipped_ring_full"] += 1
-                        self._stopped.add(p.req_id)
-                    else:
-                        self._loads.piece_ended(p, 0)  # recomputed
-                    continue
-                if not p.waited:  # a piece waits once however many pumps find the ring still full
-                    p.waited = True
-                    side.stats["pieces_queued"] += 1
-                break
-            now = time.monotonic()
-            if len(batch) == 1:
-                self._queue.popleft()
-                self._ops.append(Op(p, pending, c.generation, now))
-                continue
-            for i, q in enumerate(batch):
-                self._queue.popleft()
-                self._ops.append(Op(q, pending, c.generation, now, run=i))
-
-    def _batch(self, kvreg) -> list[Piece]:
-        """The queue's first piece, and the pieces right behind it that may go in the same request
-        (`KVDepotClient.submit_store_many` / `submit_retrieve_many`): same kind, stores of one
-        cache salt whose requests still store, at most a piece's chunks in all (a quarter of the
-        ring), and a daemon that takes several runs per request (CUDA retrieves: staged only)."""
-        q = self._queue
-        first = q[0]
-        if len(q) == 1 or not kvreg.chains or (
-                first.kind == "load" and kvreg.staging is None and kvreg.request.device == "cuda"):
-            return [first]
-        room = self._piece_chunks() - len(first.keys)
-        out = [first]
-        for p in itertools.islice(q, 1, _MAX_RUNS):
-            if (p.kind != first.kind or len(p.keys) > room or not p.keys
-                    or (p.kind == "store" and (p.cache_salt != first.cache_salt or p.req_id in self._stopped))):
-                break
-            out.append(p)
-            room -= len(p.keys)
-        return out
-
-    def _submit(self, kvreg, batch: list[Piece], stream):
-        """Send ``batch`` (`_batch`) as one request; None: no room in the staging ring now."""
-        c = self.client
-        if len(batch) == 1:
-            p = batch[0]
-            if p.kind == "store":
-                return c.submit_store(kvreg, p.keys, p.block_ids, p.parent, p.cache_salt, p.req_id,
-                                      after=stream, wait_for_room=False)
-            return c.submit_retrieve(kvreg, p.keys, p.block_ids, p.skip_tokens, p.req_id, wait_for_room=False)
-        if batch[0].kind == "store":
-            return c.submit_store_many(kvreg, [StoreItem(p.keys, p.block_ids, p.parent) for p in batch],
-                                       batch[0].cache_salt, after=stream, wait_for_room=False)
-        return c.submit_retrieve_many(kvreg, [RetrieveItem(p.keys, p.block_ids, p.skip_tokens) for p in batch],
-                                      wait_for_room=False)
 
     def _drop(self, p: Piece, why: str) -> None:
         if p.kind == "store":

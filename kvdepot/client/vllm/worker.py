@@ -39,7 +39,7 @@ import torch
 
 from kvdepot.client.client import KVDepotClient
 from kvdepot.client.hashing import shard_name
-from kvdepot.client.vllm.config import STAGING_MIN_BYTES, ConnectorConfig, auto_staging_bytes
+from kvdepot.client.vllm.config import STAGING_MIN_BYTES, ConnectorConfig, auto_staging_bytes, load_ring_bytes
 from kvdepot.client.vllm.layout import Registration, TransferGroup, build_registration
 from kvdepot.client.vllm.mover import DOWN, TransferThread
 from kvdepot.client.vllm.pieces import PostedSave
@@ -137,7 +137,8 @@ class WorkerSide:
             else:
                 new = c.register(self.model_id, self.shard, self.cfg.chunk_size, reg.storages, reg.layers, reg.groups,
                                  device=reg.device, local_storages=reg.local if reg.device == "cuda" else None,
-                                 staging_bytes=self.staging_bytes(), storage_fds=reg.storage_fds)
+                                 staging_bytes=self.staging_bytes(), storage_fds=reg.storage_fds,
+                                 load_staging_bytes=load_ring_bytes(self.cfg))
         except KVDepotError as exc:
             if exc.code in DOWN:
                 log.warning("kvdepot: registration failed (%s); retrying while the daemon is reachable", exc)
@@ -151,8 +152,11 @@ class WorkerSide:
             return False
         self.kvreg = new
         self.reg_generation = c.generation
-        log.info("kvdepot: registered %d layers as %s (%d bytes per chunk%s)", len(reg.layers), new.id,
-                 new.object_bytes, ", engine-side staging" if new.staging is not None else "")
+        st = new.staging
+        log.info("kvdepot: registered %d layers as %s (%d bytes per chunk%s)", len(reg.layers), new.id, new.object_bytes,
+                 f", engine-side staging: {st.ring.size_bytes >> 20} MiB ring"
+                 + (f" and {st.load_ring.size_bytes >> 20} MiB for loads" if st.load_ring is not st.ring else "")
+                 if st is not None else "")
         return True
 
     def staging_bytes(self) -> int:
