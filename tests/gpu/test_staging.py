@@ -166,17 +166,20 @@ def test_retrieves_through_a_load_ring_of_their_own_pass_stores_that_fill_theirs
             ref = [cache.read_tokens(li, ids[gid], as_bytes=True).clone() for li, gid in enumerate(cache.layer_gids)]
             assert c.store(reg, keys, ids, after=torch.cuda.current_stream()).stored == 1
             cached.append((keys, ref))
+        # one retrieve first: the daemon's first copies of this direction (its lane, mappings)
+        # are not part of what the busy stream's window must cover
+        here = torch.cuda.current_stream()
+        assert c.retrieve(reg, cached[0][0], _ids(rng, groups, 1), before=here) == 1
         torch.cuda.synchronize()
         busy = torch.cuda.Stream()
         held = []
         with torch.cuda.stream(busy):
-            torch.cuda._sleep(2_000_000_000)  # about a second: the stores' gathers wait behind it
+            torch.cuda._sleep(4_000_000_000)  # about two seconds: the stores' gathers wait behind it
             for _ in range(4):
                 keys = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
                 held.append(c.submit_store(reg, keys, _ids(rng, groups, 1), after=busy))
         assert len(st.ring.live) == 4 and not any(r.is_free() for r in st.ring.live)  # the store ring is full
         cache.storage.fill_(0x5A)
-        here = torch.cuda.current_stream()
         for keys, ref in cached:
             ids = _ids(rng, groups, 1)
             pend = c.submit_retrieve(reg, keys, ids, scatter_on=here if gated else None)
