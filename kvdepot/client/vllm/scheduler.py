@@ -172,19 +172,21 @@ class SchedulerSide:
         st = self._reqs.get(rid)
         if st is not None or not self.enabled or rid in self._ineligible:
             return st
-        if (request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None
-                or getattr(request, "resumable", False)
-                or (getattr(request, "mm_features", None) and not (self._blocks_per_chunk and request.block_hashes))):
+        from_block_hashes = bool(self._blocks_per_chunk and request.block_hashes)
+        if getattr(request, "resumable", False) or (
+                (request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None
+                 or getattr(request, "mm_features", None)) and not from_block_hashes):
             # placeholder tokens of images / embeddings do not identify the KV, so such a request
             # shares none unless vLLM's block hashes key it: they hold each block's multimodal
-            # items (vLLM's ``("mm", identifier, offset)`` extra keys), chained
+            # items (vLLM's ``("mm", identifier, offset)`` extra keys) and the SHA-256 of its
+            # prompt embeddings (``("prompt_embeds", digest)``), chained
             self._ineligible.add(rid)
             return None
         salt, cache_salt = self._seed_salt(request)
         st = _Req(request, salt, cache_salt, [[] for _ in self.shards], [], 0)
         # a request without block hashes (vLLM built it without a block hasher) hashes its tokens
-        st.from_block_hashes = bool(self._blocks_per_chunk and request.block_hashes)
-        self._hash(st, len(request.prompt_token_ids))
+        st.from_block_hashes = from_block_hashes
+        self._hash(st, request.num_prompt_tokens)
         self._reqs[rid] = st
         if self.cfg.store and st.keys[0]:
             self._unstored[rid] = st
@@ -487,7 +489,7 @@ class SchedulerSide:
                 self.client.forget(st.lookup_rid)
             st.seed_salt, _ = self._seed_salt(st.request)
             st.keys, st.chain, st.seed, st.hashed_tokens = [[] for _ in self.shards], [], b"", 0
-            self._hash(st, len(st.request.prompt_token_ids))
+            self._hash(st, st.request.num_prompt_tokens)
             st.lookup_rid = st.hit_chunks = None
             st.next_store_chunk = 0
             if self.cfg.store and st.keys[0] and not st.store_stopped:
