@@ -166,10 +166,16 @@ def test_retrieves_through_a_load_ring_of_their_own_pass_stores_that_fill_theirs
             ref = [cache.read_tokens(li, ids[gid], as_bytes=True).clone() for li, gid in enumerate(cache.layer_gids)]
             assert c.store(reg, keys, ids, after=torch.cuda.current_stream()).stored == 1
             cached.append((keys, ref))
-        # one retrieve first: the daemon's first copies of this direction (its lane, mappings)
-        # are not part of what the busy stream's window must cover
+        # one retrieve and check first, and the fill: the daemon's first copies of this direction
+        # and this process's first launch of each kernel used below (CUDA loads a kernel's module
+        # at its first launch, which may wait for the busy stream's sleep) stay out of its window
         here = torch.cuda.current_stream()
-        assert c.retrieve(reg, cached[0][0], _ids(rng, groups, 1), before=here) == 1
+        cache.storage.fill_(0x5A)
+        ids = _ids(rng, groups, 1)
+        assert c.retrieve(reg, cached[0][0], ids, before=here) == 1
+        for (li, gid), want in zip(enumerate(cache.layer_gids), cached[0][1]):
+            assert torch.equal(cache.read_tokens(li, ids[gid], as_bytes=True), want)
+        cache.storage.fill_(0x5A)
         torch.cuda.synchronize()
         busy = torch.cuda.Stream()
         held = []
@@ -179,7 +185,6 @@ def test_retrieves_through_a_load_ring_of_their_own_pass_stores_that_fill_theirs
                 keys = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
                 held.append(c.submit_store(reg, keys, _ids(rng, groups, 1), after=busy))
         assert len(st.ring.live) == 4 and not any(r.is_free() for r in st.ring.live)  # the store ring is full
-        cache.storage.fill_(0x5A)
         for keys, ref in cached:
             ids = _ids(rng, groups, 1)
             pend = c.submit_retrieve(reg, keys, ids, scatter_on=here if gated else None)
