@@ -374,6 +374,7 @@ class EngineStaging:
             for retrieves alone: a retrieve then never waits for room behind stores whose
             bytes the daemon is still copying out (a first-in first-out ring frees its regions
             in order), e.g. a prefix hit's load while other prompts' stores fill the link.
+            Fewer bytes than one chunk's (``layout.object_bytes``): no second ring (logged).
 
     Raises:
         KernelError: the library refuses the layout; torch.OutOfMemoryError for the ring.
@@ -391,6 +392,10 @@ class EngineStaging:
         self.handle = kernels.engine_create(device.index if device.index is not None else torch.cuda.current_device(),
                                             descs, layer_ptrs, layout.chunk_size, layout.object_bytes)
         self._gids = [g.gid for g in layout.groups]
+        if 0 < load_ring_bytes < layout.object_bytes:
+            log.warning("a %d-byte ring for retrieves cannot hold one %d-byte chunk: retrieves share the ring",
+                        load_ring_bytes, layout.object_bytes)
+            load_ring_bytes = 0
         self.buffer = torch.empty(ring_bytes + load_ring_bytes, dtype=torch.uint8, device=device)
         self.base_ptr = self.buffer.data_ptr()
         self.ring = StagingRing(ring_bytes)
