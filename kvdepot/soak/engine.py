@@ -98,7 +98,9 @@ class _Engine:
             self.reg = c.register(self.fam.model, "tp0of1", self.fam.chunk_size, cache.storage_specs(),
                                   cache.layer_specs(), cache.group_specs(), device=cache.register_device,
                                   local_storages=[cache.storage] if cache.register_device == "cuda" else None,
-                                  staging_bytes=32 << 20, storage_fds=cache.storage_fds())
+                                  staging_bytes=32 << 20, storage_fds=cache.storage_fds(),
+                                  # every other CUDA engine retrieves through a ring of its own
+                                  load_staging_bytes=(16 << 20) if self.spec.index % 2 else 0)
         else:
             self.reg = c.reregister(self.reg)
         self.reg_generation = c.generation
@@ -384,8 +386,10 @@ class _Engine:
         if not force and now < self._next_report:
             return
         self._next_report = now + self.spec.report_interval_s
+        staging = self.reg.staging if self.reg is not None else None
         msg = {"index": self.spec.index, "pid": os.getpid(), "registration": self.reg.id if self.reg else None,
                "memfd": self.cache.fd, "memfd_bytes": self.cache.size_bytes,
+               "load_ring": staging is not None and staging.load_ring is not staging.ring,
                "counts": dict(self.counts), "errors": dict(self.errors), "last_progress": self.last_progress}
         try:
             self.reports.put_nowait(msg)

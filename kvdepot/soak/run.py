@@ -178,6 +178,7 @@ class Soak:
         self.daemon = _Daemon(cfg, self.workdir, l3_url)
         self.engines: dict[int, multiprocessing.Process] = {}
         self.last: dict[int, dict] = {}  # index -> latest report of the engine running now
+        self.load_ring_engines: set[int] = set()  # engines that reported a ring for retrieves of their own
         self.totals = collections.Counter()  # counters of engines that ended
         self.ops_by_device = collections.Counter()  # their ops, by where the engine's KV caches were
         self.errors = collections.Counter()
@@ -228,6 +229,8 @@ class Soak:
             p = self.engines.get(rep["index"])
             if p is not None and p.pid == rep["pid"]:
                 self.last[rep["index"]] = rep
+                if rep.get("load_ring"):
+                    self.load_ring_engines.add(rep["index"])
 
     # ------------------------------------------------------------------ faults
 
@@ -457,6 +460,8 @@ class Soak:
             "engines": cfg.engines, "device": cfg.device,
             "cpu_engines": cfg.engines if cfg.device == "cpu" else min(cfg.cpu_engines, cfg.engines), "l1_bytes": cfg.l1_bytes, "l2": cfg.l2, "l3": cfg.l3,
             "ops": ops, "ops_per_s": round(ops / elapsed_s, 1), "ops_by_device": dict(self.ops_by_device),
+            # CUDA engine slots whose retrieves had a staging ring of their own (every other one)
+            "engines_with_load_ring": len(self.load_ring_engines),
             "requests": t["requests"],
             "lookup_hit_chunks": t["lookup_hit_chunks"], "retrieved_chunks": t["retrieved_chunks"],
             "stored_chunks": t["stored_chunks"], "short_retrieves": t["short_retrieves"],
@@ -485,9 +490,11 @@ def _by_device(r: dict) -> str:
 
 def _engine_kinds(r: dict) -> str:
     cpu = r.get("cpu_engines", 0)
+    rings = r.get("engines_with_load_ring", 0)
+    of_them = f" ({rings} with a ring for retrieves)" if rings else ""
     if r["device"] == "cpu" or not cpu:
-        return r["device"]
-    return f"{r['engines'] - cpu} {r['device']}, {cpu} cpu"
+        return r["device"] + of_them
+    return f"{r['engines'] - cpu} {r['device']}{of_them}, {cpu} cpu"
 
 
 def format_report(r: dict) -> str:

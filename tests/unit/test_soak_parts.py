@@ -99,6 +99,8 @@ def test_cpu_engines_of_a_cuda_run_keep_their_kv_in_shared_memory(tmp_path):
     soak = Soak(SoakConfig(workdir=str(tmp_path), device="cuda", engines=6, cpu_engines=4))
     assert [soak._engine_device(i) for i in range(6)] == ["cpu"] * 4 + ["cuda"] * 2
     assert _engine_kinds({"device": "cuda", "engines": 6, "cpu_engines": 4}) == "2 cuda, 4 cpu"
+    assert (_engine_kinds({"device": "cuda", "engines": 6, "cpu_engines": 4, "engines_with_load_ring": 1})
+            == "2 cuda (1 with a ring for retrieves), 4 cpu")
     only_cuda = Soak(SoakConfig(workdir=str(tmp_path / "b"), device="cuda", engines=2))
     assert [only_cuda._engine_device(i) for i in range(2)] == ["cuda", "cuda"]
     cpu = Soak(SoakConfig(workdir=str(tmp_path / "c"), device="cpu", engines=2, cpu_engines=0))
