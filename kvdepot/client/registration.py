@@ -57,20 +57,31 @@ class Registration:
 def engine_staging(req: m.Register, local_storages: Sequence, staging_bytes: int | None, load_staging_bytes: int = 0):
     """The engine side of staged transfers (`EngineStaging`: a ring of ``staging_bytes``, default
     256 MiB, and one of ``load_staging_bytes`` for retrieves alone where not 0), or None (logged)
-    where this process cannot run the kernels."""
+    where this process cannot run the kernels. Where the GPU has no room for the second ring,
+    retrieves share the first (logged) rather than staging going off altogether."""
     import logging
+
+    import torch
 
     from kvdepot.client.staging import DEFAULT_STAGING_BYTES, EngineStaging
     from kvdepot.gpu.kernels import KernelError, load_kernels
     from kvdepot.gpu.layout import group_layers
 
+    log = logging.getLogger("kvdepot.client")
     try:
         kernels = load_kernels()
         if kernels is None:
             raise KernelError("the kernel library is unavailable here")
         layout = group_layers(req.layers, req.groups, req.chunk_size, [s.size_bytes for s in req.storages])
-        return EngineStaging(kernels, local_storages[0].device, layout, local_storages,
-                             staging_bytes or DEFAULT_STAGING_BYTES, load_staging_bytes)
+        ring_bytes = staging_bytes or DEFAULT_STAGING_BYTES
+        if load_staging_bytes:
+            try:
+                return EngineStaging(kernels, local_storages[0].device, layout, local_storages, ring_bytes,
+                                     load_staging_bytes)
+            except (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError)) as exc:
+                log.warning("no GPU memory for a %d-byte ring for retrieves (%s): retrieves share the staging ring",
+                            load_staging_bytes, exc)
+        return EngineStaging(kernels, local_storages[0].device, layout, local_storages, ring_bytes)
     except Exception as exc:  # noqa: BLE001 - the daemon-side path still works
-        logging.getLogger("kvdepot.client").warning("engine-side staging off (the daemon gathers): %s", exc)
+        log.warning("engine-side staging off (the daemon gathers): %s", exc)
         return None

@@ -387,17 +387,18 @@ class EngineStaging:
         self.device = device
         self.layout = layout
         self.object_bytes = layout.object_bytes
+        if 0 < load_ring_bytes < layout.object_bytes:
+            log.warning("a %d-byte ring for retrieves cannot hold one %d-byte chunk: retrieves share the ring",
+                        load_ring_bytes, layout.object_bytes)
+            load_ring_bytes = 0
+        # first: a ring the GPU has no room for leaves nothing behind (the library's state below)
+        self.buffer = torch.empty(ring_bytes + load_ring_bytes, dtype=torch.uint8, device=device)
+        self.base_ptr = self.buffer.data_ptr()
         descs = [KvdGroupDesc.from_group(g, layout.object_bytes, layout.chunk_size) for g in layout.groups]
         layer_ptrs = [[storages[s].data_ptr() + off for s, off in g.offsets] for g in layout.groups]
         self.handle = kernels.engine_create(device.index if device.index is not None else torch.cuda.current_device(),
                                             descs, layer_ptrs, layout.chunk_size, layout.object_bytes)
         self._gids = [g.gid for g in layout.groups]
-        if 0 < load_ring_bytes < layout.object_bytes:
-            log.warning("a %d-byte ring for retrieves cannot hold one %d-byte chunk: retrieves share the ring",
-                        load_ring_bytes, layout.object_bytes)
-            load_ring_bytes = 0
-        self.buffer = torch.empty(ring_bytes + load_ring_bytes, dtype=torch.uint8, device=device)
-        self.base_ptr = self.buffer.data_ptr()
         self.ring = StagingRing(ring_bytes)
         self.load_ring = StagingRing(load_ring_bytes, base=ring_bytes, shares=self.ring) if load_ring_bytes else self.ring
         self.rings = [self.ring] if self.load_ring is self.ring else [self.ring, self.load_ring]

@@ -5,6 +5,7 @@ allocator waits for (reclaims) the oldest regions only when there is no room."""
 from __future__ import annotations
 
 import random
+import types
 
 from kvdepot.client.staging import StagingRing
 
@@ -431,3 +432,33 @@ def test_pieces_are_placed_as_one_by_one_allocations_numbered_in_order_all_or_no
     a.release()
     run2 = ring.alloc_pieces([512, 1024])  # the first at the end, the second wraps to the start
     assert [(r.offset, r.seq) for r in run2] == [(3328, 5), (0, 6)] and ring.head == 1024
+
+
+def test_no_gpu_room_for_the_retrieves_ring_leaves_them_the_staging_ring_not_staging_off(monkeypatch, caplog):
+    """`engine_staging`: a ring for retrieves the GPU has no memory for is given up (logged),
+    the staging ring kept; staging goes off only where the staging ring itself fails."""
+    import torch
+
+    import kvdepot.client.staging as staging
+    import kvdepot.gpu.kernels as kernels
+    import kvdepot.gpu.layout as layout
+    from kvdepot.client.registration import engine_staging
+
+    made = []
+
+    class FakeStaging:
+        def __init__(self, kernels, device, layout, storages, ring_bytes, load_ring_bytes=0):
+            if load_ring_bytes or ring_bytes > (1 << 30):
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            made.append((ring_bytes, load_ring_bytes))
+
+    monkeypatch.setattr(kernels, "load_kernels", lambda: object())
+    monkeypatch.setattr(layout, "group_layers", lambda *a: None)
+    monkeypatch.setattr(staging, "EngineStaging", FakeStaging)
+    req = types.SimpleNamespace(layers=[], groups=[], chunk_size=16, storages=[])
+    dev = [types.SimpleNamespace(device="cuda:0")]
+    got = engine_staging(req, dev, 8 << 20, 4 << 20)
+    assert isinstance(got, FakeStaging) and made == [(8 << 20, 0)]
+    assert "retrieves share the staging ring" in caplog.text
+    assert engine_staging(req, dev, 2 << 30, 4 << 20) is None  # the staging ring itself: staging off
+    assert "engine-side staging off" in caplog.text
