@@ -151,7 +151,7 @@ def test_retrieves_through_a_load_ring_of_their_own_pass_stores_that_fill_theirs
     get it, and complete bit-exact, while every region of the store ring is held by stores
     whose gathers wait behind a busy engine stream (in one shared ring they would wait for
     those). Gated ones also complete before that stream's sleep ends (a retrieve scattered
-    after its reply was seen to complete only after it in 2 of 6 runs, cause not known; not
+    after its reply was seen to complete only after it in 2 of 7 runs, cause not known; not
     asserted for those)."""
     probe_c, _, _, probe = _engine(daemon, 1 << 20)
     ob = probe.object_bytes
