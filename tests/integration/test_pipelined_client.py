@@ -123,3 +123,40 @@ def test_a_staging_region_lost_in_a_timeout_is_settled_by_a_drain(daemon):
             pending.result()
         assert e.value.code == ErrorCode.TIMEOUT
         assert ring.alloc(4096, client, wait=False) is not None  # the whole ring is usable again
+
+
+def test_a_retrieve_lost_in_the_loads_ring_is_settled_by_a_drain_of_the_shared_numbers(daemon):
+    """With a ring for retrieves of their own (`EngineStaging.load_ring`), a retrieve whose reply
+    was lost keeps its region in that ring until a `Drain` through its number was answered; the
+    two rings number their regions in one sequence, so the one Drain (by number) settles it and
+    both rings know. Stand-in rings on a CPU registration, as above."""
+    import dataclasses
+    import time
+    import types
+
+    from kvdepot.client.pending import PendingRetrieve
+    from kvdepot.client.staging import StagingRing
+
+    with ShmKVCache(GROUPS, 8, "LBNHC") as cache, KVDepotClient(daemon.endpoint) as client:
+        reg = _register(client, cache)
+        stores = StagingRing(4096)
+        loads = StagingRing(4096, base=4096, shares=stores)
+        staged = dataclasses.replace(reg, staging=types.SimpleNamespace(ring=stores, load_ring=loads,
+                                                                        rings=[stores, loads]))
+        stores.alloc(256, client).release()  # number 1, in the store ring
+        region = loads.alloc(256, client)  # number 2, in the loads' ring
+        assert (region.seq, region.offset) == (2, 4096)
+        rid = client.submit(m.Ping(rid=0))  # stands in for the staged retrieve
+        pending = PendingRetrieve(client, rid)
+        pending._staged(staged, region, [[0]], 1, 0)
+        client._reset(ErrorCode.TIMEOUT)  # its reply is lost with the connection
+        assert not region.is_free()  # the first look sends the Drain and returns at once
+        deadline = time.monotonic() + 10
+        while not region.is_free():
+            assert time.monotonic() < deadline, "the Drain was not answered"
+            time.sleep(0.01)
+        assert stores.drained_through == loads.drained_through == 2 and client.drains_answered == 1
+        with pytest.raises(KVDepotError) as e:
+            pending.result()
+        assert e.value.code == ErrorCode.TIMEOUT
+        assert loads.alloc(4096, client, wait=False).offset == 4096  # the whole loads' ring is usable again
