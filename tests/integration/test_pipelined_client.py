@@ -93,13 +93,24 @@ def test_next_chunks_chain_onto_a_store_still_in_flight(daemon):
             assert torch.equal(a.read_tokens(layer, ids, as_bytes=True), b.read_tokens(layer, dst, as_bytes=True))
 
 
+def _freed_by_a_drain(region, wait_s: float = 10.0) -> None:
+    """A region whose request's reply was lost: the first look sends a `Drain` and returns at
+    once (not free yet); it frees once the Drain is answered, within ``wait_s``."""
+    import time
+
+    assert not region.is_free()
+    deadline = time.monotonic() + wait_s
+    while not region.is_free():
+        assert time.monotonic() < deadline, "the Drain was not answered"
+        time.sleep(0.01)
+
+
 def test_a_staging_region_lost_in_a_timeout_is_settled_by_a_drain(daemon):
     """A staged request whose reply was lost in a timeout keeps its ring region taken (the
     daemon may still copy it); the client then sends a `Drain` of its own accord (never
     blocking) and frees the region once it is answered. The ring here is a stand-in on a
     CPU registration: the daemon's Drain bookkeeping is the same for every registration."""
     import dataclasses
-    import time
     import types
 
     from kvdepot.client.pending import PendingStore
@@ -113,11 +124,7 @@ def test_a_staging_region_lost_in_a_timeout_is_settled_by_a_drain(daemon):
         rid = client.submit(m.Ping(rid=0))  # stands in for the staged store
         pending = PendingStore(client, rid, region, 1, None, staged)
         client._reset(ErrorCode.TIMEOUT)  # its reply is lost with the connection
-        assert not region.is_free()  # the first look sends the Drain and returns at once
-        deadline = time.monotonic() + 10
-        while not region.is_free():
-            assert time.monotonic() < deadline, "the Drain was not answered"
-            time.sleep(0.01)
+        _freed_by_a_drain(region)
         assert ring.drained_through == region.seq and client.drains_answered == 1
         with pytest.raises(KVDepotError) as e:
             pending.result()
@@ -131,7 +138,6 @@ def test_a_retrieve_lost_in_the_loads_ring_is_settled_by_a_drain_of_the_shared_n
     two rings number their regions in one sequence, so the one Drain (by number) settles it and
     both rings know. Stand-in rings on a CPU registration, as above."""
     import dataclasses
-    import time
     import types
 
     from kvdepot.client.pending import PendingRetrieve
@@ -150,11 +156,7 @@ def test_a_retrieve_lost_in_the_loads_ring_is_settled_by_a_drain_of_the_shared_n
         pending = PendingRetrieve(client, rid)
         pending._staged(staged, region, [[0]], 1, 0)
         client._reset(ErrorCode.TIMEOUT)  # its reply is lost with the connection
-        assert not region.is_free()  # the first look sends the Drain and returns at once
-        deadline = time.monotonic() + 10
-        while not region.is_free():
-            assert time.monotonic() < deadline, "the Drain was not answered"
-            time.sleep(0.01)
+        _freed_by_a_drain(region)
         assert stores.drained_through == loads.drained_through == 2 and client.drains_answered == 1
         with pytest.raises(KVDepotError) as e:
             pending.result()
