@@ -382,6 +382,7 @@ void kvd_lane_destroy(KvdLane* lane) {
 int kvd_lane_create(int device, uint64_t slot_bytes, int nslots, KvdLane** out) {
   if (out == nullptr || nslots < 1 || nslots > KVD_MAX_SLOTS || slot_bytes == 0) return KVD_EINVAL;
   int rc = kvd_check(cudaSetDevice(device));
+  if (!rc) rc = preload_kernels(device);
   if (rc) return rc;
   KvdLane* lane = new (std::nothrow) KvdLane();
   if (lane == nullptr) return KVD_EINVAL;

@@ -62,6 +62,7 @@ int kvd_engine_create(int device, const KvdGroupDesc* descs, int ngroups, const 
   for (int g = 0; g < ngroups; ++g)
     if (!desc_ok(&descs[g]) || descs[g].blocks_per_chunk * descs[g].block_size != chunk_size) return KVD_EINVAL;
   int rc = kvd_check(cudaSetDevice(device));
+  if (!rc) rc = preload_kernels(device);
   if (rc) return rc;
   KvdEngine* e = static_cast<KvdEngine*>(calloc(1, sizeof(KvdEngine)));
   if (e == nullptr) return KVD_EINVAL;

@@ -347,6 +347,10 @@ int kvd_stream_memops(void) {
 }
 }
 
+// Load every kernel of this library into the current context of `device` (defined at the end
+// of this file, after the kernels): kvd_engine_create and kvd_lane_create call it.
+static int preload_kernels(int device);
+
 #include "kvd_lanes.cuh"
 #include "kvd_requests.cuh"
 #include "kvd_engine_side.cuh"
@@ -477,6 +481,57 @@ int kvd_lane_synchronize(KvdLane* lane) {
 }
 
 int kvd_ipc_handle_bytes(void) { return (int)sizeof(cudaIpcMemHandle_t); }
+
+}  // extern "C"
+
+// CUDA loads a kernel at its first launch by default (lazy loading, CUDA_MODULE_LOADING=LAZY
+// since CUDA 12.2), and loading one may wait for the whole context to be idle: the first
+// gather or scatter of each kind (word width x id count) in a vLLM worker then blocked the
+// engine thread until the forward on another stream, or a gated scatter's wait for its landed
+// word, was over. In tests/gpu/test_staging.py a retrieve's first scatter completed only after
+// another stream's 2-s kernel, in 2 of 7 runs. cudaFuncGetAttributes loads a kernel, so every
+// instantiation is loaded here, at registration, before any of them runs. Once per device per
+// process; $KVDEPOT_LAZY_KERNELS (diagnosis) skips it.
+template <typename Word>
+static cudaError_t preload_word() {
+  const void* fns[] = {
+      (const void*)kvd_copy_kernel<Word, 16>,        (const void*)kvd_copy_kernel<Word, 128>,
+      (const void*)kvd_copy_kernel<Word, KVD_INLINE_IDS>, (const void*)kvd_fused_copy_kernel<Word, 16>,
+      (const void*)kvd_fused_copy_kernel<Word, 128>, (const void*)kvd_fused_copy_kernel<Word, KVD_FUSED_IDS>,
+  };
+  cudaFuncAttributes attr;
+  for (const void* fn : fns) {
+    const cudaError_t e = cudaFuncGetAttributes(&attr, fn);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+static std::mutex g_preload_mutex;
+static uint64_t g_preloaded = 0;  // bit d: device d's kernels are loaded
+
+static int preload_kernels(int device) {
+  static const bool lazy = getenv("KVDEPOT_LAZY_KERNELS") != nullptr;
+  if (lazy || device < 0 || device >= 64) return KVD_OK;
+  std::lock_guard<std::mutex> hold(g_preload_mutex);
+  if (g_preloaded >> device & 1) return KVD_OK;
+  cudaFuncAttributes attr;
+  const void* single[] = {(const void*)kvd_gate_copy_kernel, (const void*)kvd_gate_done_kernel,
+                          (const void*)kvd_signal_kernel};
+  cudaError_t e = cudaSuccess;
+  for (const void* fn : single)
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, fn);
+  if (e == cudaSuccess) e = preload_word<uint4>();
+  if (e == cudaSuccess) e = preload_word<uint2>();
+  if (e == cudaSuccess) e = preload_word<uint32_t>();
+  if (e == cudaSuccess) e = preload_word<uint16_t>();
+  if (e == cudaSuccess) e = preload_word<uint8_t>();
+  if (e != cudaSuccess) return kvd_check(e);
+  g_preloaded |= 1ULL << device;
+  return KVD_OK;
+}
+
+extern "C" {
 
 int kvd_abi_version(void) { return 13; }
 
