@@ -13,7 +13,9 @@ on the current stream. Per shape:
   to the daemon together).
 * ``step_us``: wall time spent inside the connector's methods per engine step, scheduler side
   (lookup answer, allocation, metadata, finished requests) plus worker side (bind, load, save,
-  results), median and p99 over the steps that stored 16 chunks / that loaded; per method too.
+  results), and the calls vLLM makes of any connector in every step (stats, events, pending
+  push work, worker metadata: `SCHED_CALLS`, `WORKER_CALLS`), median and p99 over the steps
+  that stored 16 chunks / that loaded; per method too.
   ``step_wait_us``: of it, the time those calls waited (their wall time beyond the engine
   thread's CPU time: for the GIL while the transfer thread held it, or in a blocking call).
   ``on_new_request`` (a prompt's keys, its lookup sent) runs when vLLM adds a request, on the
@@ -112,11 +114,13 @@ from transfer_bench.procs import FALLBACK_FLAG, DaemonProc, kernels_missing  # n
 
 CHUNKS_PER_STEP = 16
 SCHED_CALLS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-               "request_finished", "request_finished_all_groups", "update_connector_output")
+               "request_finished", "request_finished_all_groups", "update_connector_output",
+               "get_kv_connector_stats", "take_events", "has_pending_push_work")
 VLLM_SCHED_CALLS = ("schedule", "update_from_output")  # `Scheduler`'s, which call the scheduler side's
 WORKER_CALLS = ("handle_preemptions", "bind_connector_metadata", "start_load_kv", "has_connector_metadata",
                 "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_transfer_results", "get_block_ids_with_load_errors",
-                "clear_connector_metadata")
+                "clear_connector_metadata", "get_kv_connector_stats", "get_kv_connector_kv_cache_events",
+                "build_connector_worker_meta")
 
 
 def _sync() -> None:
