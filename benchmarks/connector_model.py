@@ -48,6 +48,20 @@ class FillForward(H.RankWorker):
 
     forward_us = 0.0
     _cycles_per_us = 0.0
+    evict_bytes = 0  # each forward also writes this many bytes of host memory (`_evict`)
+    _evict_buf = None
+
+    def _evict(self) -> None:
+        """Write ``evict_bytes`` of a host buffer on the engine thread: a real model runner's
+        host work (its Python, the kernel launches, vLLM's input preparation) leaves the CPU
+        caches holding little of the connector's code and objects by the next step, where the
+        toy forward leaves most of them; this stands in for it."""
+        if self.evict_bytes <= 0:
+            return
+        buf = FillForward._evict_buf
+        if buf is None or buf.numel() != self.evict_bytes:
+            buf = FillForward._evict_buf = torch.zeros(self.evict_bytes, dtype=torch.uint8)
+        buf.add_(1)
 
     def _spin(self) -> None:
         if self.forward_us <= 0 or self.device.type != "cuda":
@@ -118,6 +132,7 @@ class FillForward(H.RankWorker):
             if per_layer:
                 self.conn.save_kv_layer(name, self.kv_caches[name], None)
         self._spin()
+        self._evict()
 
 
 class FillEngine(H.Engine):

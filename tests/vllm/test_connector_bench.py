@@ -22,9 +22,13 @@ def test_connector_benchmark_smoke_run_with_timeline_and_stages(tmp_path):
 
     out = tmp_path / "r.json"
     assert bench.main(["--device", "cpu", "--shapes", "gpt-oss-20b", "--requests", "2", "--l1-bytes", "1g",
-                       "--timeline", "--stages", "--out", str(out)]) == 0
+                       "--timeline", "--stages", "--evict-bytes", "1m", "--out", str(out)]) == 0
     (r,) = json.loads(out.read_text())
     assert r["stored_chunks"] == r["loaded_chunks"] == 2 * bench.CHUNKS_PER_STEP
+    assert r["evict_bytes"] == 1 << 20
+    # the calls vLLM makes of any connector in every step are timed with the connector's own
+    assert "get_kv_connector_stats" in r["decode_per_call_us_median"]
+    assert "build_connector_worker_meta" in r["decode_per_call_us_median"]
     for op, sent_as in (("store", "client.submit_store"), ("load", "client.submit_retrieve")):
         t = r[f"{op}_timeline"]
         # one piece per request at least; every answer came after its send
