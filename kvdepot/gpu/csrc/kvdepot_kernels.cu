@@ -488,10 +488,11 @@ int kvd_ipc_handle_bytes(void) { return (int)sizeof(cudaIpcMemHandle_t); }
 // since CUDA 12.2), and loading one may wait for the whole context to be idle: the first
 // gather or scatter of each kind (word width x id count) in a vLLM worker then blocked the
 // engine thread until the forward on another stream, or a gated scatter's wait for its landed
-// word, was over. In tests/gpu/test_staging.py a retrieve's first scatter completed only after
-// another stream's 2-s kernel, in 2 of 7 runs. cudaFuncGetAttributes loads a kernel, so every
-// instantiation is loaded here, at registration, before any of them runs. Once per device per
-// process; $KVDEPOT_LAZY_KERNELS (diagnosis) skips it.
+// word, was over: a fresh process's first gather, launched while another stream ran a 2-s
+// kernel, blocked its caller 2.02 s on an H200 (tests/gpu/first_launch_proc.py), 74 us with
+// the kernels loaded here. cudaFuncGetAttributes loads a kernel, so every instantiation is
+// loaded here, at registration, before any of them runs. Once per device per process;
+// $KVDEPOT_LAZY_KERNELS (diagnosis) skips it.
 template <typename Word>
 static cudaError_t preload_word() {
   const void* fns[] = {
