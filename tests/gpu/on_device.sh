@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, with what tests/gpu/carry.sh built carried
 # (.whl, .carry, .kbuild). Usage: bash tests/gpu/on_device.sh "<pytest args>" "<benchmark command>"
-# Logs and JSON go to $OUT.
+# Logs and JSON go to $OUT; with PACK_OUT=1 they end up in one file, $OUT/results.tgz (for a
+# machine that hands back only a few files: keep the caller's own logs out of $OUT then).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 [ -s .carry/vllm-py.tar.xz ] && tar xJf .carry/vllm-py.tar.xz -C /tmp/site
@@ -13,4 +14,8 @@ if [ -n "${1:-}" ]; then
 fi
 if [ -n "${2:-}" ]; then
   timeout "${BENCH_TIMEOUT_S:-240}" bash -c "$2" 2>&1 | grep -v " INFO kvdepot" | tee "$OUT/bench.log" | tail -30
+fi
+if [ -n "${PACK_OUT:-}" ]; then
+  tar czf /tmp/kvdepot-results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/kvdepot-results.tgz "$OUT/results.tgz"
+  echo "packed into $OUT/results.tgz"
 fi
