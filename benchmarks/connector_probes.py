@@ -202,17 +202,24 @@ class Timeline:
 
 class CallTimer:
     """Wraps the named methods of a connector instance; ``take()`` returns and resets the
-    seconds spent inside each since the last call, less the timer's own cost (`overhead_s`,
-    measured once per process: the same wrapper around a method that does nothing) per call.
+    seconds spent inside each since the last call, less the part of the timer's own cost that
+    falls inside the timed window (`overhead_s`: the clock read's return and the forwarding of
+    the arguments, measured once per process around a method that does nothing). The rest of
+    the wrapper's cost (the thread-CPU clock, the bookkeeping: `wrapper_s`) lies outside the
+    window and is not in any figure.
     It also keeps the calling thread's CPU seconds inside each (``time.thread_time``, which
     takes no lock and does not let another thread run): ``take()`` leaves them in ``cpu_s``. A
     call's wall time beyond its CPU time is time it waited: for the GIL, which another thread of
-    the process (the worker's transfer thread) held, or in a blocking call. Garbage collections
-    the calling thread ran inside a call (`GcClock`) are taken out of both and kept apart:
-    ``take()`` leaves them in ``gc_s``.
+    the process (the worker's transfer thread) held, or in a blocking call. ``cpu_clock =
+    False`` (``--no-cpu-clock``) leaves that clock out (a system call before and after every
+    wrapped call); ``cpu_s`` then equals the wall figures. Garbage collections the calling
+    thread ran inside a call (`GcClock`) are taken out of both and kept apart: ``take()``
+    leaves them in ``gc_s``.
     """
 
     _overhead_s: float | None = None
+    _wrapper_s: float | None = None
+    cpu_clock = True  # also read the thread's CPU clock around each call (`cpu_s`)
 
     def __init__(self, obj, names) -> None:
         GcClock.install()
@@ -230,19 +237,21 @@ class CallTimer:
                 setattr(obj, name, self._wrap(name, getattr(fn, "timed_fn", fn)))
 
     def _wrap(self, name, fn):
-        clock, cpu_clock, ident, gcs = time.perf_counter, time.thread_time, threading.get_ident, GcClock.by_thread
+        clock, ident, gcs = time.perf_counter, threading.get_ident, GcClock.by_thread
+        cpu_clock = time.thread_time if self.cpu_clock else None
 
         def timed(*a, **kw):
             me = ident()
             g0 = gcs.get(me, 0.0)
-            c0 = cpu_clock()
+            c0 = cpu_clock() if cpu_clock is not None else 0.0
             t0 = clock()
             try:
                 return fn(*a, **kw)
             finally:
                 t1 = clock()
                 g = gcs.get(me, 0.0) - g0
-                self._cpu_s[name] = self._cpu_s.get(name, 0.0) + cpu_clock() - c0 - g
+                c = cpu_clock() - c0 if cpu_clock is not None else t1 - t0
+                self._cpu_s[name] = self._cpu_s.get(name, 0.0) + c - g
                 self.spent_s[name] = self.spent_s.get(name, 0.0) + t1 - t0 - g
                 if g:
                     self._gc_s[name] = self._gc_s.get(name, 0.0) + g
@@ -252,27 +261,47 @@ class CallTimer:
 
     @classmethod
     def overhead_s(cls) -> float:
-        """What the wrapper itself adds to one call, as measured around a method that returns at
-        once (the median of 5 rounds of 20000 calls each, minus the bare calls)."""
+        """What the wrapper adds inside its own timed window per call: the median of 5 rounds
+        of 20000 calls of a method that returns at once, its timed seconds per call less a
+        bare call's (the clock read's return, the arguments' forwarding). Taken off every
+        call's figure."""
         if cls._overhead_s is None:
-            class Nothing:
-                def noop(self, *a):
-                    return None
-
-            bare, wrapped = Nothing(), Nothing()
-            cls(wrapped, ["noop"])  # wraps wrapped.noop
-            rounds = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                for _ in range(20000):
-                    bare.noop(1)
-                t1 = time.perf_counter()
-                for _ in range(20000):
-                    wrapped.noop(1)
-                t2 = time.perf_counter()
-                rounds.append(((t2 - t1) - (t1 - t0)) / 20000)
-            cls._overhead_s = max(0.0, statistics.median(rounds))
+            cls._measure()
         return cls._overhead_s
+
+    @classmethod
+    def wrapper_s(cls) -> float:
+        """What the whole wrapper adds to one call (measured with `overhead_s`): what a
+        connector call timed inside another timed call (vLLM's ``schedule``) adds to the
+        outer one's figure."""
+        if cls._wrapper_s is None:
+            cls._measure()
+        return cls._wrapper_s
+
+    @classmethod
+    def _measure(cls) -> None:
+        class Nothing:
+            def noop(self, *a):
+                return None
+
+        bare, wrapped = Nothing(), Nothing()
+        timer = cls(wrapped, ["noop"])  # wraps wrapped.noop
+        inside, whole = [], []
+        n = 20000
+        for _ in range(5):
+            timer.spent_s.clear()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                bare.noop(1)
+            t1 = time.perf_counter()
+            for _ in range(n):
+                wrapped.noop(1)
+            t2 = time.perf_counter()
+            bare_s = (t1 - t0) / n
+            whole.append((t2 - t1) / n - bare_s)
+            inside.append(timer.spent_s["noop"] / n - bare_s)
+        cls._overhead_s = max(0.0, statistics.median(inside))
+        cls._wrapper_s = max(0.0, statistics.median(whole))
 
     def take(self) -> dict[str, float]:
         per = self.overhead_s()

@@ -38,8 +38,12 @@ on the current stream. Per shape:
   host, in the step that admits 24 requests at once): one that runs inside a connector call
   is taken out of its figures and reported apart (``gc_in_steps``: every collection in the
   measured steps, those inside the connector's calls, and the p99 with them counted).
-* Every figure is less the timer's own cost per wrapped call (``timer_overhead_us_per_call``,
-  measured in the same process around a method that does nothing), and the per-layer calls
+* Every figure is less the part of the timer's own cost that falls inside its timed window,
+  per wrapped call (``timer_overhead_us_per_call``, a fraction of a microsecond, measured in the
+  same process around a method that does nothing; the wrapper's whole cost,
+  ``timer_wrapper_us_per_call``, mostly its reads of the thread-CPU clock, lies outside the
+  window and is in no figure but vLLM's own scheduler time, which is less it per connector
+  call made inside), and the per-layer calls
   less what the same timer costs per call in their place in the forward, measured there on a
   method that does nothing (`LayerProbe`, ``timer_in_layer_extra_us_per_call``): a step of an
   80-layer model makes 80 to 240 per-layer calls.
@@ -169,7 +173,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
         calls, sched_calls = dict(work_t.calls), sum(sched_t.calls.values())
         sched, work = sched_t.take(), less_probe(work_t.take(), calls)
         # vLLM's scheduler less the connector's calls in it (and their timers' own cost)
-        own = sum(vllm_t.take().values()) - sum(sched.values()) - CallTimer.overhead_s() * sched_calls
+        own = sum(vllm_t.take().values()) - sum(sched.values()) - CallTimer.wrapper_s() * sched_calls
         in_gc = gcm.take()
         if getattr(so.kv_connector_metadata, kind, None):
             steps.append((sched, work))
@@ -193,7 +197,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
             "wall_s": end_s - t0, "timeline": timeline.take(end_s, chunk_bytes), "engine_s": engine_s,
             "steps_measured": len(steps),
             "step_us_median": med(total) if total else None, "step_us_p99": _pct(total, 0.99),
-            "step_wait_us_median": 1e6 * med(waits) if waits else None,
+            "step_wait_us_median": 1e6 * med(waits) if waits and CallTimer.cpu_clock else None,
             "sched_us_median": med([1e6 * sum(a.values()) for a, _ in steps]) if steps else None,
             "worker_us_median": med([1e6 * sum(b.values()) for _, b in steps]) if steps else None,
             "per_call_us_median": per_call,
@@ -236,7 +240,7 @@ def decode_steps(engine: H.Engine, requests: int = 8, steps: int = 48) -> dict:
             for n, v in spent.items():
                 calls.setdefault(n, []).append(1e6 * v)
     return {"decode_step_us_median": statistics.median(total), "decode_step_us_p99": _pct(total, 0.99),
-            "decode_step_wait_us_median": statistics.median(waits),
+            "decode_step_wait_us_median": statistics.median(waits) if CallTimer.cpu_clock else None,
             "decode_steps": len(total),
             "decode_per_call_us_median": {n: statistics.median(v) for n, v in calls.items()}}
 
@@ -380,6 +384,8 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
     res["store_step_with_new_requests_us_median"] = (
         res["store_step_us_median"] + CHUNKS_PER_STEP // prompt_chunks * res["store_on_new_request_us_per_request"])
     res["timer_overhead_us_per_call"] = 1e6 * CallTimer.overhead_s()
+    res["timer_wrapper_us_per_call"] = 1e6 * CallTimer.wrapper_s()
+    res["timer_cpu_clock"] = CallTimer.cpu_clock
     res["timer_in_layer_extra_us_per_call"] = statistics.median(LayerProbe.in_situ_us) if LayerProbe.in_situ_us else 0.0
     LayerProbe.in_situ_us.clear()
     if device != "cuda":
@@ -428,7 +434,7 @@ def report(r: dict) -> str:
             f" {1e3 * r['store_wall_s']:.0f} ms = {100 * r['store_vs_bound']:.1f}% of max(link {1e3 * r['store_link_s']:.0f},"
             f" engine's own steps {1e3 * r['store_engine_s']:.0f} ms); per step"
             f" +{r['store_step_us_median']:.0f} us median, {r['store_step_us_p99']:.0f} p99 (waiting"
-            f" {r['store_step_wait_us_median']:.0f} of it; scheduler"
+            f" {_us(r['store_step_wait_us_median'])} of it; scheduler"
             f" {r['store_sched_us_median']:.0f}, worker {r['store_worker_us_median']:.0f}; {calls('store')};"
             f" vLLM's own scheduler {r['store_vllm_sched_us_median']:.0f} beside it);"
             f" +{r['store_step_with_new_requests_us_median']:.0f} us with the step's"
@@ -441,18 +447,24 @@ def report(r: dict) -> str:
             f" {1e3 * r['load_wall_s']:.0f} ms = {100 * r['load_vs_bound']:.1f}% of max(link {1e3 * r['load_link_s']:.0f},"
             f" engine's own steps {1e3 * r['load_engine_s']:.0f} ms); per step"
             f" +{r['load_step_us_median']:.0f} us median over {r['load_steps_measured']} steps (waiting"
-            f" {r['load_step_wait_us_median']:.0f} of it; scheduler"
+            f" {_us(r['load_step_wait_us_median'])} of it; scheduler"
             f" {r['load_sched_us_median']:.0f}, worker {r['load_worker_us_median']:.0f}; {calls('load')};"
             f" vLLM's own scheduler {r['load_vllm_sched_us_median']:.0f} beside it);"
             f" transfer thread {r['load_thread_cpu_us_per_step']:.0f} us CPU per forward step{_gc(r, 'load')}\n"
             f"  decode step (8 requests, nothing moved): +{r['decode_step_us_median']:.0f} us median,"
-            f" {r['decode_step_us_p99']:.0f} p99, waiting {r['decode_step_wait_us_median']:.0f} (the timer's own {r['timer_overhead_us_per_call']:.2f} us per call"
-            f" taken off every figure, {r['timer_in_layer_extra_us_per_call']:.2f} more per per-layer call)\n"
+            f" {r['decode_step_us_p99']:.0f} p99, waiting {_us(r['decode_step_wait_us_median'])} (the timer's own {r['timer_overhead_us_per_call']:.2f} us per call"
+            f" inside its window taken off every figure, {r['timer_in_layer_extra_us_per_call']:.2f} more per"
+            f" per-layer call; its whole cost {r['timer_wrapper_us_per_call']:.2f} us per call)\n"
             f"  on_new_request (keys of {r['prompt_chunks'] * r['chunk_tokens']} tokens, lookup sent) "
             f"{r['load_on_new_request_us_per_request']:.0f} us per request;"
             f" chunks stored {r['stored_chunks']}, loaded {r['loaded_chunks']}, direct {r['direct_store_chunks']}/"
             f"{r['direct_retrieve_chunks']}" + "".join(_stages_line(r, op) + _timeline_line(r, op)
                                                         for op in ("store", "load")))
+
+
+def _us(v) -> str:
+    """A figure in whole microseconds, or "n/a" (not measured: ``--no-cpu-clock``)."""
+    return "n/a" if v is None else f"{v:.0f}"
 
 
 def _timeline_line(r: dict, op: str) -> str:
@@ -508,6 +520,10 @@ def main(argv=None) -> int:
     p.add_argument("--switch-interval-us", type=float, default=0.0,
                    help="diagnosis: sys.setswitchinterval for this process (default: Python's 5000 us), to see "
                         "how much the engine and transfer threads' sharing of the GIL costs")
+    p.add_argument("--no-cpu-clock", action="store_true",
+                   help="do not read the engine thread's CPU clock around each timed call (a system call before "
+                        "and after each): no figure of the time the calls waited, and none of that clock's effect "
+                        "on the calls' own figures")
     p.add_argument(FALLBACK_FLAG, action="store_true",
                    help="run even where the CUDA kernel library does not load (the torch fallback: not the product's speed)")
     p.add_argument("--output-wait", nargs="?", const="own", default="", choices=["own", "previous"],
@@ -544,6 +560,7 @@ def main(argv=None) -> int:
             return 2
     results = []
     StageTimers.enabled = args.stages
+    CallTimer.cpu_clock = not args.no_cpu_clock
     Timeline.enabled = args.timeline
     if args.switch_interval_us:
         sys.setswitchinterval(args.switch_interval_us * 1e-6)
