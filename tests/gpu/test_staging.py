@@ -5,6 +5,7 @@ offsets get typed errors without harming the daemon. Skipped cleanly without CUD
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -154,7 +155,9 @@ def test_retrieves_through_a_load_ring_of_their_own_pass_stores_that_fill_theirs
     after its reply completed only after the sleep in 2 of 7 runs while the kernel library's
     kernels were loaded at their first launch (a load waits for the context's running work;
     they are loaded at registration now, tests/gpu/test_first_launch.py), and in 1 of 7 runs
-    since: cause not known, not asserted for those."""
+    since: cause not known, not asserted for those. This relaxed check failed once too (in 10
+    runs of the file since; which assertion is not known, the run's log was cut): each check
+    now says when in the window it failed and what the store ring held."""
     probe_c, _, _, probe = _engine(daemon, 1 << 20)
     ob = probe.object_bytes
     probe_c.unregister(probe)
@@ -192,6 +195,7 @@ def test_retrieves_through_a_load_ring_of_their_own_pass_stores_that_fill_theirs
         torch.cuda.synchronize()
         busy = torch.cuda.Stream()
         held = []
+        window_s = time.perf_counter()  # (the messages below say when in the window a check failed)
         with torch.cuda.stream(busy):
             torch.cuda._sleep(4_000_000_000)  # about two seconds: the stores' gathers wait behind it
             for _ in range(4):
@@ -203,14 +207,19 @@ def test_retrieves_through_a_load_ring_of_their_own_pass_stores_that_fill_theirs
             pend = c.submit_retrieve(reg, keys, ids, scatter_on=here if gated else None)
             region = st.load_ring.live[-1]
             assert region.offset >= 4 * ob and pend._gated == (gated and st.landed_active)
+            def when() -> str:
+                return (f"retrieve {i}, {1e3 * (time.perf_counter() - window_s):.1f} ms into the 2-s window; store ring "
+                        f"regions free: {[r.is_free() for r in st.ring.live]}")
+
             if i == 0 or gated:  # its room came while the stores still held the whole store ring
-                assert not busy.query() and not any(r.is_free() for r in st.ring.live)
-            assert pend.result(before=here) == 1
+                assert not busy.query(), f"the other stream's sleep had ended: {when()}"
+                assert not any(r.is_free() for r in st.ring.live), when()
+            assert pend.result(before=here) == 1, when()
             here.synchronize()
             for (li, gid), want in zip(enumerate(cache.layer_gids), ref):
-                assert torch.equal(cache.read_tokens(li, ids[gid], as_bytes=True), want)
+                assert torch.equal(cache.read_tokens(li, ids[gid], as_bytes=True), want), f"layer {li}: {when()}"
         if gated:
-            assert not busy.query()  # all of it while the stores still held their ring
+            assert not busy.query(), when()  # all of it while the stores still held their ring
         busy.synchronize()
         assert [p.result().stored for p in held] == [1] * 4
     finally:
