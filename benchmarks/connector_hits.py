@@ -168,6 +168,13 @@ def hit_latency(engine: H.Engine, cached: list[list[int]], fresh: list[list[int]
         ends = step_ends[name]
         spans = [t1 - t0 for t0, t1 in zip(ends, ends[1:])]
         out[f"{name}_step_ms_median"] = 1e3 * statistics.median(spans) if spans else None
+        # each hit's stamps in perf_counter nanoseconds (the clock of `kvdepot.trace`'s points:
+        # `--trace` lines them up with its pieces' points in the engine and in the daemon)
+        out[f"{name}_stamps_ns"] = [{k: int(1e9 * d[r]) for k, d in (("added", added), ("posted", clock.posted),
+                                                                   ("first_sent", clock.first_sent),
+                                                                   ("last_sent", clock.last_sent),
+                                                                   ("ended", clock.ended), ("loaded", clock.loaded))
+                                     if r in d} for r in rids]
     return out
 
 

@@ -112,6 +112,7 @@ import torch  # noqa: E402
 import vllm_harness as H  # noqa: E402
 from vllm.utils.gc_utils import freeze_gc_heap  # noqa: E402
 
+from kvdepot import trace  # noqa: E402
 from kvdepot.client import KVDepotClient  # noqa: E402
 from kvdepot.client.vllm.config import load_ring_bytes  # noqa: E402
 from kvdepot.config import parse_bytes  # noqa: E402
@@ -121,6 +122,7 @@ from connector_model import FillEngine, FillForward, WaitingFillEngine, WaitingF
 from connector_hits import hit_latency  # noqa: E402
 from connector_hits import report as hits_report  # noqa: E402
 from connector_probes import CallTimer, GcMeter, LayerProbe, StageTimers, Timeline, less_probe  # noqa: E402
+from transfer_bench import stages as trace_stages  # noqa: E402
 from transfer_bench.procs import FALLBACK_FLAG, DaemonProc, kernels_missing  # noqa: E402
 
 CHUNKS_PER_STEP = 16
@@ -545,6 +547,11 @@ def main(argv=None) -> int:
     p.add_argument("--evict-bytes", default="0",
                    help="each forward also writes this many bytes of host memory on the engine thread (e.g. 64m), "
                         "leaving the CPU caches as cold as a real model runner's host work would")
+    p.add_argument("--trace", default="",
+                   help="a directory: the daemon's trace points (`kvdepot.trace`, KVDEPOT_TRACE_FILE) go to "
+                        "daemon-trace.jsonl there and this process's (every engine's clients: sent, replied) to "
+                        "engine-trace.jsonl, on one clock with the hits' stamps in the JSON (--hits), to line up a "
+                        "hit's pieces at the client and at the daemon")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke run of the same steps with shared-memory KV caches (no roofline)")
     args = p.parse_args(argv)
@@ -567,6 +574,9 @@ def main(argv=None) -> int:
     prof = cProfile.Profile() if args.profile else None
     if prof is not None:
         prof.enable()  # Python >= 3.12: every thread (the workers' transfer threads too)
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        trace_stages.enable(os.path.join(args.trace, "daemon-trace.jsonl"))  # the daemon started below, and here
     with tempfile.TemporaryDirectory() as td:
         wd = Path(td)
         d = DaemonProc(args.l1_bytes, [], str(wd / "daemon.log"), pin=args.device == "cuda")
@@ -591,7 +601,11 @@ def main(argv=None) -> int:
                 print(report(r) + hits_report(r) if "store_vs_roofline" in r else json.dumps(r), flush=True)
                 results.append(r)
         finally:
-            d.stop()
+            d.stop()  # (it writes its trace as it stops)
+    if args.trace:
+        with open(os.path.join(args.trace, "engine-trace.jsonl"), "w") as f:
+            for row in trace.POINTS or ():
+                f.write(json.dumps(row) + "\n")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if prof is not None:

@@ -6,6 +6,7 @@ stored and loaded, and that the timeline and stage figures describe what ran."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,9 +48,34 @@ def test_connector_benchmark_times_hits_alone_and_while_stores_stream(tmp_path):
     import vllm_connector as bench
 
     out = tmp_path / "r.json"
-    assert bench.main(["--device", "cpu", "--shapes", "Llama-3.1-70B TP4 shard", "--requests", "4", "--hits", "4",
-                       "--chunk", "64", "--l1-bytes", "1g", "--out", str(out)]) == 0
+    traced = tmp_path / "trace"
+    try:
+        assert bench.main(["--device", "cpu", "--shapes", "Llama-3.1-70B TP4 shard", "--requests", "4", "--hits", "4",
+                           "--chunk", "64", "--l1-bytes", "1g", "--trace", str(traced), "--out", str(out)]) == 0
+    finally:
+        from kvdepot import trace
+
+        trace.POINTS = None
+        os.environ.pop("KVDEPOT_TRACE_FILE", None)
     (r,) = json.loads(out.read_text())
+    # --trace: the daemon's points and this process's, on the hits' clock: every hit's pieces
+    # reached the daemon (a retrieve's points) between its first piece sent and its load's end
+    daemon = [json.loads(line) for line in (traced / "daemon-trace.jsonl").read_text().splitlines()]
+    engine = [json.loads(line) for line in (traced / "engine-trace.jsonl").read_text().splitlines()]
+    assert {"c_sent", "c_reply"} <= {stage for _, stage, _ in engine}
+    starts: dict[int, list[int]] = {}
+    retrieve_starts = []  # each retrieve's arrival: the last start of its rid before its copy was enqueued
+    for rid, stage, t in sorted(daemon, key=lambda row: row[2]):
+        if stage == "start":
+            starts.setdefault(rid, []).append(t)
+        elif stage == "r_enqueued":
+            retrieve_starts.append(starts[rid][-1])
+    for mode in ("lone", "streaming"):
+        stamps = r[f"{mode}_stamps_ns"]
+        assert len(stamps) == 2
+        for s in stamps:
+            assert s["added"] <= s["posted"] <= s["first_sent"] <= s["last_sent"] <= s["ended"] <= s["loaded"], s
+            assert any(s["first_sent"] - 1_000_000 <= t <= s["ended"] for t in retrieve_starts), s
     assert r["hits_lone"] == r["hits_streaming"] == 2 and r["hit_chunks"] == bench.CHUNKS_PER_STEP
     # every hit loaded whole (a third engine: the chunks engine A stored), the streamed prompts stored
     assert r["streaming_loaded_chunks"] == 2 * bench.CHUNKS_PER_STEP
