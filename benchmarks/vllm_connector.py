@@ -121,6 +121,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from connector_model import FillEngine, FillForward, WaitingFillEngine, WaitingFillForward, shapes  # noqa: E402
 from connector_hits import hit_latency  # noqa: E402
 from connector_hits import report as hits_report  # noqa: E402
+from connector_trace import report as trace_report  # noqa: E402
+from connector_trace import summary as trace_summary  # noqa: E402
 from connector_probes import CallTimer, GcMeter, LayerProbe, StageTimers, Timeline, less_probe  # noqa: E402
 from transfer_bench import stages as trace_stages  # noqa: E402
 from transfer_bench.procs import FALLBACK_FLAG, DaemonProc, kernels_missing  # noqa: E402
@@ -606,6 +608,10 @@ def main(argv=None) -> int:
         with open(os.path.join(args.trace, "engine-trace.jsonl"), "w") as f:
             for row in trace.POINTS or ():
                 f.write(json.dumps(row) + "\n")
+        for r in results:
+            if r.get("lone_stamps_ns") or r.get("streaming_stamps_ns"):
+                r.update(trace_summary(args.trace, r))
+                print(f"{r['shape']}:{trace_report(r)}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if prof is not None:
