@@ -37,6 +37,8 @@ def shapes() -> dict[str, dict]:
             "gpt-oss-20b": oss}
 
 
+CHUNKS_PER_STEP = 16  # chunks a measured step stores: the token budget of a step is 16 chunks' tokens
+
 _SLOTS, _SLOT_IDS = 8, 1 << 16  # `FillForward._device_ids`: pinned host slots, block ids per slot
 
 
