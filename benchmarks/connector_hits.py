@@ -27,6 +27,8 @@ import time
 
 import vllm_harness as H
 
+from kvdepot import trace
+
 
 class HitClock:
     """Stamps, per request, when its load was posted and when it was reported loaded (wraps the
@@ -84,7 +86,9 @@ class HitClock:
 def _step_until(engine: H.Engine, done, timeout_s: float = 120.0, on_step=None) -> None:
     deadline = time.monotonic() + timeout_s
     while not done():
+        trace.point(trace.ENGINE_THREAD, "e_step")
         so = engine.step()
+        trace.point(trace.ENGINE_THREAD, "e_step_end")
         if on_step is not None:
             on_step()
         if not so.total_num_scheduled_tokens:

@@ -16,6 +16,8 @@ import torch  # noqa: E402
 import vllm_harness as H  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 
+from kvdepot import trace  # noqa: E402
+
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from connector_probes import LayerProbe  # noqa: E402
 
@@ -160,7 +162,9 @@ class WaitingFillForward(FillForward):
             ev.record()
             wait, self._last = (ev, None) if not self.lag else (self._last, ev)
             if wait is not None:
+                trace.point(trace.ENGINE_THREAD, "e_gpu_wait")
                 wait.synchronize()
+                trace.point(trace.ENGINE_THREAD, "e_gpu_done")
         return out
 
 

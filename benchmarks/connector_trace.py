@@ -5,15 +5,21 @@ to a hit's load pieces, from the trace points (`kvdepot.trace`) of the daemon
 
 Every client numbers its requests from 1 and points carry only that number, so a piece is
 matched by time: a ``c_sent`` inside a hit's send window (its first piece sent less 2 ms to its
-last piece sent), the daemon's next ``start`` of that number, a retrieve if an ``r_enqueued``
-follows before the number's next ``start``, its ``reply``, and the engine's first ``c_reply`` of
-the number after that reply.
+last piece sent), the daemon's first ``start`` of that number within 5 ms that an
+``r_enqueued`` follows before the number's next ``start`` (a retrieve), its ``reply``, and the
+engine's first ``c_reply`` of the number after that reply. Another client's request of the same
+number can still mislead it now and then: the figures are a diagnosis, not a measurement.
 
 * ``{mode}_reply_read_lag_us``: per load piece, the daemon's reply until the worker read it
   (median, p90, max; ``pieces``: how many were matched);
 * ``{mode}_engine_silences``: stretches of more than 1.5 ms in the hits' window without any
-  trace point of the engine process while at least two of the daemon's replies were sent
-  (``count``, ``max_ms``): the worker's threads ran no client code while replies waited.
+  client trace point of the engine process (``c_*``) while at least two of the daemon's replies
+  were sent (``count``, ``max_ms``, ``total_ms``): the worker's threads ran no client code while
+  replies waited. Of ``total_ms``, what the threads were doing by their markers
+  (`kvdepot.trace.TRANSFER_THREAD`, `kvdepot.trace.ENGINE_THREAD`): ``transfer_waiting_ms``
+  (the transfer thread inside its wait for work or replies, which includes taking the GIL back
+  after a reply woke it), ``transfer_running_ms`` (handling work), and ``engine_gpu_wait_ms``
+  (the engine thread waiting for its step's GPU work, with the GIL let go).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import collections
 import json
 import statistics
 from pathlib import Path
+
+from kvdepot.trace import ENGINE_THREAD, TRANSFER_THREAD
 
 SILENCE_NS = 1_500_000
 
@@ -46,6 +54,16 @@ def _pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def _spans(rows, rid: int, start: str) -> list[tuple[int, int]]:
+    """(begin, end) of each stretch from a ``start`` marker of thread ``rid`` to its next marker."""
+    marks = [(t, stage) for r, stage, t in rows if r == rid]
+    return [(t, nxt) for (t, stage), (nxt, _) in zip(marks, marks[1:]) if stage == start]
+
+
+def _overlap_ns(a: int, b: int, spans: list[tuple[int, int]]) -> int:
+    return sum(max(0, min(b, s1) - max(a, s0)) for s0, s1 in spans)
+
+
 def summary(trace_dir: str | Path, r: dict) -> dict:
     """The fields above for each mode of ``r`` (one shape's result with ``{mode}_stamps_ns``)."""
     d = Path(trace_dir)
@@ -64,12 +82,14 @@ def summary(trace_dir: str | Path, r: dict) -> dict:
                 if stage != "c_sent" or not lo <= t <= hi:
                     continue
                 pts = dby.get(rid, [])
-                start = _first(pts, "start", t)
-                if start is None:
-                    continue
-                nxt = _first(pts, "start", start + 1) or float("inf")
-                if _first(pts, "r_enqueued", start, nxt) is None:
-                    continue  # a store
+                # the first start of the number after the send that a retrieve's copy follows
+                # (another client's request of the same number may arrive in between)
+                for start in (ts for ts, stage in pts if stage == "start" and t <= ts <= t + 5_000_000):
+                    nxt = _first(pts, "start", start + 1) or float("inf")
+                    if _first(pts, "r_enqueued", start, nxt) is not None:
+                        break
+                else:
+                    continue  # a store, or not found
                 reply = _first(pts, "reply", start, nxt)
                 read = _first(eby.get(rid, []), "c_reply", reply) if reply is not None else None
                 if read is not None:
@@ -80,11 +100,18 @@ def summary(trace_dir: str | Path, r: dict) -> dict:
         if stamps:
             w0 = min(s.get("posted", s.get("added", 0)) for s in stamps)
             w1 = max(s.get("loaded", s.get("ended", 0)) for s in stamps)
-            times = [t for _, _, t in engine if w0 <= t <= w1]
+            times = [t for rid, stage, t in engine if rid >= 0 and stage.startswith("c_") and w0 <= t <= w1]
             for a, b in zip(times, times[1:]):
                 if b - a > SILENCE_NS and sum(1 for t in replies if a < t < b) >= 2:
-                    silences.append((b - a) / 1e6)
-        out[f"{mode}_engine_silences"] = {"count": len(silences), "max_ms": max(silences, default=0.0)}
+                    silences.append((a, b))
+        waiting, running = _spans(engine, TRANSFER_THREAD, "t_wait"), _spans(engine, TRANSFER_THREAD, "t_run")
+        gpu_wait = _spans(engine, ENGINE_THREAD, "e_gpu_wait")
+        out[f"{mode}_engine_silences"] = {
+            "count": len(silences), "max_ms": max(((b - a) / 1e6 for a, b in silences), default=0.0),
+            "total_ms": sum(b - a for a, b in silences) / 1e6,
+            "transfer_waiting_ms": sum(_overlap_ns(a, b, waiting) for a, b in silences) / 1e6,
+            "transfer_running_ms": sum(_overlap_ns(a, b, running) for a, b in silences) / 1e6,
+            "engine_gpu_wait_ms": sum(_overlap_ns(a, b, gpu_wait) for a, b in silences) / 1e6}
     return out
 
 
@@ -97,6 +124,8 @@ def report(r: dict) -> str:
             continue
         lines.append(f"\n  --trace, hits {what}: the daemon's reply to a load piece read by the worker after"
                      f" {lag['median']:.0f} us median, {lag['p90']:.0f} p90, {lag['max']:.0f} max ({lag['pieces']} pieces);"
-                     f" {quiet['count']} stretches of > 1.5 ms without a trace point of the engine process while"
-                     f" replies waited (longest {quiet['max_ms']:.1f} ms)")
+                     f" {quiet['count']} stretches of > 1.5 ms without client code run in the engine process while"
+                     f" replies waited (longest {quiet['max_ms']:.1f} ms, {quiet['total_ms']:.1f} ms in all: the transfer"
+                     f" thread waiting {quiet['transfer_waiting_ms']:.1f} and running {quiet['transfer_running_ms']:.1f},"
+                     f" the engine thread waiting for the GPU {quiet['engine_gpu_wait_ms']:.1f})")
     return "".join(lines)

@@ -12,6 +12,11 @@ import time
 FILE = os.environ.get("KVDEPOT_TRACE_FILE")
 POINTS: list | None = [] if FILE else None
 
+# rids below 0 mark what a thread does, not a request: -1 the daemon's loop got a frame, -3 its
+# call into the kernel library, and these two
+TRANSFER_THREAD = -20  # the vLLM worker's transfer thread: "t_wait" (waits for work), "t_run"
+ENGINE_THREAD = -21  # an engine's own thread, where a benchmark marks it (e.g. "e_gpu_wait", "e_gpu_done")
+
 
 def point(rid: int, stage: str) -> None:
     if POINTS is not None:

@@ -76,11 +76,16 @@ def test_connector_benchmark_times_hits_alone_and_while_stores_stream(tmp_path):
         for s in stamps:
             assert s["added"] <= s["posted"] <= s["first_sent"] <= s["last_sent"] <= s["ended"] <= s["loaded"], s
             assert any(s["first_sent"] - 1_000_000 <= t <= s["ended"] for t in retrieve_starts), s
-        # the summary matched each hit's load pieces (a 4-chunk hit: one piece at least) to the
-        # daemon's replies and the worker's reads of them
+        # the summary matched load pieces to the daemon's replies and the worker's reads of them
+        # (by request number and time: another client's request of the same number may hide one)
         lag = r[f"{mode}_reply_read_lag_us"]
-        assert lag["pieces"] >= len(stamps) and 0 <= lag["median"] <= lag["p90"] <= lag["max"], lag
-        assert r[f"{mode}_engine_silences"]["count"] >= 0
+        assert lag["pieces"] >= 1 and 0 <= lag["median"] <= lag["p90"] <= lag["max"], lag
+        quiet = r[f"{mode}_engine_silences"]
+        parts = quiet["transfer_waiting_ms"] + quiet["transfer_running_ms"]
+        assert quiet["count"] >= 0 and 0 <= parts <= quiet["total_ms"] + 1e-6, quiet
+    # the threads' markers: the transfer thread's waits and runs, the engine thread's steps
+    marks = {stage for rid, stage, _ in engine if rid < 0}
+    assert {"t_wait", "t_run", "e_step", "e_step_end"} <= marks, marks
     assert r["hits_lone"] == r["hits_streaming"] == 2 and r["hit_chunks"] == bench.CHUNKS_PER_STEP
     # every hit loaded whole (a third engine: the chunks engine A stored), the streamed prompts stored
     assert r["streaming_loaded_chunks"] == 2 * bench.CHUNKS_PER_STEP

@@ -46,6 +46,7 @@ import time
 
 import torch
 
+from kvdepot import trace
 from kvdepot.client.client import KVDepotClient
 from kvdepot.client.vllm.jobs import DOWN, JobPieces
 from kvdepot.client.vllm.pieces import LoadOutcomes, Op, Piece, PinnedSaves, PostedSave, Preemption, Results, Wake
@@ -197,7 +198,9 @@ class TransferThread(JobPieces):
         seen_replies = -1  # the client's replies_read at the last pass over the ops
         full_pass_s = 0.0  # time.monotonic() of the last pass
         while True:
+            trace.point(trace.TRANSFER_THREAD, "t_wait")  # (a disabled point costs a global lookup)
             cmd = self._wait()
+            trace.point(trace.TRANSFER_THREAD, "t_run")
             try:
                 changed = cmd is not None
                 while cmd is not None:
