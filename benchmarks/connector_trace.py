@@ -3,12 +3,12 @@ to a hit's load pieces, from the trace points (`kvdepot.trace`) of the daemon
 (``daemon-trace.jsonl``) and of the engine process (``engine-trace.jsonl``, every client's
 ``c_sent`` / ``c_reply``), which share one clock with the hits' stamps (`connector_hits`).
 
-Every client numbers its requests from 1 and points carry only that number, so a piece is
-matched by time: a ``c_sent`` inside a hit's send window (its first piece sent less 2 ms to its
-last piece sent), the daemon's first ``start`` of that number within 5 ms that an
+Points carry only the request's number, which no two clients of one process share (each counts
+from its own base), so a piece is: a ``c_sent`` inside a hit's send window (its first piece sent
+less 2 ms to its last piece sent), the daemon's first ``start`` of that number within 5 ms that an
 ``r_enqueued`` follows before the number's next ``start`` (a retrieve), its ``reply``, and the
-engine's first ``c_reply`` of the number after that reply. Another client's request of the same
-number can still mislead it now and then: the figures are a diagnosis, not a measurement.
+engine's first ``c_reply`` of the number after that reply. (Clients of other processes may number
+alike: the daemon's trace holds theirs too; the benchmark's engines are all in one process.)
 
 * ``{mode}_reply_read_lag_us``: per load piece, the daemon's reply until the worker read it
   (median, p90, max; ``pieces``: how many were matched);

@@ -45,6 +45,10 @@ from kvdepot.protocol.transport import StreamSocket, connect_socket, default_end
 
 log = logging.getLogger("kvdepot.client")
 
+# request numbers: each client of a process counts from its own base, so no two of them number
+# requests alike (`kvdepot.trace` points carry only the number)
+_CLIENTS = itertools.count()
+_RIDS_PER_CLIENT = 1 << 32
 _IDLE_POLL_S = 0.01  # `KVDepotClient.poll` with no reply awaited looks at the socket this often
 
 _PR_GET_TIMERSLACK = 30
@@ -97,7 +101,7 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
         self.name = name or f"pid{os.getpid()}"
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
-        self._rid = itertools.count(1)
+        self._rid = itertools.count(1 + next(_CLIENTS) * _RIDS_PER_CLIENT)
         self._outstanding: set[int] = set()  # submitted, reply not yet returned by wait()
         self._replies: dict[int, m.Msg] = {}  # replies that arrived before their wait()
         self._identity = f"kvd-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
