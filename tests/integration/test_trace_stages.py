@@ -71,8 +71,9 @@ def test_lone_store_and_retrieve_are_broken_down_into_every_stage(tmp_path, stag
 
 
 def test_points_of_other_requests_with_the_same_rid_are_left_out(stages):
-    """Several clients in one process number their requests alike: a point of the same rid
-    outside a lone request's own span belongs to another request."""
+    """A point of the same rid outside a lone request's own span belongs to another request,
+    which the breakdown leaves out (rids repeat across processes' clients; one process's clients
+    each number from their own base, but the breakdown does not rely on it)."""
     from kvdepot import trace
 
     trace.POINTS = [(7, "c_sent", 50), (7, "b_call", 1000), (7, "c_sent", 1010), (7, "c_reply", 1090),
