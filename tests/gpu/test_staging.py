@@ -203,7 +203,7 @@ def test_retrieves_through_a_load_ring_of_their_own_pass_stores_that_fill_theirs
         held = []
         window_s = time.perf_counter()  # (the messages below say when in the window a check failed)
         # a call that waits for the sleep shows itself: every thread's stack, 1 s into the window
-        faulthandler.dump_traceback_later(1.0, exit=False, file=sys.stderr)
+        faulthandler.dump_traceback_later(1.0, exit=False, file=sys.__stderr__)  # (fd 2: captured output)
         with torch.cuda.stream(busy):
             torch.cuda._sleep(4_000_000_000)  # about two seconds: the stores' gathers wait behind it
             for _ in range(4):
