@@ -82,6 +82,23 @@ class HitClock:
 
         conn.start_load_kv, conn.get_transfer_results = start_load_kv, get_transfer_results
 
+        # the scheduler side: when vLLM's scheduler first asked about the request (it had token
+        # budget for it) and when the connector first answered (its lookup's reply was in)
+        self.asked: dict[str, float] = {}
+        self.answered: dict[str, float] = {}
+        sched = engine.sched_conn.scheduler
+        matched = sched.get_num_new_matched_tokens
+
+        def get_num_new_matched_tokens(request, num_computed_tokens):
+            got = matched(request, num_computed_tokens)
+            now = time.perf_counter()
+            self.asked.setdefault(request.request_id, now)
+            if got[0] is not None:
+                self.answered.setdefault(request.request_id, now)
+            return got
+
+        sched.get_num_new_matched_tokens = get_num_new_matched_tokens
+
 
 def _step_until(engine: H.Engine, done, timeout_s: float = 120.0, on_step=None) -> None:
     deadline = time.monotonic() + timeout_s
@@ -155,6 +172,12 @@ def hit_latency(engine: H.Engine, cached: list[list[int]], fresh: list[list[int]
         before = [1e3 * (clock.posted[r] - added[r]) for r in rids if r in clock.posted]
         after = [1e3 * (first[r] - clock.loaded[r]) for r in rids if r in first and r in clock.loaded]
         out[f"{name}_added_to_posted_ms_median"] = statistics.median(before) if before else None
+        # where added-to-posted went: until vLLM's scheduler asked the connector (token budget,
+        # its queue), until the connector had the lookup's answer, then until the load was posted
+        for part, a, b in (("added_to_asked", added, clock.asked), ("asked_to_answered", clock.asked, clock.answered),
+                           ("answered_to_posted", clock.answered, clock.posted)):
+            got = [1e3 * (b[r] - a[r]) for r in rids if r in a and r in b]
+            out[f"{name}_{part}_ms_median"] = statistics.median(got) if got else None
         out[f"{name}_loaded_to_first_token_ms_median"] = statistics.median(after) if after else None
         out[f"{name}_loads_timed"] = len(post)
         out[f"{name}_post_to_loaded_ms_median"] = statistics.median(post) if post else None
@@ -174,7 +197,9 @@ def hit_latency(engine: H.Engine, cached: list[list[int]], fresh: list[list[int]
         out[f"{name}_step_ms_median"] = 1e3 * statistics.median(spans) if spans else None
         # each hit's stamps in perf_counter nanoseconds (the clock of `kvdepot.trace`'s points:
         # `--trace` lines them up with its pieces' points in the engine and in the daemon)
-        out[f"{name}_stamps_ns"] = [{k: int(1e9 * d[r]) for k, d in (("added", added), ("posted", clock.posted),
+        out[f"{name}_stamps_ns"] = [{k: int(1e9 * d[r]) for k, d in (("added", added), ("asked", clock.asked),
+                                                                   ("answered", clock.answered),
+                                                                   ("posted", clock.posted),
                                                                    ("first_sent", clock.first_sent),
                                                                    ("last_sent", clock.last_sent),
                                                                    ("ended", clock.ended), ("loaded", clock.loaded))
@@ -208,4 +233,9 @@ def report(r: dict) -> str:
                  ("post_to_first_sent", "post_to_last_sent", "last_sent_to_ended", "ended_to_reported", "step")]
         lines.append("    of posted to reported (ms, medians): " + ", ".join(
             f"{k.replace('_', ' ')} {v:.1f}" for k, v in parts if v is not None))
+        parts = [(k, r.get(f"{name}_{k}_ms_median")) for k in ("added_to_asked", "asked_to_answered",
+                                                                  "answered_to_posted")]
+        lines.append("    of added to posted (ms, medians): " + ", ".join(
+            f"{k.replace('_', ' ')} {v:.1f}" for k, v in parts if v is not None)
+            + " (asked: vLLM's scheduler first asked the connector; answered: it had the lookup's answer)")
     return "\n".join(lines)

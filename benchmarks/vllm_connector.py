@@ -76,8 +76,9 @@ on the current stream. Per shape:
 
 * ``--hits N``: on a third engine, N of the prompts again (a hit each), half of them alone and
   half while new prompts are prefilled and stored: how long each hit's load took from its post
-  to its report, and from its arrival to its first token, next to its bytes' time on the link
-  (`connector_hits.py`).
+  to its report, and from its arrival to its first token, next to its bytes' time on the link;
+  the time before its load was posted split into vLLM's queue (until its scheduler first asked
+  the connector), the lookup's answer, and the rest (`connector_hits.py`).
 
 * ``--timeline``: each phase's wall time split into its lead-in (first step until the first
   transfer is sent), the time with one or more transfers at the daemon (and their GB/s), the

@@ -74,7 +74,8 @@ def test_connector_benchmark_times_hits_alone_and_while_stores_stream(tmp_path):
         stamps = r[f"{mode}_stamps_ns"]
         assert len(stamps) == 2
         for s in stamps:
-            assert s["added"] <= s["posted"] <= s["first_sent"] <= s["last_sent"] <= s["ended"] <= s["loaded"], s
+            assert (s["added"] <= s["asked"] <= s["answered"] <= s["posted"] <= s["first_sent"] <= s["last_sent"]
+                    <= s["ended"] <= s["loaded"]), s
             assert any(s["first_sent"] - 1_000_000 <= t <= s["ended"] for t in retrieve_starts), s
         # the summary matched load pieces to the daemon's replies and the worker's reads of them
         # (hits whose loads are posted in one step may share one request: one piece at least)
@@ -98,5 +99,8 @@ def test_connector_benchmark_times_hits_alone_and_while_stores_stream(tmp_path):
         # parts add up to its whole, so no part's median exceeds the largest whole)
         parts = [r[f"{mode}_{k}_ms_median"] for k in ("post_to_last_sent", "last_sent_to_ended", "ended_to_reported")]
         assert all(v is not None and 0 <= v <= r[f"{mode}_post_to_loaded_ms_max"] for v in parts), parts
+        # and of added-to-posted: vLLM's queue, the lookup's answer, the rest of that step
+        parts = [r[f"{mode}_{k}_ms_median"] for k in ("added_to_asked", "asked_to_answered", "answered_to_posted")]
+        assert all(v is not None and v >= 0 for v in parts), parts
         assert r[f"{mode}_post_to_first_sent_ms_median"] <= r[f"{mode}_post_to_last_sent_ms_median"]
         assert r[f"{mode}_step_ms_median"] > 0
