@@ -172,21 +172,19 @@ def hit_latency(engine: H.Engine, cached: list[list[int]], fresh: list[list[int]
         before = [1e3 * (clock.posted[r] - added[r]) for r in rids if r in clock.posted]
         after = [1e3 * (first[r] - clock.loaded[r]) for r in rids if r in first and r in clock.loaded]
         out[f"{name}_added_to_posted_ms_median"] = statistics.median(before) if before else None
-        # where added-to-posted went: until vLLM's scheduler asked the connector (token budget,
-        # its queue), until the connector had the lookup's answer, then until the load was posted
-        for part, a, b in (("added_to_asked", added, clock.asked), ("asked_to_answered", clock.asked, clock.answered),
-                           ("answered_to_posted", clock.answered, clock.posted)):
-            got = [1e3 * (b[r] - a[r]) for r in rids if r in a and r in b]
-            out[f"{name}_{part}_ms_median"] = statistics.median(got) if got else None
         out[f"{name}_loaded_to_first_token_ms_median"] = statistics.median(after) if after else None
         out[f"{name}_loads_timed"] = len(post)
         out[f"{name}_post_to_loaded_ms_median"] = statistics.median(post) if post else None
         out[f"{name}_post_to_loaded_ms_max"] = max(post) if post else None
         out[f"{name}_added_to_first_token_ms_median"] = statistics.median(ttft) if ttft else None
         out[f"{name}_added_to_first_token_ms_max"] = max(ttft) if ttft else None
-        # where post-to-loaded went: ring room for the first / last piece, the daemon after the
-        # last piece was sent, the engine's next report after the load ended
-        for part, a, b in (("post_to_first_sent", clock.posted, clock.first_sent),
+        # where added-to-posted went: until vLLM's scheduler asked the connector (token budget,
+        # its queue), until the connector had the lookup's answer, then until the load was posted;
+        # and post-to-loaded: ring room for the first / last piece, the daemon after the last
+        # piece was sent, the engine's next report after the load ended
+        for part, a, b in (("added_to_asked", added, clock.asked), ("asked_to_answered", clock.asked, clock.answered),
+                           ("answered_to_posted", clock.answered, clock.posted),
+                           ("post_to_first_sent", clock.posted, clock.first_sent),
                            ("post_to_last_sent", clock.posted, clock.last_sent),
                            ("last_sent_to_ended", clock.last_sent, clock.ended),
                            ("ended_to_reported", clock.ended, clock.loaded)):
@@ -229,13 +227,12 @@ def report(r: dict) -> str:
                      f" {r[f'{name}_added_to_first_token_ms_max']:.1f} max (of it, added to posted"
                      f" {r[f'{name}_added_to_posted_ms_median']:.1f}, reported loaded to first token"
                      f" {r[f'{name}_loaded_to_first_token_ms_median']:.1f}; {r[f'{name}_loads_timed']} hits)")
-        parts = [(k, r.get(f"{name}_{k}_ms_median")) for k in
-                 ("post_to_first_sent", "post_to_last_sent", "last_sent_to_ended", "ended_to_reported", "step")]
-        lines.append("    of posted to reported (ms, medians): " + ", ".join(
-            f"{k.replace('_', ' ')} {v:.1f}" for k, v in parts if v is not None))
-        parts = [(k, r.get(f"{name}_{k}_ms_median")) for k in ("added_to_asked", "asked_to_answered",
-                                                                  "answered_to_posted")]
-        lines.append("    of added to posted (ms, medians): " + ", ".join(
-            f"{k.replace('_', ' ')} {v:.1f}" for k, v in parts if v is not None)
-            + " (asked: vLLM's scheduler first asked the connector; answered: it had the lookup's answer)")
+        for whole, keys, note in (
+                ("posted to reported", ("post_to_first_sent", "post_to_last_sent", "last_sent_to_ended",
+                                        "ended_to_reported", "step"), ""),
+                ("added to posted", ("added_to_asked", "asked_to_answered", "answered_to_posted"),
+                 " (asked: vLLM's scheduler first asked the connector; answered: it had the lookup's answer)")):
+            parts = [(k, r.get(f"{name}_{k}_ms_median")) for k in keys]
+            lines.append(f"    of {whole} (ms, medians): " + ", ".join(
+                f"{k.replace('_', ' ')} {v:.1f}" for k, v in parts if v is not None) + note)
     return "\n".join(lines)
