@@ -29,6 +29,8 @@ import json
 import statistics
 from pathlib import Path
 
+from connector_probes import pct
+
 from kvdepot.trace import ENGINE_THREAD, TRANSFER_THREAD
 
 SILENCE_NS = 1_500_000
@@ -50,13 +52,9 @@ def _first(points, stage: str, lo: float, hi: float = float("inf")) -> int | Non
     return next((t for t, s in points if s == stage and lo <= t < hi), None)
 
 
-def _pct(xs: list[float], q: float) -> float:
-    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
-
-
-def _spans(rows, rid: int, start: str) -> list[tuple[int, int]]:
-    """(begin, end) of each stretch from a ``start`` marker of thread ``rid`` to its next marker."""
-    marks = [(t, stage) for r, stage, t in rows if r == rid]
+def _spans(marks: list[tuple[int, str]], start: str) -> list[tuple[int, int]]:
+    """(begin, end) of each stretch from a ``start`` marker of one thread (its ``(t, stage)``
+    points, in time order) to its next marker."""
     return [(t, nxt) for (t, stage), (nxt, _) in zip(marks, marks[1:]) if stage == start]
 
 
@@ -70,6 +68,9 @@ def summary(trace_dir: str | Path, r: dict) -> dict:
     daemon, engine = _load(d / "daemon-trace.jsonl"), _load(d / "engine-trace.jsonl")
     dby, eby = _by_rid(daemon), _by_rid(engine)
     replies = [t for _, stage, t in daemon if stage == "reply"]
+    transfer = eby.get(TRANSFER_THREAD, [])
+    waiting, running = _spans(transfer, "t_wait"), _spans(transfer, "t_run")
+    gpu_wait = _spans(eby.get(ENGINE_THREAD, []), "e_gpu_wait")
     out = {}
     for mode in ("lone", "streaming"):
         stamps = r.get(f"{mode}_stamps_ns") or []
@@ -95,7 +96,7 @@ def summary(trace_dir: str | Path, r: dict) -> dict:
                 if read is not None:
                     lags.append((read - reply) / 1e3)
         out[f"{mode}_reply_read_lag_us"] = ({"pieces": len(lags), "median": statistics.median(lags),
-                                             "p90": _pct(lags, 0.9), "max": max(lags)} if lags else None)
+                                             "p90": pct(lags, 0.9), "max": max(lags)} if lags else None)
         silences = []
         if stamps:
             w0 = min(s.get("posted", s.get("added", 0)) for s in stamps)
@@ -104,8 +105,6 @@ def summary(trace_dir: str | Path, r: dict) -> dict:
             for a, b in zip(times, times[1:]):
                 if b - a > SILENCE_NS and sum(1 for t in replies if a < t < b) >= 2:
                     silences.append((a, b))
-        waiting, running = _spans(engine, TRANSFER_THREAD, "t_wait"), _spans(engine, TRANSFER_THREAD, "t_run")
-        gpu_wait = _spans(engine, ENGINE_THREAD, "e_gpu_wait")
         out[f"{mode}_engine_silences"] = {
             "count": len(silences), "max_ms": max(((b - a) / 1e6 for a, b in silences), default=0.0),
             "total_ms": sum(b - a for a, b in silences) / 1e6,

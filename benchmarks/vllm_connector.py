@@ -126,7 +126,7 @@ from connector_hits import report as hits_report  # noqa: E402
 from connector_trace import report as trace_report  # noqa: E402
 from connector_trace import summary as trace_summary  # noqa: E402
 from connector_report import report  # noqa: E402
-from connector_probes import CallTimer, GcMeter, LayerProbe, StageTimers, Timeline, less_probe  # noqa: E402
+from connector_probes import CallTimer, GcMeter, LayerProbe, StageTimers, Timeline, less_probe, pct  # noqa: E402
 from transfer_bench import stages as trace_stages  # noqa: E402
 from transfer_bench.procs import FALLBACK_FLAG, DaemonProc, kernels_missing  # noqa: E402
 
@@ -143,11 +143,6 @@ WORKER_CALLS = ("handle_preemptions", "bind_connector_metadata", "start_load_kv"
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def _pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: int, timeout_s: float = 300.0) -> dict:
@@ -202,7 +197,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
     return {"thread_cpu_us_per_step": 1e6 * stats["thread_cpu_s"] / max(1, forward_steps), "forward_steps": forward_steps,
             "wall_s": end_s - t0, "timeline": timeline.take(end_s, chunk_bytes), "engine_s": engine_s,
             "steps_measured": len(steps),
-            "step_us_median": med(total) if total else None, "step_us_p99": _pct(total, 0.99),
+            "step_us_median": med(total) if total else None, "step_us_p99": pct(total, 0.99),
             "step_wait_us_median": 1e6 * med(waits) if waits and CallTimer.cpu_clock else None,
             "sched_us_median": med([1e6 * sum(a.values()) for a, _ in steps]) if steps else None,
             "worker_us_median": med([1e6 * sum(b.values()) for _, b in steps]) if steps else None,
@@ -216,7 +211,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
                             "us_total": 1e6 * sum(g[1] for g in gcs), "us_max": 1e6 * max((g[1] for g in gcs), default=0.0),
                             "in_connector_calls_us_total": 1e6 * sum(g[2] for g in gcs),
                             "in_connector_calls_us_max": 1e6 * max((g[2] for g in gcs), default=0.0),
-                            "step_us_p99_with_them": _pct([t + 1e6 * g[2] for t, g in zip(total, gcs)], 0.99)}}
+                            "step_us_p99_with_them": pct([t + 1e6 * g[2] for t, g in zip(total, gcs)], 0.99)}}
 
 
 def _waited(wall: dict[str, float], cpu: dict[str, float]) -> float:
@@ -245,7 +240,7 @@ def decode_steps(engine: H.Engine, requests: int = 8, steps: int = 48) -> dict:
             waits.append(1e6 * (_waited(sched, sched_t.cpu_s) + _waited(work, work_t.cpu_s)))
             for n, v in spent.items():
                 calls.setdefault(n, []).append(1e6 * v)
-    return {"decode_step_us_median": statistics.median(total), "decode_step_us_p99": _pct(total, 0.99),
+    return {"decode_step_us_median": statistics.median(total), "decode_step_us_p99": pct(total, 0.99),
             "decode_step_wait_us_median": statistics.median(waits) if CallTimer.cpu_clock else None,
             "decode_steps": len(total),
             "decode_per_call_us_median": {n: statistics.median(v) for n, v in calls.items()}}
