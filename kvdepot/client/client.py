@@ -49,7 +49,12 @@ log = logging.getLogger("kvdepot.client")
 # requests alike (`kvdepot.trace` points carry only the number)
 _CLIENTS = itertools.count()
 _RIDS_PER_CLIENT = 1 << 32
-_IDLE_POLL_S = 0.01  # `KVDepotClient.poll` with no reply awaited looks at the socket this often
+# `KVDepotClient.poll` with no reply awaited looks at the socket this often (for a connection
+# the daemon closed, and to read replies nobody waits for; a request sent on a closed connection
+# connects afresh anyway, `submit`): a look cost an engine's step 12-14 us of cold-cache system
+# call on the dev VM, and at every 10 ms it came in most steps of a real model
+_IDLE_LOOK_S = 0.5
+_UNREAD_KEPT = 64  # ... or once this many replies nobody waits for are due (bounds the backlog)
 
 _PR_GET_TIMERSLACK = 30
 _slack = threading.local()
@@ -250,20 +255,21 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
         or until file descriptor ``wake_fd`` is readable: another thread's way to cut the wait
         short; it is not read here); never raises: a connection the daemon closed loses its outstanding requests
         (DISCONNECTED, see `PendingStore.done`). While every reply has been read it looks at
-        the socket (for a connection the daemon closed) at most every `_IDLE_POLL_S`: an
+        the socket (for a connection the daemon closed) at most every `_IDLE_LOOK_S`: an
         engine's step calls it several times, and each look is a system call. The same holds
         while the only replies due are ones nobody waits for (`forget`: a scheduler's
         `EndRequest` per finished request; a probe's ping and a reconnect's Hello excepted):
-        they are read in that rhythm, not by every step that polls."""
+        they are read in that rhythm, or once `_UNREAD_KEPT` of them are due, not by every
+        step that polls."""
         sock = self._sock
         if sock is None:
             return
         if timeout_s <= 0 and (self._unread <= 0 or not (self._outstanding or self._probe_rid is not None
                                                           or self._hello_rid is not None)):
             now = time.monotonic()
-            if now < self._idle_poll_at:
+            if now < self._idle_poll_at and self._unread < _UNREAD_KEPT:
                 return
-            self._idle_poll_at = now + _IDLE_POLL_S
+            self._idle_poll_at = now + _IDLE_LOOK_S
         ms = max(0, int(timeout_s * 1000))
         try:
             if wake_fd is not None and ms:

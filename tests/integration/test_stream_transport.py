@@ -257,3 +257,36 @@ def test_a_poll_waiting_for_a_reply_returns_when_its_wake_fd_is_signalled(daemon
         assert c.done(rid) and not c.awaiting_replies
         assert isinstance(c.wait(rid, timeout_s=1), m.Pong)
     os.close(wake)
+
+
+def test_an_idle_poll_reads_replies_nobody_waits_for_in_its_rhythm(module_daemon, monkeypatch):
+    """With no reply awaited, `KVDepotClient.poll` looks at the socket only every
+    ``_IDLE_LOOK_S`` (each look is a system call in an engine's step), unless ``_UNREAD_KEPT``
+    replies nobody waits for (`forget`: a scheduler's EndRequests) are due; a reply someone
+    waits for is read by the next poll, rhythm or not."""
+    import kvdepot.client.client as client_mod
+
+    monkeypatch.setattr(client_mod, "_IDLE_LOOK_S", 3600.0)
+    monkeypatch.setattr(client_mod, "_UNREAD_KEPT", 4)
+
+    def forgotten(c: KVDepotClient, n: int) -> None:
+        for _ in range(n):
+            c.forget(c.submit(m.Ping(rid=0)))
+        time.sleep(0.5)  # their replies are in the socket by now
+
+    with KVDepotClient(module_daemon.endpoint) as c:
+        c.ping()
+        forgotten(c, 2)
+        c.poll()  # the first look (none before): both read
+        read = c.replies_read
+        assert not c.awaiting_replies
+        forgotten(c, 3)
+        c.poll()
+        assert c.replies_read == read, "an idle poll within the rhythm made a system call"
+        forgotten(c, 1)  # 4 due now
+        c.poll()
+        assert c.replies_read == read + 4 and not c.awaiting_replies
+        rid = c.submit(m.Ping(rid=0))  # awaited: read by the next poll
+        time.sleep(0.5)
+        c.poll()
+        assert c.done(rid) and isinstance(c.wait(rid, timeout_s=0), m.Pong)

@@ -40,6 +40,41 @@ def test_decode_steps_look_at_no_request_once_prompts_are_stored(daemon, tmp_pat
         a.close()
 
 
+def test_steps_with_nothing_to_move_share_one_metadata_and_one_result(daemon, tmp_path):
+    """A step with nothing for the workers (decode, once the prompts are stored) gets the
+    scheduler's one shared `KVDepotMetadata`, of empty tuples, and the workers' one shared
+    result of empty frozensets: no object is built for such a step (each cost a decode step
+    3-7 us of cold caches). A step that stores, and the one that reports its store ended, get
+    their own; the requests still finish and their blocks go back to vLLM."""
+    from kvdepot.client.vllm.worker import NOTHING_ENDED
+
+    cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, chunk_size=64, extra={"model_id": "idle"})
+    a = H.Engine(cfg, H.dense_specs())
+    try:
+        metas, results = [], []
+        build, gtr = a.sched_conn.build_connector_meta, a.worker_conn.get_transfer_results
+        a.sched_conn.build_connector_meta = lambda so: metas.append(build(so)) or metas[-1]
+        a.worker_conn.get_transfer_results = lambda ids: results.append(gtr(ids)) or results[-1]
+        ids = [a.add(H.tokens(60 + i, 140), max_tokens=24) for i in range(2)]
+        a.run(*ids)
+        stores = [m for m in metas if m.stores]
+        assert stores and all(isinstance(m.stores, list) for m in stores)
+        idle = [m for m in metas if not (m.stores or m.loads or m.release or m.preempted)]
+        assert len(idle) >= 10 and all(m is idle[0] for m in idle), "decode steps built their own metadata"
+        assert idle[0].stores == () and idle[0].loads == () and idle[0].release == ()
+        sent = [r for r in results if r.finished_sending]
+        assert {x for r in sent for x in r.finished_sending} == set(ids)  # their blocks were held, then freed
+        empty = [r for r in results if not r.finished_sending]
+        assert len(empty) >= 10 and all(r is empty[0] for r in empty)
+        assert (empty[0].finished_sending, empty[0].finished_recving, empty[0].failed_recving) == NOTHING_ENDED
+        assert isinstance(empty[0].failed_recving, frozenset)  # shared: whoever tried to add to it would fail
+        assert a.worker_conn.get_block_ids_with_load_errors() == set()
+        assert a.worker_conn.worker.stats["stored_chunks"] == 4
+        assert not a.scheduler.requests
+    finally:
+        a.close()
+
+
 def test_requests_running_through_a_cache_reset_store_their_prompt_again(daemon, tmp_path):
     """After ``reset_cache`` (new weights) a running request's chunks are stored again, under
     the new keys, on its next step."""

@@ -135,7 +135,9 @@ class StoreJob:
 
 @dataclasses.dataclass
 class KVDepotMetadata(KVConnectorMetadata):
-    """What the scheduler-side connector tells every worker for one step.
+    """What the scheduler-side connector tells every worker for one step. A step with nothing
+    for the workers (most decode steps) gets one shared instance whose lists are empty tuples:
+    read it, never change it.
 
     release: finished requests whose blocks vLLM keeps until every worker reported them in
         finished_sending (a worker does once no store or retrieve of the request is in flight).

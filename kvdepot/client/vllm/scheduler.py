@@ -104,6 +104,10 @@ class SchedulerSide:
         self._release: list[str] = []
         self._loading: dict[str, tuple] = {}  # request -> its block ids per vLLM gid, while its load runs
         self._null_block_id = 0
+        self._idle_meta: KVDepotMetadata | None = None  # what a step with nothing to do gets
+        # a sliding-window model whose stores are not pinned: each step's metadata names the
+        # blocks its forward may write (`written_blocks`)
+        self._written_each_step = self.sliding and self.enabled
         self._epoch = 0
         self._kv_cache_manager = None
         self._get_blocks = None
@@ -135,6 +139,7 @@ class SchedulerSide:
         null = getattr(getattr(manager, "block_pool", None), "null_block", None)
         if null is not None:
             self._null_block_id = null.block_id
+        self._idle_meta = None
 
     def bind_block_pool(self, pool) -> None:
         """vLLM's ``BlockPool`` (``bind_gpu_block_pool``): for a model with a sliding-window
@@ -148,6 +153,8 @@ class SchedulerSide:
         if (self.sliding and self.enabled and KVConnectorWorkerMetadata is not None
                 and hasattr(pool, "touch") and hasattr(pool, "blocks") and not os.environ.get(NO_STORE_PINS_ENV)):
             self._pins = StorePins(pool, self._sliding_gids, self._workers, self.stats)
+            self._written_each_step = False
+            self._idle_meta = None
 
     @property
     def pinned_blocks(self) -> int:
@@ -318,8 +325,28 @@ class SchedulerSide:
                                     st.local_tokens + num_external_tokens))
 
     def build_connector_meta(self, scheduler_output) -> KVDepotMetadata:
-        meta = KVDepotMetadata(fingerprint=self.fingerprint, null_block_id=self._null_block_id)
         self.client.poll()
+        if self.cfg.store and self.enabled and (self._unstored or self.cfg.store_generated):
+            scheduled = scheduler_output.num_scheduled_tokens
+            if self.cfg.store_generated:
+                todo = list(scheduled)
+            else:  # by the shorter of the two: many requests may wait with their prompts unstored
+                unstored = self._unstored
+                todo = ([rid for rid in unstored if rid in scheduled] if len(unstored) <= len(scheduled)
+                        else [rid for rid in scheduled if rid in unstored])
+        else:
+            todo = ()
+        if not (todo or self._pending_loads or self._release or scheduler_output.preempted_req_ids
+                or self._written_each_step):
+            # most decode steps: nothing for the workers. One shared metadata of empty tuples
+            # (vLLM only passes it on): building one cost such a step 3-4 us of cold caches
+            idle = self._idle_meta
+            if idle is None:
+                idle = self._idle_meta = KVDepotMetadata(
+                    loads=(), stores=(), release=(), preempted=(), fingerprint=self.fingerprint,
+                    null_block_id=self._null_block_id, stores_pinned=self._pins is not None)
+            return idle
+        meta = KVDepotMetadata(fingerprint=self.fingerprint, null_block_id=self._null_block_id)
         for rid in scheduler_output.preempted_req_ids or ():
             meta.preempted.append(rid)
             st = self._reqs.get(rid)
@@ -332,18 +359,12 @@ class SchedulerSide:
             if job is not None:
                 meta.loads.append(job)
         self._pending_loads = []
-        if self.cfg.store and self.enabled:
+        if todo:
             state = getattr(scheduler_output, "kv_connector_block_state", None)
             scheduled = scheduler_output.num_scheduled_tokens
-            if self.cfg.store_generated:
-                todo = list(scheduled)
-            else:  # by the shorter of the two: many requests may wait with their prompts unstored
-                unstored = self._unstored
-                todo = ([rid for rid in unstored if rid in scheduled] if len(unstored) <= len(scheduled)
-                        else [rid for rid in scheduled if rid in unstored])
             # the tables of requests new in this step, as vLLM already built them (id lists):
             # taken by slicing, where the live blocks would be read one KVCacheBlock at a time
-            new_tables = {r.req_id: r.block_ids for r in scheduler_output.scheduled_new_reqs} if todo else {}
+            new_tables = {r.req_id: r.block_ids for r in scheduler_output.scheduled_new_reqs}
             for req_id in todo:
                 job = self._store_job(req_id, scheduled[req_id], state, new_tables.get(req_id))
                 if job is not None:
@@ -356,7 +377,7 @@ class SchedulerSide:
             meta.stores_pinned = True
             if meta.stores:
                 meta.pin_seq = self._pins.pin(meta.stores, self._null_block_id)
-        elif self.sliding and self.enabled:
+        elif self._written_each_step:
             meta.written_block_ids = written_blocks(scheduler_output)
         return meta
 
@@ -465,15 +486,19 @@ class SchedulerSide:
         return delay, None
 
     def update_connector_output(self, connector_output) -> None:
+        # (most steps bring nothing: no set is built for them)
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(worker_meta, KVDepotWorkerMeta) and self._pins is not None and self._pins.saves:
+        if worker_meta is not None and self._pins is not None and self._pins.saves and isinstance(
+                worker_meta, KVDepotWorkerMeta):
             self._pins.unpin(worker_meta.saves_ended)
-        failed = set(connector_output.failed_recving or ())
-        invalid = set(connector_output.invalid_block_ids or ())
+        failed = connector_output.failed_recving
+        invalid = connector_output.invalid_block_ids
         if invalid:
+            invalid = set(invalid)
+            failed = set(failed or ())
             failed.update(rid for rid, tables in self._loading.items()
                           if any(not invalid.isdisjoint(table) for table in tables))
-        for rid in failed:
+        for rid in failed or ():
             st = self._reqs.get(rid)
             if st is not None:  # vLLM recomputes it; offering the same hit again would loop
                 st.load_failed = True

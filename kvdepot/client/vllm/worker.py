@@ -56,6 +56,9 @@ GATHER_IN_WAIT_FOR_SAVE = bool(os.environ.get("KVDEPOT_GATHER_IN_WAIT_FOR_SAVE")
 # wait_for_save before the thread is tried again, twice as many after each further miss (up to
 # GATHER_IN_WAIT_RETRY_MAX), GATHER_IN_WAIT_RETRY again once the thread made it in time
 GATHER_IN_WAIT_RETRY = 16
+# what `WorkerSide.get_transfer_results` returns when nothing ended: frozen, so that one shared
+# value can go to vLLM step after step (code that tried to add to it would raise, not corrupt)
+NOTHING_ENDED: tuple[frozenset, frozenset, frozenset] = (frozenset(), frozenset(), frozenset())
 GATHER_IN_WAIT_RETRY_MAX = 1024
 
 
@@ -274,9 +277,9 @@ class WorkerSide:
         """Before the forward that reuses preempted requests' blocks: their queued stores are
         dropped; the engine's stream waits for gathers already queued; a store the daemon reads
         from the blocks itself (no staging) is waited for."""
-        gone = set(meta.preempted) if isinstance(meta, KVDepotMetadata) else set()
-        if not gone or not self._active:
+        if not isinstance(meta, KVDepotMetadata) or not meta.preempted or not self._active:
             return
+        gone = set(meta.preempted)
         p = self.mover.preempt(gone, self.cfg.rpc_timeout_s + 1.0)
         if p.event is not None:
             self._current_stream().wait_event(p.event)
@@ -357,9 +360,10 @@ class WorkerSide:
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) of this step; never waits. The
-        engine's stream waits for the scatters of the loads reported."""
+        engine's stream waits for the scatters of the loads reported. Most steps end nothing:
+        then `NOTHING_ENDED` (the same empty frozensets each time, no new objects in the step)."""
         if not self._active:
-            return set(), set(), set()
+            return NOTHING_ENDED
         meta = self._meta
         # a step that saved posted its releases with the save; the others' go here (after any
         # save of theirs, so the stores are queued first)
@@ -368,7 +372,7 @@ class WorkerSide:
             self.mover.post(("release", release))
         out = self.mover.take()
         if out is None:  # most steps: nothing ended
-            return set(), set(), set()
+            return NOTHING_ENDED
         if out.scatter_event is not None:
             self._current_stream().wait_event(out.scatter_event)
         self._invalid_blocks |= out.invalid_blocks
@@ -385,6 +389,10 @@ class WorkerSide:
         return KVDepotWorkerMeta({seq: 1 for seq in ended})
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of loads that failed since the last call (vLLM recomputes their requests);
+        most steps the shared empty frozenset (`NOTHING_ENDED`)."""
+        if not self._invalid_blocks:
+            return NOTHING_ENDED[2]
         out, self._invalid_blocks = self._invalid_blocks, set()
         return out
 
