@@ -3,11 +3,11 @@ connector, alone and while other prompts' stores stream through the same worker,
 time the link needs for its bytes.
 
 A hit request's life in vLLM with an asynchronous load: the scheduler allocates its blocks and
-parks it (``WAITING_FOR_REMOTE_KVS``); the worker's ``start_load_kv`` posts the load to the
-transfer thread; a later ``get_transfer_results`` reports it in ``finished_recving``; the next
+parks it (``WAITING_FOR_REMOTE_KVS``); the worker posts the load to the transfer thread in the
+next step's ``bind_connector_metadata`` (before the forward's launch; `WorkerSide.bind`); a later ``get_transfer_results`` reports it in ``finished_recving``; the next
 schedule computes its last token. Per hit this measures, on the engine thread's clock:
 
-* ``post_to_loaded_ms``: ``start_load_kv`` of the step that carried its load until the
+* ``post_to_loaded_ms``: the post of its load (in the step that carried it) until the
   ``get_transfer_results`` that reported it (what the connector and the daemon take; a step's
   length bounds its resolution: the report is read once per step);
 * ``added_to_first_token_ms``: ``add_request`` until its first sampled token (the lookup's
@@ -32,7 +32,7 @@ from kvdepot import trace
 
 class HitClock:
     """Stamps, per request, when its load was posted and when it was reported loaded (wraps the
-    worker-side connector's ``start_load_kv`` and ``get_transfer_results``); and, on the transfer
+    worker's ``_start_loads`` and the connector's ``get_transfer_results``); and, on the transfer
     thread (wrapping its ``_submit`` and its loads' ``finish``), when its first and last piece
     got staging-ring room and went to the daemon, and when its last piece ended (its scatter
     queued), so that a load's time splits into waiting for ring room, at the daemon, and
@@ -46,7 +46,7 @@ class HitClock:
         self.ended: dict[str, float] = {}
         self.steps: list[float] = []  # perf_counter at the end of each engine step (`hit_latency`)
         conn = engine.worker_conn
-        start, results = conn.start_load_kv, conn.get_transfer_results
+        start, results = conn.worker._start_loads, conn.get_transfer_results
         mover = conn.worker.mover
         submit, finish = mover._submit, mover._loads.finish
 
@@ -66,12 +66,11 @@ class HitClock:
 
         mover._submit, mover._loads.finish = timed_submit, timed_finish
 
-        def start_load_kv(forward_context, **kw):
-            meta = conn._get_connector_metadata()
+        def start_loads(meta):
             now = time.perf_counter()
-            for job in getattr(meta, "loads", None) or ():
+            for job in meta.loads:
                 self.posted.setdefault(job.req_id, now)
-            return start(forward_context, **kw)
+            return start(meta)
 
         def get_transfer_results(finished):
             res = results(finished)
@@ -80,7 +79,7 @@ class HitClock:
                 self.loaded.setdefault(rid, now)
             return res
 
-        conn.start_load_kv, conn.get_transfer_results = start_load_kv, get_transfer_results
+        conn.worker._start_loads, conn.get_transfer_results = start_loads, get_transfer_results
 
         # the scheduler side: when vLLM's scheduler first asked about the request (it had token
         # budget for it) and when the connector first answered (its lookup's reply was in)

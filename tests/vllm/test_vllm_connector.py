@@ -110,6 +110,9 @@ def test_load_call_sequence(shared_daemon, cfg, engines):
     e.run()
     # a second instance: its own prefix cache is empty, so everything cached comes from the daemon
     f = engines(cfg(shared_daemon.endpoint, connector="RecordingKVDepotConnector", module="recording_connector"))
+    mover = f.worker_conn.worker.mover
+    post = mover.post
+    mover.post = lambda cmd: (rc.CALLS.append(("WORKER", "post", cmd[0])), post(cmd))
     rc.CALLS.clear()
     r = f.add(prompt, max_tokens=1, cache_salt="seq", req_id="warm")
     f.run()
@@ -121,9 +124,13 @@ def test_load_call_sequence(shared_daemon, cfg, engines):
     assert calls[alloc][2] == (r, 2 * CHUNK)
     meta = names.index(("S", "build_connector_meta"), alloc)
     assert calls[meta][2][0] == [r]  # the load job
-    # the worker submits the load in that step's start_load_kv without waiting, and reports it
-    # finished in the first get_transfer_results after its answer came (this step or a later one)
+    # the worker posts the load to its transfer thread in that step's bind_connector_metadata
+    # (before the forward; recorded as each call returns), not in start_load_kv after it, and
+    # reports it finished in the first get_transfer_results after its answer came
+    posted = names.index(("W", "post"), meta)
+    assert calls[posted][2] == "load" and names[posted + 1] == ("W", "bind_connector_metadata")
     w = names.index(("W", "start_load_kv"), meta)
+    assert ("W", "post") not in names[posted + 1:w + 1], "start_load_kv posted the load again"
     results = [i for i in range(w, len(calls)) if names[i] == ("W", "get_transfer_results")]
     done = [i for i in results if calls[i][2][1]]
     assert done and calls[done[0]][2][1] == [r] and calls[done[0]][2][2] == []

@@ -160,6 +160,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        """Nothing left to start, most steps: the loads went out in `bind_connector_metadata`."""
         assert self.worker is not None
         self.worker.start_load_kv()
 

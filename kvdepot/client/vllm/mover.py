@@ -20,8 +20,9 @@ the *side stream*; loads' scatters on a stream of their own were measured no fas
   unless ``bind`` claimed it first and gathered it there; without fence words the gathers go
   on the side stream after an event recorded on the engine's stream at that point, and
   ``bind`` makes the engine's stream wait for them.
-* a load's scatter waits on an event recorded in ``start_load_kv`` (after vLLM gave the
-  request its blocks: work an earlier owner of those blocks queued runs first); the engine's
+* a load's scatter waits on an event recorded in ``bind_connector_metadata`` (after vLLM gave
+  the request its blocks and queued its own work on them: work an earlier owner of those
+  blocks queued runs first; `WorkerSide.bind`); the engine's
   stream waits on an event recorded after the scatter before the request is reported in
   ``finished_recving``.
 * preemption: `WorkerSide.handle_preemptions` waits until this thread dropped the preempted

@@ -4,10 +4,11 @@
 and the step itself only posts work and takes results.
 
 Per step (order of vLLM's ``KVConnectorModelRunnerMixin``): ``handle_preemptions`` ->
-``bind_connector_metadata`` -> ``start_load_kv`` -> forward -> ``wait_for_save`` ->
+``bind_connector_metadata`` -> forward -> ``start_load_kv`` -> ``wait_for_save`` ->
 ``get_finished`` -> ``get_block_ids_with_load_errors``.
 
-* Loads (``start_load_kv``): an event is recorded on the engine's stream and the step's load
+* Loads (in ``bind_connector_metadata``, before the forward's launch: `WorkerSide.bind`): an
+  event is recorded on the engine's stream and the step's load
   jobs go to the transfer thread, which submits every retrieve. CUDA engines: the daemon copies
   the chunks into a device staging ring (engine-side staging, `kvdepot.client.staging`); the
   thread scatters them into the blocks on its own stream once the reply came; ``get_finished``
@@ -100,6 +101,7 @@ class WorkerSide:
         self._gather_retry = GATHER_IN_WAIT_RETRY  # the next such run after a miss
         self._sliding_saves: list[_SlidingSave] = []  # sliding-window models: saves maybe not gathered yet
         self._released: KVDepotMetadata | None = None  # the metadata whose releases were posted
+        self._loads_started: KVDepotMetadata | None = None  # the metadata whose loads went out last
         self._invalid_blocks: set[int] = set()  # taken by get_transfer_results, given by the next call
         self._saves_ended: set[int] = set()  # pinned saves ended, for the next `worker_meta`
         self._stream: tuple[int, torch.cuda.Stream | None] = (0, None)  # (raw pointer, the current stream)
@@ -204,7 +206,15 @@ class WorkerSide:
         """Before the forward. For a model with a sliding-window group (vLLM frees blocks that
         leave the window while their request runs), the forward must not write a block before
         an earlier step's store gathered it: the scheduler pins those blocks until the save
-        ended (``meta.stores_pinned``: nothing to do here), else see `_order_after_gathers`."""
+        ended (``meta.stores_pinned``: nothing to do here), else see `_order_after_gathers`.
+
+        The step's loads start here (`_start_loads`), before vLLM launches the forward, not in
+        ``start_load_kv`` after it: vLLM enqueues its own work on the loading requests' new
+        blocks (``new_block_ids_to_zero``, copy-on-write copies) before it binds the metadata,
+        in both of its GPU model runners, and the forward writes none of those blocks (their
+        requests wait for the load). Posting a load costs the engine thread the same here; the
+        load starts a forward's launch earlier, and may end within the step instead of the
+        next one."""
         self._meta = meta
         if not self.stores_may_wait and getattr(meta, "stores_pinned", False):
             # the scheduler pins the sliding-window blocks of every store until its save ended:
@@ -214,6 +224,8 @@ class WorkerSide:
             ours = isinstance(meta, KVDepotMetadata)
             self._order_after_gathers(written_set(meta.written_block_ids if ours else None,
                                                   meta.null_block_id if ours else None))
+        if getattr(meta, "loads", None):
+            self._start_loads(meta)  # after the stream waits above: the scatters follow them too
 
     def _order_after_gathers(self, written: set[int] | None) -> None:
         """Make the engine's stream wait for the gathers of every earlier store that reads a
@@ -304,10 +316,19 @@ class WorkerSide:
         return self._current_stream()
 
     def start_load_kv(self) -> None:
+        """vLLM's call after the forward's launch: the step's loads went out in `bind` already;
+        only loads `bind` did not see (a caller that skipped it) go out here."""
         meta = self._meta
-        if meta is None or not meta.loads or not self._active:
-            return
-        self.mover.post(("load", meta.loads, meta.null_block_id, self._engine_event()))
+        if meta is not None and meta.loads and meta is not self._loads_started:
+            self._start_loads(meta)
+
+    def _start_loads(self, meta: KVDepotMetadata) -> None:
+        """Record an event on the engine's stream now (the loads' scatters follow everything
+        queued on it so far: earlier owners' work on the blocks, vLLM's zeroing of them) and
+        hand the step's loads to the transfer thread (at once: a load wakes it)."""
+        self._loads_started = meta
+        if self._active:
+            self.mover.post(("load", meta.loads, meta.null_block_id, self._engine_event()))
 
     def wait_for_save(self) -> None:
         meta = self._meta
