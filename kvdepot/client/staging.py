@@ -283,9 +283,8 @@ class FenceWords:
             os.close(self.fd)
             raise
         self._view = (ctypes.c_uint64 * words).from_address(self.host_ptr)
-        # unregistered before the mapping goes, also when the object is only collected: a
-        # registration left behind makes the next mapping at that address unregistrable
-        self._finalizer = weakref.finalize(self, _release_fence, kernels, self.host_ptr, self.fd, mem)
+        # retired, not unregistered, once closed or collected (`_retire_fence`)
+        self._finalizer = weakref.finalize(self, _retire_fence, self.fd, mem)
 
     def word_ptr(self, seq: int) -> int:
         """The device address of region ``seq``'s word (`Kernels.engine_gather` writes ``seq`` there)."""
@@ -333,6 +332,8 @@ class FenceWords:
         self._view[seq % self.words] = seq | FENCE_ABANDONED_BIT
 
     def close(self) -> None:
+        """Retire the words (`_retire_fence`): they stay page-locked and mapped while this
+        process lives, and may still be written by GPU work enqueued before."""
         self._finalizer()
 
 
@@ -348,13 +349,19 @@ def await_word(fence: FenceWords, seq: int, wait_s: float, ready: Callable[[int]
     return True
 
 
-def _release_fence(kernels: Kernels, host_ptr: int, fd: int, mem: torch.Tensor) -> None:
-    try:
-        kernels.host_unregister(host_ptr)
-    except KernelError as exc:
-        log.warning("unregistering the fence words failed: %s", exc)
-    os.close(fd)
-    del mem  # the mapping goes with the last reference
+# Fence words closed or collected: kept page-locked and mapped until the process exits. Their
+# cudaHostUnregister would wait until the device is idle and hold every other thread's kernel
+# launches meanwhile (H200, `benchmarks/host_unregister_wait.py`: with a 1-s kernel running,
+# the unregister took 1010 ms, and a launch on another stream by another thread waited 960 ms),
+# at whatever point a garbage collection ran the finalizer: inside an engine's step, or a
+# transfer thread's. A registration's words are FENCE_WORDS * 8 bytes (32 KiB); an engine makes
+# one per registration with the daemon (again after each daemon restart).
+_RETIRED_FENCES: list[torch.Tensor] = []
+
+
+def _retire_fence(fd: int, mem: torch.Tensor) -> None:
+    os.close(fd)  # (the daemon holds its own descriptor of the memfd)
+    _RETIRED_FENCES.append(mem)  # mapped and registered for good: a late GPU write lands in it
 
 
 class EngineStaging:
