@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from transfer_bench.engines import roofline_gbps  # noqa: E402
 from transfer_bench.procs import DaemonProc  # noqa: E402
 
 from kvdepot.client import KVDepotClient  # noqa: E402
@@ -73,19 +74,6 @@ def churn(endpoint: str, stop_path: str, interval_s: float, out_path: str) -> in
     return 0
 
 
-def roofline_h2d_gbps(nbytes: int) -> float:
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    best = float("inf")
-    for _ in range(6):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--l1-bytes", default="8g")
@@ -113,7 +101,7 @@ def main(argv=None) -> int:
             src = [list(range(1, a.chunks * blocks_per_chunk + 1))]
             dst = [list(range(a.chunks * blocks_per_chunk + 1, 2 * a.chunks * blocks_per_chunk + 1))]
             assert c.store(reg, keys, src, after=torch.cuda.current_stream()).stored == a.chunks
-            link_gbps = roofline_h2d_gbps(512 << 20)
+            link_gbps = roofline_gbps(512 << 20, "cuda", 5)["h2d"]  # the same run's pinned copies
             stream = torch.cuda.current_stream()
 
             def phase(seconds: float) -> list[float]:

@@ -57,10 +57,10 @@ GATHER_IN_WAIT_FOR_SAVE = bool(os.environ.get("KVDEPOT_GATHER_IN_WAIT_FOR_SAVE")
 # wait_for_save before the thread is tried again, twice as many after each further miss (up to
 # GATHER_IN_WAIT_RETRY_MAX), GATHER_IN_WAIT_RETRY again once the thread made it in time
 GATHER_IN_WAIT_RETRY = 16
+GATHER_IN_WAIT_RETRY_MAX = 1024
 # what `WorkerSide.get_transfer_results` returns when nothing ended: frozen, so that one shared
 # value can go to vLLM step after step (code that tried to add to it would raise, not corrupt)
 NOTHING_ENDED: tuple[frozenset, frozenset, frozenset] = (frozenset(), frozenset(), frozenset())
-GATHER_IN_WAIT_RETRY_MAX = 1024
 
 
 class WorkerSide:
