@@ -157,7 +157,7 @@ def test_retrieves_through_a_load_ring_of_their_own_pass_stores_that_fill_theirs
     after its reply completed only after the sleep in 2 of 7 runs while the kernel library's
     kernels were loaded at their first launch (a load waits for the context's running work;
     they are loaded at registration now, tests/gpu/test_first_launch.py), and then now and
-    then (3 of about 20 runs) as retrieve 0's submit returned only as the sleep ended: the
+    then (3 of its last 8 runs before the fix) as retrieve 0's submit returned only as the sleep ended: the
     stack dump 1 s into the window (kept) showed a garbage collection there running an earlier
     registration's fence-words finalizer, whose cudaHostUnregister waited for the sleep. Fence
     words are retired, never unregistered, since
