@@ -4,8 +4,9 @@ time the link needs for its bytes.
 
 A hit request's life in vLLM with an asynchronous load: the scheduler allocates its blocks and
 parks it (``WAITING_FOR_REMOTE_KVS``); the worker posts the load to the transfer thread in the
-next step's ``bind_connector_metadata`` (before the forward's launch; `WorkerSide.bind`); a later ``get_transfer_results`` reports it in ``finished_recving``; the next
-schedule computes its last token. Per hit this measures, on the engine thread's clock:
+next step's ``bind_connector_metadata`` (before the forward's launch; `WorkerSide.bind`); a
+later ``get_transfer_results`` reports it in ``finished_recving``; the next schedule computes
+its last token. Per hit this measures, on the engine thread's clock:
 
 * ``post_to_loaded_ms``: the post of its load (in the step that carried it) until the
   ``get_transfer_results`` that reported it (what the connector and the daemon take; a step's

@@ -11,11 +11,11 @@ import threading
 import time
 
 
-
 def pct(xs, q: float) -> float:
     """The ``q`` quantile of ``xs`` (nearest rank, from below); NaN if empty."""
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
 
 class LayerProbe:
     """A method that does nothing, wrapped by a `CallTimer` and called once per layer beside

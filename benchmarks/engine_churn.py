@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from connector_probes import pct  # noqa: E402
 from transfer_bench.engines import roofline_gbps  # noqa: E402
 from transfer_bench.procs import DaemonProc  # noqa: E402
 
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
                     times = phase(a.seconds)
                     row = {"phase": kind, "round": r, "retrieves": len(times),
                            "ms_median": 1e3 * statistics.median(times),
-                           "ms_p99": 1e3 * sorted(times)[min(len(times) - 1, int(0.99 * len(times)))],
+                           "ms_p99": 1e3 * pct(times, 0.99),
                            "ms_max": 1e3 * max(times)}
                     if proc is not None:
                         Path(stop).touch()
