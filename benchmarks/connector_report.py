@@ -61,7 +61,21 @@ def report(r: dict) -> str:
             f"{r['load_on_new_request_us_per_request']:.0f} us per request;"
             f" chunks stored {r['stored_chunks']}, loaded {r['loaded_chunks']}, direct {r['direct_store_chunks']}/"
             f"{r['direct_retrieve_chunks']}" + "".join(_stages_line(r, op) + _timeline_line(r, op)
-                                                        for op in ("store", "load")))
+                                                        for op in ("store", "load")) + _floor_line(r))
+
+
+def _floor_line(r: dict) -> str:
+    """``--floor``: the same steps with a connector that does nothing (`connector_floor.py`)."""
+    if "floor_step_us_median" not in r:
+        return ""
+    calls = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["floor_per_call_us_median"].items(), key=lambda kv: -kv[1])
+                      if v >= 0.5)
+    return (f"\n  floor (a connector that does nothing, same steps): prefill step +{r['floor_step_us_median']:.0f} us"
+            f" median, {r['floor_step_us_p99']:.0f} p99 over {r['floor_steps_measured']} steps (scheduler"
+            f" {r['floor_sched_us_median']:.0f}, worker {r['floor_worker_us_median']:.0f}; {calls}); decode step"
+            f" +{r['floor_decode_step_us_median']:.0f} us median, {r['floor_decode_step_us_p99']:.0f} p99;"
+            f" kvdepot's store step {r['store_step_us_median'] - r['floor_step_us_median']:+.0f} us above it,"
+            f" decode step {r['decode_step_us_median'] - r['floor_decode_step_us_median']:+.0f}")
 
 
 def _us(v) -> str:

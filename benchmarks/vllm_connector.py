@@ -80,6 +80,12 @@ on the current stream. Per shape:
   the time before its load was posted split into vLLM's queue (until its scheduler first asked
   the connector), the lookup's answer, and the rest (`connector_hits.py`).
 
+* ``--floor``: each shape's prompts and decodes again on an engine whose connector does nothing
+  (`connector_floor.FloorConnector`: every call returns a constant), timed by the same calls:
+  ``floor_step_us`` over the steps that prefill a new prompt (the steps in which kvdepot stores 16
+  chunks), ``floor_decode_step_us``. The per-step figures' floor, measured in the same run:
+  what vLLM's calls cost any Python connector, which no change to kvdepot's can take off.
+
 * ``--timeline``: each phase's wall time split into its lead-in (first step until the first
   transfer is sent), the time with one or more transfers at the daemon (and their GB/s), the
   time with none, and the tail (last answer until vLLM freed every request); see `Timeline`.
@@ -121,6 +127,7 @@ from kvdepot.config import parse_bytes  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from connector_model import (CHUNKS_PER_STEP, FillEngine, FillForward, WaitingFillEngine,  # noqa: E402
                              WaitingFillForward, shapes)
+import connector_floor  # noqa: E402
 from connector_hits import hit_latency  # noqa: E402
 from connector_hits import report as hits_report  # noqa: E402
 from connector_trace import report as trace_report  # noqa: E402
@@ -145,15 +152,18 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: int, timeout_s: float = 300.0) -> dict:
+def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: int, timeout_s: float = 300.0,
+          select=None) -> dict:
     """Add every prompt, step until vLLM freed them all; the connector's CPU time in the steps
-    whose connector metadata carried ``kind`` jobs ("stores" or "loads"): in total, scheduler
-    side, worker side, and per method (median over those steps)."""
+    whose connector metadata carried ``kind`` jobs ("stores" or "loads"), or for which
+    ``select(scheduler_output)`` is true: in total, scheduler side, worker side, and per method
+    (median over those steps)."""
     sched_t = CallTimer(engine.sched_conn, SCHED_CALLS)
     work_t = CallTimer(engine.worker_conn, WORKER_CALLS)
     # vLLM's own scheduler calls, around the connector's scheduler-side calls made inside them
     vllm_t = CallTimer(engine.scheduler, VLLM_SCHED_CALLS)
-    before = dict(engine.worker_conn.worker.stats)
+    ours = hasattr(engine.worker_conn, "worker")  # (not `connector_floor.FloorConnector`)
+    before = dict(engine.worker_conn.worker.stats) if ours else {}
     stages = StageTimers(engine)
     for p in prompts:
         engine.add(p, max_tokens=1)
@@ -176,7 +186,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
         # vLLM's scheduler less the connector's calls in it (and their timers' own cost)
         own = sum(vllm_t.take().values()) - sum(sched.values()) - CallTimer.wrapper_s() * sched_calls
         in_gc = gcm.take()
-        if getattr(so.kv_connector_metadata, kind, None):
+        if select(so) if select is not None else getattr(so.kv_connector_metadata, kind, None):
             steps.append((sched, work))
             vllm_own.append(max(0.0, own))
             gcs.append((*in_gc, sum(sched_t.gc_s.values()) + sum(work_t.gc_s.values())))
@@ -193,8 +203,9 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
     names = sorted({n for a, b in steps for n in (*a, *b)})
     per_call = {n: statistics.median([1e6 * (a.get(n, 0.0) + b.get(n, 0.0)) for a, b in steps]) for n in names}
     med = statistics.median
-    stats = {k: v - before.get(k, 0) for k, v in engine.worker_conn.worker.stats.items()}
-    return {"thread_cpu_us_per_step": 1e6 * stats["thread_cpu_s"] / max(1, forward_steps), "forward_steps": forward_steps,
+    stats = {k: v - before.get(k, 0) for k, v in engine.worker_conn.worker.stats.items()} if ours else {}
+    return {"thread_cpu_us_per_step": 1e6 * stats.get("thread_cpu_s", 0.0) / max(1, forward_steps),
+            "forward_steps": forward_steps,
             "wall_s": end_s - t0, "timeline": timeline.take(end_s, chunk_bytes), "engine_s": engine_s,
             "steps_measured": len(steps),
             "step_us_median": med(total) if total else None, "step_us_p99": pct(total, 0.99),
@@ -244,6 +255,28 @@ def decode_steps(engine: H.Engine, requests: int = 8, steps: int = 48) -> dict:
             "decode_step_wait_us_median": statistics.median(waits) if CallTimer.cpu_clock else None,
             "decode_steps": len(total),
             "decode_per_call_us_median": {n: statistics.median(v) for n, v in calls.items()}}
+
+
+def floor_steps(engine: H.Engine, prompts: list[list[int]], chunk_bytes: int) -> dict:
+    """``--floor``: the same prefills and decodes with `connector_floor.FloorConnector` (every
+    call returns at once): ``floor_step_us_*`` over the steps that prefill a new prompt (kvdepot
+    stores 16 chunks in those), ``floor_decode_step_us_*``, and the per-call medians."""
+    # (kvdepot's worker only)
+    (timeline, stages), Timeline.enabled, StageTimers.enabled = (Timeline.enabled, StageTimers.enabled), False, False
+    try:
+        engine.add(H.tokens(8, 1000), max_tokens=1)
+        engine.run(timeout_s=60)
+        freeze_gc_heap()
+        got = drive(engine, prompts, "", chunk_bytes, select=connector_floor.is_prefill_step)
+        dec = decode_steps(engine)
+    finally:
+        Timeline.enabled, StageTimers.enabled = timeline, stages
+        engine.close()
+        gc.unfreeze()
+    out = {f"floor_{k}": got[k] for k in ("step_us_median", "step_us_p99", "sched_us_median", "worker_us_median",
+                                          "per_call_us_median", "steps_measured", "vllm_sched_us_median")}
+    out.update({f"floor_{k}": v for k, v in dec.items()})
+    return out
 
 
 def direct(reg, num_blocks: int, endpoint: str, chunk: int, requests: int, object_bytes: int, device: str,
@@ -307,16 +340,17 @@ def roofline(nbytes: int) -> dict:
 def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int, requests: int,
                 device: str = "cuda", staging_bytes: int = 0, prompt_chunks: int = CHUNKS_PER_STEP,
                 output_wait: str = "", kv_blocks_factor: float = 1.0, forward_us: float = 0.0,
-                key_source: str = "auto", hits: int = 0, load_staging_bytes: int = 0, evict_bytes: int = 0) -> dict:
+                key_source: str = "auto", hits: int = 0, load_staging_bytes: int = 0, evict_bytes: int = 0,
+                floor: bool = False) -> dict:
     tokens = CHUNKS_PER_STEP * chunk  # per step (vLLM's max_num_batched_tokens)
     prompt_tokens = prompt_chunks * chunk
     block_bytes = sum(s.page_size_bytes for s in specs.values())
     num_blocks = int(((requests * prompt_tokens + 4 * tokens) // 16 + 64) * kv_blocks_factor)
     model = H.model_dir(workdir)
 
-    def engine():
+    def engine(connector: dict | None = None):
         cfg = H.make_vllm_config(model, endpoint, chunk_size=chunk, device=device, max_model_len=tokens + 64,
-                                 max_num_batched_tokens=tokens, max_num_seqs=requests,
+                                 max_num_batched_tokens=tokens, max_num_seqs=requests, **(connector or {}),
                                  extra={"model_id": f"bench-{name}", "rpc_timeout_s": 30.0,
                                         "staging_bytes": staging_bytes, "load_staging_bytes": load_staging_bytes,
                                         "key_source": key_source,
@@ -380,6 +414,9 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
                   "gc_in_steps", "vllm_sched_us_median"):
             res[f"{op}_{k}"] = d[k]
     res["store_stats"], res["load_stats"] = store["stats"], load["stats"]
+    if floor:
+        res.update(floor_steps(engine({"connector": connector_floor.NAME, "module": connector_floor.MODULE}),
+                               [H.tokens(9000 + i, prompt_tokens) for i in range(requests)], res["chunk_bytes"]))
     # a store step's figure with its prompts' on_new_request (keys, lookup sent) counted in:
     # vLLM calls it on the engine thread between steps, once per prompt
     res["store_step_with_new_requests_us_median"] = (
@@ -465,6 +502,9 @@ def main(argv=None) -> int:
                         "daemon-trace.jsonl there and this process's (every engine's clients: sent, replied) to "
                         "engine-trace.jsonl, on one clock with the hits' stamps in the JSON (--hits), to line up a "
                         "hit's pieces at the client and at the daemon")
+    p.add_argument("--floor", action="store_true",
+                   help="also run each shape's prefills and decodes on an engine whose connector does nothing "
+                        "(`connector_floor.py`): the per-step figures' floor, measured in the same run")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke run of the same steps with shared-memory KV caches (no roofline)")
     args = p.parse_args(argv)
@@ -510,7 +550,7 @@ def main(argv=None) -> int:
                 r = bench_shape(name, specs, ep, wd, args.chunk, args.requests, args.device, args.staging_bytes,
                                 args.prompt_chunks, args.output_wait, args.kv_blocks_factor, args.forward_us,
                                 args.key_source, args.hits, args.load_staging_bytes,
-                                parse_bytes(args.evict_bytes))
+                                parse_bytes(args.evict_bytes), args.floor)
                 print(report(r) + hits_report(r) if "store_vs_roofline" in r else json.dumps(r), flush=True)
                 results.append(r)
         finally:

@@ -1,7 +1,7 @@
 """benchmarks/vllm_connector.py (a GPU benchmark) still runs end to end: its CPU smoke run
 (shared-memory KV caches, its own daemon) with ``--timeline`` and ``--stages``, whose timers
 wrap the connector's internals by name. No timing is checked: that every prompt's chunks were
-stored and loaded, and that the timeline and stage figures describe what ran."""
+stored and loaded, and that the timeline, stage and floor figures describe what ran."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_connector_benchmark_smoke_run_with_timeline_and_stages(tmp_path):
 
     out = tmp_path / "r.json"
     assert bench.main(["--device", "cpu", "--shapes", "gpt-oss-20b", "--requests", "2", "--l1-bytes", "1g",
-                       "--timeline", "--stages", "--evict-bytes", "1m", "--out", str(out)]) == 0
+                       "--timeline", "--stages", "--evict-bytes", "1m", "--floor", "--out", str(out)]) == 0
     (r,) = json.loads(out.read_text())
     assert r["stored_chunks"] == r["loaded_chunks"] == 2 * bench.CHUNKS_PER_STEP
     assert r["evict_bytes"] == 1 << 20
@@ -41,6 +41,11 @@ def test_connector_benchmark_smoke_run_with_timeline_and_stages(tmp_path):
     assert r["store_stages"]["mover.post"]["calls"] >= 2  # the engine thread's side is timed too
     # vLLM's own scheduler, beside the connector's calls inside it, was timed in the same steps
     assert r["store_vllm_sched_us_median"] > 0 and r["load_vllm_sched_us_median"] > 0
+    # --floor: the same prompts on an engine whose connector does nothing, timed by the same calls:
+    # each prompt is new in exactly one step (16 chunks per prompt, 16 chunks per step)
+    assert r["floor_steps_measured"] == 2 and r["floor_decode_steps"] > 0
+    assert {"build_connector_meta", "get_num_new_matched_tokens", "wait_for_save",
+            "get_transfer_results"} <= set(r["floor_per_call_us_median"])
 
 
 def test_connector_benchmark_times_hits_alone_and_while_stores_stream(tmp_path):
