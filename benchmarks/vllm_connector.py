@@ -261,8 +261,8 @@ def floor_steps(engine: H.Engine, prompts: list[list[int]], chunk_bytes: int) ->
     """``--floor``: the same prefills and decodes with `connector_floor.FloorConnector` (every
     call returns at once): ``floor_step_us_*`` over the steps that prefill a new prompt (kvdepot
     stores 16 chunks in those), ``floor_decode_step_us_*``, and the per-call medians."""
-    # (kvdepot's worker only)
-    (timeline, stages), Timeline.enabled, StageTimers.enabled = (Timeline.enabled, StageTimers.enabled), False, False
+    timeline, stages = Timeline.enabled, StageTimers.enabled
+    Timeline.enabled = StageTimers.enabled = False  # (they time kvdepot's worker: this engine has none)
     try:
         engine.add(H.tokens(8, 1000), max_tokens=1)
         engine.run(timeout_s=60)
