@@ -86,7 +86,7 @@ class HitClock:
         # budget for it) and when the connector first answered (its lookup's reply was in)
         self.asked: dict[str, float] = {}
         self.answered: dict[str, float] = {}
-        sched = engine.sched_conn.scheduler
+        sched = engine.sched_conn  # (its per-step calls are bound on the instance)
         matched = sched.get_num_new_matched_tokens
 
         def get_num_new_matched_tokens(request, num_computed_tokens):

@@ -306,6 +306,23 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
         """Whether `wait` of ``rid`` returns at once (its reply, error or loss is in); after `poll`."""
         return rid in self._replies or rid not in self._outstanding
 
+    def reply_now(self, rid: int) -> m.Msg | None:
+        """The reply to the submitted request ``rid`` if `poll` read it, else None (still due);
+        never waits. One call where `done` and `wait` would be two.
+
+        Raises:
+            KVDepotError: the error reply; the request was lost (DISCONNECTED, TIMEOUT: see `wait`).
+        """
+        reply = self._replies.pop(rid, None)
+        if reply is None:
+            if rid in self._outstanding:
+                return None
+            raise KVDepotError(ErrorCode.TIMEOUT, f"request {rid} is not outstanding (its reply was taken)")
+        self._outstanding.discard(rid)
+        if isinstance(reply, m.ErrorReply):
+            raise KVDepotError(reply.code, reply.message)
+        return reply
+
     @property
     def connected(self) -> bool:
         """Whether a connection is open (False before the first request and after the daemon

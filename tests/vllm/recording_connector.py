@@ -34,21 +34,23 @@ def _summary(name: str, args: tuple, result):
     return None
 
 
-def _wrap(name: str):
-    base = getattr(KVDepotConnector, name)
+def _wrap(conn, name: str):
+    fn = getattr(conn, name)  # bound: this class's method, or the side's that the connector bound
 
-    @functools.wraps(base)
-    def method(self, *args, **kwargs):
-        result = base(self, *args, **kwargs)
-        CALLS.append((self.role.name, name, _summary(name, args, result)))
+    @functools.wraps(fn)
+    def method(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        CALLS.append((conn.role.name, name, _summary(name, args, result)))
         return result
 
     return method
 
 
 class RecordingKVDepotConnector(KVDepotConnector):
-    pass
+    """Every call in `_METHODS` recorded; wrapped on the instance, as `KVDepotConnector` binds its
+    per-step calls on the instance (`KVDepotConnector._bind_step_calls`)."""
 
-
-for _name in _METHODS:
-    setattr(RecordingKVDepotConnector, _name, _wrap(_name))
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for name in _METHODS:
+            setattr(self, name, _wrap(self, name))

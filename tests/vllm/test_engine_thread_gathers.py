@@ -164,7 +164,7 @@ def _sliding_worker(mover):
     stream = object()
     w.mover, w.stats = mover, {"forwards_waiting_for_gathers": 0, "saves_gathered_by_bind": 0}
     w.cfg = types.SimpleNamespace(rpc_timeout_s=1.0)
-    w.stores_may_wait, w.reg = False, types.SimpleNamespace(device="cuda")
+    w.stores_may_wait, w.reg, w._cuda, w._active = False, types.SimpleNamespace(device="cuda"), True, True
     w._saves_posted, w._sliding_saves, w._gather_in_wait = 0, [], 0
     w._gather_retry = worker_mod.GATHER_IN_WAIT_RETRY
     w._current_stream = lambda: stream
@@ -348,15 +348,15 @@ def test_wait_for_save_of_a_dense_model_leaves_the_event_to_the_transfer_thread(
     posted = []
     stream = object()
     w.mover = types.SimpleNamespace(started=True, post=posted.append)
-    w.stores_may_wait, w.reg = True, types.SimpleNamespace(device="cuda")
-    w._saves_posted, w._sliding_saves = 0, []
+    w.stores_may_wait, w.reg, w._cuda, w._active = True, types.SimpleNamespace(device="cuda"), True, True
+    w._saves_posted, w._sliding_saves, w._released = 0, [], None
     w._current_stream = lambda: stream
     w._engine_event = lambda: pytest.fail("an event was made on the engine thread")
     jobs = [_job("a", 2, 0)]
     w._meta = KVDepotMetadata(stores=jobs)
     w.wait_for_save()
     assert posted == [("save", jobs, stream, None, None, 0)] and w._sliding_saves == []
-    w.reg = types.SimpleNamespace(device="cpu")  # CPU engines: nothing to order on a stream
+    w.reg, w._cuda = types.SimpleNamespace(device="cpu"), False  # CPU engines: nothing to order on a stream
     w.wait_for_save()
     assert posted[-1] == ("save", jobs, None, None, None, 0)
 
@@ -368,12 +368,14 @@ def test_a_steps_releases_go_with_its_save_once_and_alone_when_it_saves_nothing(
     w = object.__new__(WorkerSide)
     posted = []
     w.mover = types.SimpleNamespace(started=True, post=posted.append, take=lambda: None)
-    w.stores_may_wait, w.reg = True, types.SimpleNamespace(device="cpu")
+    w.stores_may_wait, w.reg, w._cuda, w._active = True, types.SimpleNamespace(device="cpu"), False, True
     w._saves_posted, w._sliding_saves, w._released, w._invalid_blocks = 0, [], None, set()
+    w._outbox = ()  # nothing ended
     jobs = [_job("a", 2, 0)]
     w._meta = KVDepotMetadata(stores=jobs, release=["r1"])
     w.wait_for_save()
-    assert w.get_transfer_results(set()) == (set(), set(), set())
+    res = w.get_transfer_results(set())
+    assert (res.finished_sending, res.finished_recving, res.failed_recving) == (set(), set(), set())
     assert posted == [("save", jobs, None, None, ["r1"], 0)]
     w._meta = KVDepotMetadata(release=["r2"])  # a step with nothing to store
     w.wait_for_save()
@@ -387,13 +389,14 @@ def test_a_wait_for_save_that_raises_before_posting_leaves_the_releases_to_get_t
     posted = []
     w.mover = types.SimpleNamespace(started=True, post=posted.append, take=lambda: None,
                                     stage_saves=lambda jobs, s: pytest.fail("dense models never stage here"))
-    w.stores_may_wait, w.reg = True, types.SimpleNamespace(device="cuda")
+    w.stores_may_wait, w.reg, w._cuda, w._active = True, types.SimpleNamespace(device="cuda"), True, True
     w._saves_posted, w._sliding_saves, w._released, w._invalid_blocks = 0, [], None, set()
+    w._outbox = ()
 
     def broken():
         raise RuntimeError("no current stream")
 
-    w._stream_now = broken
+    w._current_stream = broken
     w._meta = KVDepotMetadata(stores=[_job("a", 2, 0)], release=["r1"])
     with pytest.raises(RuntimeError):
         w.wait_for_save()

@@ -138,7 +138,7 @@ def test_store_jobs_take_the_same_block_ids_from_vllms_block_lists_as_from_its_i
                 jobs_seen.append(job)
             return meta
 
-        side.build_connector_meta = spy
+        a.sched_conn.build_connector_meta = spy  # (vLLM calls the connector's, bound to the side's)
         for i in range(2):
             a.add(H.tokens(60 + i, 300), max_tokens=2)
         a.run()

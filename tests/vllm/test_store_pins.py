@@ -151,7 +151,7 @@ def test_pins_drop_once_every_worker_reported_the_save():
 def test_a_pinned_save_a_worker_does_not_send_is_reported_at_once():
     w = object.__new__(WorkerSide)
     w.mover = types.SimpleNamespace(started=False)  # the transfer thread never started (disabled)
-    w._saves_ended = set()
+    w._active, w._saves_ended = False, set()
     job = StoreJob("r", [b"k" * 16], b"", b"s" * 16, 0, [[1], [2]], "")
     w._meta = KVDepotMetadata(stores=[job], stores_pinned=True, pin_seq=7)
     w.wait_for_save()

@@ -82,7 +82,7 @@ class TransferThread(JobPieces):
         self._release: set[str] = set()  # finished requests vLLM keeps blocks for
         # to the engine thread without a lock (deque appends and pops are atomic): a lock the
         # engine thread blocked on would hand the GIL to this thread for a whole switch interval
-        self._outbox: collections.deque[Results] = collections.deque()
+        self.outbox: collections.deque[Results] = collections.deque()
         self._saves_cond = threading.Condition()  # notified as _saves_gathered grows
         self._saves_gathered = 0  # "save" commands handled
         # sliding-window models: save number (1-based) -> side-stream event after its gathers
@@ -163,7 +163,7 @@ class TransferThread(JobPieces):
 
     def take(self) -> Results | None:
         """The results published since the last call (merged); None if there are none."""
-        box = self._outbox
+        box = self.outbox
         if not box:
             return None
         out = box.popleft()
@@ -363,7 +363,7 @@ class TransferThread(JobPieces):
             ev = torch.cuda.Event()
             ev.record(self._side)
             self._scattered = False
-        self._outbox.append(Results(sending, lo.recving, lo.failed_recving & lo.recving, lo.invalid_blocks, ev, ended))
+        self.outbox.append(Results(sending, lo.recving, lo.failed_recving & lo.recving, lo.invalid_blocks, ev, ended))
         lo.failed_recving -= lo.recving
         lo.recving, lo.invalid_blocks = set(), set()
 

@@ -157,6 +157,11 @@ class SchedulerSide:
             self._idle_meta = None
 
     @property
+    def pins_stores(self) -> bool:
+        """Whether the sliding-window blocks of stores are pinned (`bind_block_pool`)."""
+        return self._pins is not None
+
+    @property
     def pinned_blocks(self) -> int:
         """Blocks the scheduler holds a pin on now (sliding-window stores not ended)."""
         return self._pins.held if self._pins is not None else 0
@@ -270,21 +275,21 @@ class SchedulerSide:
                 return st.hit_chunks
         c = self.client
         c.poll()
-        if not c.done(st.lookup_rid):
-            if c.up and time.monotonic() - st.lookup_sent_s < self.cfg.lookup_timeout_s:
-                return None
-            log.warning("kvdepot: no lookup answer within %.1f s; request %s is computed without cached KV",
-                        self.cfg.lookup_timeout_s, st.request.request_id)
-            c.forget(st.lookup_rid)
-            c.mark_down()
+        try:
+            reply = c.reply_now(st.lookup_rid)
+        except KVDepotError as exc:
+            log.warning("kvdepot: lookup of request %s failed: %s", st.request.request_id, exc)
+            if exc.code in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED, ErrorCode.UNAVAILABLE):
+                c.mark_down()
             st.hit_chunks = 0
         else:
-            try:
-                reply = c.wait(st.lookup_rid, 0)
-            except KVDepotError as exc:
-                log.warning("kvdepot: lookup of request %s failed: %s", st.request.request_id, exc)
-                if exc.code in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED, ErrorCode.UNAVAILABLE):
-                    c.mark_down()
+            if reply is None:
+                if c.up and time.monotonic() - st.lookup_sent_s < self.cfg.lookup_timeout_s:
+                    return None
+                log.warning("kvdepot: no lookup answer within %.1f s; request %s is computed without cached KV",
+                            self.cfg.lookup_timeout_s, st.request.request_id)
+                c.forget(st.lookup_rid)
+                c.mark_down()
                 st.hit_chunks = 0
             else:
                 st.hit_chunks = reply.hit_chunks
@@ -461,7 +466,9 @@ class SchedulerSide:
         has no such call (the caller then takes the ids)."""
         return self._get_blocks(req_id) if self._get_blocks is not None else None
 
-    def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request, block_ids=None) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished`` and ``request_finished_all_groups`` (``block_ids``, per
+        group or not, is not read: the workers hold what a transfer still touches)."""
         rid = request.request_id
         self._ineligible.discard(rid)
         loading = self._loading.pop(rid, None) is not None

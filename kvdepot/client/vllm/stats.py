@@ -98,7 +98,7 @@ class StatsTaker:
 
     def take(self) -> KVDepotStats | None:
         now = time.monotonic()
-        if now < self.next_s and not self._settled():
+        if now < self.next_s and (self.balanced is None or not self._settled()):
             return None
         self.next_s = now + EMIT_INTERVAL_S
         got = {}

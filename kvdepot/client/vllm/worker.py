@@ -37,6 +37,7 @@ import os
 from collections.abc import Mapping
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvdepot.client.client import KVDepotClient
 from kvdepot.client.hashing import shard_name
@@ -61,6 +62,7 @@ GATHER_IN_WAIT_RETRY_MAX = 1024
 # what `WorkerSide.get_transfer_results` returns when nothing ended: frozen, so that one shared
 # value can go to vLLM step after step (code that tried to add to it would raise, not corrupt)
 NOTHING_ENDED: tuple[frozenset, frozenset, frozenset] = (frozenset(), frozenset(), frozenset())
+NO_RESULTS = KVConnectorTransferResults(*NOTHING_ENDED)  # (`WorkerSide.get_transfer_results`)
 
 
 class WorkerSide:
@@ -95,6 +97,11 @@ class WorkerSide:
                       "null_blocks_left_alone": 0, "forwards_waiting_for_gathers": 0, "saves_gathered_by_bind": 0,
                       "thread_cpu_s": 0.0}
         self.mover = TransferThread(self)
+        self._outbox = self.mover.outbox  # its published results (`TransferThread.take`)
+        # the per-step calls read these plain attributes (no property, no chain of them): each
+        # object or function a call touches first is a cache miss in a real step
+        self._active = False  # the transfer thread runs (`register_kv_caches` started it)
+        self._cuda = False  # vLLM's caches are CUDA tensors
         self._meta: KVDepotMetadata | None = None
         self._saves_posted = 0
         self._gather_in_wait = 0  # sliding-window models: saves the engine thread gathers in wait_for_save
@@ -127,7 +134,9 @@ class WorkerSide:
                 self.disable(str(exc))
             else:
                 self._register()
+        self._cuda = self.reg is not None and self.reg.device == "cuda"
         self.mover.start()  # disabled too: it ends the loads the scheduler still plans (recomputed)
+        self._active = True
 
     def disable(self, why: str) -> None:
         log.error("kvdepot: connector disabled on this worker (vLLM keeps serving without it): %s", why)
@@ -197,10 +206,6 @@ class WorkerSide:
         return True
 
     # ------------------------------------------------------------------ per step (engine thread)
-
-    @property
-    def _active(self) -> bool:
-        return self.mover.started
 
     def bind(self, meta: KVDepotMetadata) -> None:
         """Before the forward. For a model with a sliding-window group (vLLM frees blocks that
@@ -311,11 +316,9 @@ class WorkerSide:
     def _stream_now(self):
         """CUDA: the engine's current stream, for the transfer thread to record an event on when
         it takes the command (`TransferThread._handle`); None on CPU."""
-        if self.reg is None or self.reg.device != "cuda":
-            return None
-        return self._current_stream()
+        return self._current_stream() if self._cuda else None
 
-    def start_load_kv(self) -> None:
+    def start_load_kv(self, forward_context=None, **kwargs) -> None:
         """vLLM's call after the forward's launch: the step's loads went out in `bind` already;
         only loads `bind` did not see (a caller that skipped it) go out here."""
         meta = self._meta
@@ -342,7 +345,22 @@ class WorkerSide:
         # last in each command, so that a call that raises before the post leaves them to
         # `get_transfer_results`
         take = self._take_release
-        if not self.stores_may_wait and self.reg is not None and self.reg.device == "cuda":
+        if self.stores_may_wait:
+            # the blocks stay the request's until its stores ended (sliding-window blocks: pinned
+            # by the scheduler until the save ended, `pin_seq`), so the gathers may follow a
+            # later point of the engine's stream than this one: the transfer thread records the
+            # event when it takes the save (an event made and recorded here cost the engine
+            # thread 25-36 us per store step on an H100, most of it waiting for the GIL back).
+            # The most common step of all that move something: one call here, inline
+            stream = self._current_stream() if self._cuda else None
+            release = meta.release  # (`_take_release`, inline; after anything that may raise)
+            if release and meta is not self._released:
+                self._released = meta
+            else:
+                release = None
+            self.mover.post(("save", meta.stores, stream, None, release, meta.pin_seq))
+            return
+        if self._cuda:
             if GATHER_IN_WAIT_FOR_SAVE or self._gather_in_wait > 0:
                 # gathered now on the engine's stream where the ring's fence words are in use:
                 # nothing for `bind` to wait for (after `bind` had to gather one itself, or set)
@@ -360,14 +378,6 @@ class WorkerSide:
                 self.mover.post(("save", meta.stores, posted, None, take(meta)))
                 self._sliding_saves.append(_SlidingSave(self._saves_posted, meta.stores, posted))
                 return
-        if self.stores_may_wait:
-            # the blocks stay the request's until its stores ended (sliding-window blocks: pinned
-            # by the scheduler until the save ended, `pin_seq`), so the gathers may follow a
-            # later point of the engine's stream than this one: the transfer thread records the
-            # event when it takes the save (an event made and recorded here cost the engine
-            # thread 25-36 us per store step on an H100, most of it waiting for the GIL back)
-            self.mover.post(("save", meta.stores, self._stream_now(), None, take(meta), meta.pin_seq))
-            return
         self.mover.post(("save", meta.stores, self._engine_event(), None, take(meta)))
         self._sliding_saves.append(_SlidingSave(self._saves_posted, meta.stores))
 
@@ -379,27 +389,31 @@ class WorkerSide:
         self._released = meta
         return meta.release
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving) of this step; never waits. The
-        engine's stream waits for the scatters of the loads reported. Most steps end nothing:
-        then `NOTHING_ENDED` (the same empty frozensets each time, no new objects in the step)."""
+    def get_transfer_results(self, finished_req_ids: set[str] | None = None) -> KVConnectorTransferResults:
+        """This step's finished_sending, finished_recving and failed_recving (vLLM's
+        ``KVConnectorTransferResults``); never waits. The engine's stream waits for the
+        scatters of the loads reported. Most steps end nothing: then `NO_RESULTS` (one shared
+        result of empty frozensets, which vLLM only reads: building one cost a decode step 6-7
+        us of cold caches on the dev VM)."""
         if not self._active:
-            return NOTHING_ENDED
+            return NO_RESULTS
         meta = self._meta
         # a step that saved posted its releases with the save; the others' go here (after any
         # save of theirs, so the stores are queued first)
-        release = self._take_release(meta) if meta is not None else None
-        if release:
-            self.mover.post(("release", release))
+        if meta is not None and meta.release and meta is not self._released:
+            self._released = meta
+            self.mover.post(("release", meta.release))
+        if not self._outbox:  # most steps: nothing ended
+            return NO_RESULTS
         out = self.mover.take()
-        if out is None:  # most steps: nothing ended
-            return NOTHING_ENDED
         if out.scatter_event is not None:
             self._current_stream().wait_event(out.scatter_event)
-        self._invalid_blocks |= out.invalid_blocks
+        if out.invalid_blocks:
+            self._invalid_blocks |= out.invalid_blocks
         if out.saves_ended:
             self._saves_ended |= out.saves_ended
-        return out.sending, out.recving, out.failed_recving
+        return KVConnectorTransferResults(finished_sending=out.sending, finished_recving=out.recving,
+                                          failed_recving=out.failed_recving)
 
     def worker_meta(self) -> KVDepotWorkerMeta | None:
         """The pinned saves that ended since the last call (vLLM's
