@@ -337,6 +337,27 @@ def roofline(nbytes: int) -> dict:
             "roofline_h2d_gbps": best(lambda: dev.copy_(host, non_blocking=True))}
 
 
+def new_engine(specs: dict, model: str, endpoint: str, *, name: str, chunk: int, requests: int, device: str,
+               num_blocks: int, output_wait: str = "", forward_us: float = 0.0, evict_bytes: int = 0,
+               staging_bytes: int = 0, load_staging_bytes: int = 0, key_source: str = "auto",
+               connector: dict | None = None) -> H.Engine:
+    """One engine of a shape as this benchmark runs it: 16 chunks per step (vLLM's
+    max_num_batched_tokens), ``requests`` sequences at most, the "forward" of `FillForward`
+    (``forward_us``, ``evict_bytes``; ``output_wait``: `WaitingFillForward`); ``connector``:
+    ``make_vllm_config``'s ``connector`` / ``module`` (default kvdepot's)."""
+    tokens = CHUNKS_PER_STEP * chunk
+    cfg = H.make_vllm_config(model, endpoint, chunk_size=chunk, device=device, max_model_len=tokens + 64,
+                             max_num_batched_tokens=tokens, max_num_seqs=requests, **(connector or {}),
+                             extra={"model_id": f"bench-{name}", "rpc_timeout_s": 30.0,
+                                    "staging_bytes": staging_bytes, "load_staging_bytes": load_staging_bytes,
+                                    "key_source": key_source,
+                                    "lookup_timeout_s": 5.0, "hold_max_s": 60.0})
+    FillForward.forward_us = forward_us
+    FillForward.evict_bytes = evict_bytes
+    WaitingFillForward.lag = 1 if output_wait == "previous" else 0
+    return (WaitingFillEngine if output_wait else FillEngine)(cfg, specs, num_blocks=num_blocks)
+
+
 def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int, requests: int,
                 device: str = "cuda", staging_bytes: int = 0, prompt_chunks: int = CHUNKS_PER_STEP,
                 output_wait: str = "", kv_blocks_factor: float = 1.0, forward_us: float = 0.0,
@@ -349,16 +370,10 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
     model = H.model_dir(workdir)
 
     def engine(connector: dict | None = None):
-        cfg = H.make_vllm_config(model, endpoint, chunk_size=chunk, device=device, max_model_len=tokens + 64,
-                                 max_num_batched_tokens=tokens, max_num_seqs=requests, **(connector or {}),
-                                 extra={"model_id": f"bench-{name}", "rpc_timeout_s": 30.0,
-                                        "staging_bytes": staging_bytes, "load_staging_bytes": load_staging_bytes,
-                                        "key_source": key_source,
-                                        "lookup_timeout_s": 5.0, "hold_max_s": 60.0})
-        FillForward.forward_us = forward_us
-        FillForward.evict_bytes = evict_bytes
-        WaitingFillForward.lag = 1 if output_wait == "previous" else 0
-        return (WaitingFillEngine if output_wait else FillEngine)(cfg, specs, num_blocks=num_blocks)
+        return new_engine(specs, model, endpoint, name=name, chunk=chunk, requests=requests, device=device,
+                          num_blocks=num_blocks, output_wait=output_wait, forward_us=forward_us,
+                          evict_bytes=evict_bytes, staging_bytes=staging_bytes,
+                          load_staging_bytes=load_staging_bytes, key_source=key_source, connector=connector)
 
     prompts = [H.tokens(1000 + i, prompt_tokens) for i in range(requests)]
     res = {"shape": name, "chunk_tokens": chunk, "requests": requests, "prompt_chunks": prompt_chunks,
