@@ -148,10 +148,6 @@ class StreamSocket:
         self._start = self._end = 0
         self._poller = select.poll()
         self._poller.register(sock.fileno(), select.POLLIN)
-        # the last read took every byte the kernel held (a read shorter than the room it had):
-        # the next non-blocking `poll` that finds no whole message buffered says 0 without a
-        # system call, once (a reader that collects every reply in a loop stops there)
-        self._drained = False
         self.closed = False
 
     def fileno(self) -> int:
@@ -221,7 +217,6 @@ class StreamSocket:
         if n == 0:
             raise self._lost(errno.ECONNRESET)
         self._end += n
-        self._drained = n < len(self._buf) - self._end + n
 
     def poll(self, timeout_ms: int = -1, flags: int = zmq.POLLIN) -> int:
         """``zmq.POLLIN`` once a whole message can be received, 0 after ``timeout_ms``
@@ -230,9 +225,6 @@ class StreamSocket:
         if self._frame_end() >= 0:
             return _POLLIN
         if timeout_ms == 0:  # the common case (a non-blocking look): no clock reads
-            if self._drained:  # read to the end just before: nothing new worth a system call
-                self._drained = False
-                return 0
             self._fill(0)
             return _POLLIN if self._frame_end() >= 0 else 0
         if timeout_ms is None or timeout_ms < 0:
