@@ -399,7 +399,8 @@ class WorkerSide:
             return NO_RESULTS
         meta = self._meta
         # a step that saved posted its releases with the save; the others' go here (after any
-        # save of theirs, so the stores are queued first)
+        # save of theirs, so the stores are queued first). `_take_release`, inline: one call
+        # less on every step
         if meta is not None and meta.release and meta is not self._released:
             self._released = meta
             self.mover.post(("release", meta.release))
