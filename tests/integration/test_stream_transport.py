@@ -290,3 +290,35 @@ def test_an_idle_poll_reads_replies_nobody_waits_for_in_its_rhythm(module_daemon
         time.sleep(0.5)
         c.poll()
         assert c.done(rid) and isinstance(c.wait(rid, timeout_s=0), m.Pong)
+
+
+def test_reply_now_gives_a_read_reply_once_and_raises_for_an_error_or_a_lost_request(module_daemon):
+    """`KVDepotClient.reply_now` (the scheduler side's way to take a lookup's answer): None while
+    the reply is due, the reply once a poll read it, and only once; an error reply raises its
+    error; a request lost with its connection raises DISCONNECTED."""
+    import signal
+
+    with KVDepotClient(module_daemon.endpoint) as c:
+        c.ping()
+        os.kill(module_daemon.proc.pid, signal.SIGSTOP)
+        try:
+            rid = c.submit(m.Ping(rid=0))
+            c.poll()
+            assert c.reply_now(rid) is None  # due: no reply can come from a stopped daemon
+        finally:
+            os.kill(module_daemon.proc.pid, signal.SIGCONT)
+        c.poll(10.0)
+        assert isinstance(c.reply_now(rid), m.Pong)
+        with pytest.raises(KVDepotError) as taken:
+            c.reply_now(rid)  # taken already
+        assert taken.value.code == ErrorCode.TIMEOUT
+        bad = c.submit(m.Unregister(rid=0, registration="no-such-registration"))
+        c.poll(10.0)
+        with pytest.raises(KVDepotError) as refused:
+            c.reply_now(bad)
+        assert refused.value.code != ErrorCode.TIMEOUT  # the daemon's own error, as its reply said
+        lost = c.submit(m.Ping(rid=0))
+        c._reset(ErrorCode.DISCONNECTED, "the test closed the connection")
+        with pytest.raises(KVDepotError) as gone:
+            c.reply_now(lost)
+        assert gone.value.code == ErrorCode.DISCONNECTED
