@@ -1,5 +1,5 @@
 """Chunk keys taken from vLLM's own prefix-cache block hashes (`kvdepot.client.hashing.chain_from_block_hashes`,
-`kvdepot.client.vllm.scheduler.block_hash_chains`): which vLLM configurations allow them, that
+`kvdepot.client.vllm.config.block_hash_chains`): which vLLM configurations allow them, that
 they are the same in another process, that engines of the two key sources never share a key,
 and that a request vLLM built without block hashes hashes its tokens instead."""
 
@@ -20,7 +20,7 @@ import vllm_harness as H  # noqa: E402
 from connector_testing import CHUNK, stored_chunks  # noqa: E402
 from kvdepot.client.hashing import KEY_BYTES, chain_from_block_hashes, chunk_keys, namespace_seed  # noqa: E402
 from kvdepot.client.vllm.config import ConnectorConfig  # noqa: E402
-from kvdepot.client.vllm.scheduler import block_hash_chains  # noqa: E402
+from kvdepot.client.vllm.config import block_hash_chains  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 

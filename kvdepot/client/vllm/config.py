@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvdepot.client.hashing import VLLM_BLOCK_HASH_SOURCE
 from kvdepot.client.staging import DEFAULT_STAGING_BYTES
 from kvdepot.protocol.transport import default_endpoint
 
@@ -182,3 +184,44 @@ def load_ring_bytes(cfg: ConnectorConfig) -> int:
     if cfg.load_staging_bytes == -1 or not cfg.load:
         return 0
     return cfg.load_staging_bytes or STAGING_MIN_BYTES
+
+
+_REPRODUCIBLE_BLOCK_HASHES = ("sha256", "sha256_cbor")  # collision resistant: vLLM seeds them with a fixed value
+
+
+def block_hash_chains(cfg: ConnectorConfig, vllm_config, kv_cache_config) -> tuple[int, str]:
+    """Whether chunk keys come from vLLM's block hashes (`chain_from_block_hashes`):
+    (hash blocks per chunk, the namespace's ``chain_source``), or (0, why not).
+
+    They do where ``key_source`` is ``vllm`` or ``auto`` and vLLM's hashes are the same on every
+    process and host and cannot be collided: ``prefix_caching_hash_algo`` sha256 or sha256_cbor
+    (vLLM >= 0.33 starts their chain from a fixed seed, ``PYTHONHASHSEED`` where set; older
+    vLLM from a random one unless it is set), and chunks end on hash blocks (``chunk_size`` a
+    multiple of ``kv_cache_config.hash_block_size``).
+
+    Raises:
+        ValueError: ``key_source`` is ``vllm`` and they cannot be used (naming why).
+    """
+    if cfg.key_source == "tokens":
+        return 0, "key_source is tokens"
+    algo = getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None)
+    hbs = getattr(kv_cache_config, "hash_block_size", None)
+    try:
+        from vllm.v1.core import kv_cache_utils
+    except ImportError:  # pragma: no cover - the connector needs vLLM anyway
+        kv_cache_utils = None
+    fixed_seed = hasattr(kv_cache_utils, "resolve_none_hash_seed") or os.getenv("PYTHONHASHSEED") is not None
+    why = ""
+    if algo not in _REPRODUCIBLE_BLOCK_HASHES:
+        why = f"prefix_caching_hash_algo {algo!r} is not one of {list(_REPRODUCIBLE_BLOCK_HASHES)}"
+    elif not fixed_seed:
+        why = "this vLLM starts its block hashes from a random seed per process unless PYTHONHASHSEED is set"
+    elif not hbs:
+        why = "vLLM gave no hash_block_size"
+    elif cfg.chunk_size % hbs:
+        why = f"chunk_size {cfg.chunk_size} is not a multiple of vLLM's hash block size {hbs}"
+    if why:
+        if cfg.key_source == "vllm":
+            raise ValueError(f"{EXTRA_CONFIG}.key_source is vllm, but {why}")
+        return 0, why
+    return cfg.chunk_size // hbs, VLLM_BLOCK_HASH_SOURCE.format(algo=algo)
