@@ -5,6 +5,7 @@ the worker's transfers were sent and answered, and the engine's steps ran)."""
 
 from __future__ import annotations
 
+import collections
 import gc
 import statistics
 import threading
@@ -124,13 +125,18 @@ class Timeline:
             return
         worker = engine.worker_conn.worker
         client, mover = worker.client, worker.mover
-        submit, on_reply, post = client.submit, client._on_reply, mover.post
+        submit, on_reply, post, quiet = client.submit, client._on_reply, mover.post, worker._post_quiet
         self._undo = (client, submit, on_reply, mover, post)
+        self._worker, self._quiet = worker, quiet
         self.posted = []  # (perf_counter, command) the engine thread posted to the transfer thread
 
         def timed_post(cmd):
             self.posted.append((time.perf_counter(), cmd[0]))
             return post(cmd)
+
+        def timed_quiet(cmd):  # the worker's saves and releases (`TransferThread.post_quiet`)
+            self.posted.append((time.perf_counter(), cmd[0]))
+            return quiet(cmd)
 
         def timed_submit(req):
             rid = submit(req)
@@ -149,17 +155,21 @@ class Timeline:
             self.handled.append(time.perf_counter())
             return handle(cmd)
 
-        take = mover.take
-        self._undo = (*self._undo, take, handle)
-        self.reported = []  # perf_counter of each take() that handed the engine finished requests
+        self._undo = (*self._undo, handle)
+        self.reported = []  # perf_counter of each result taken that handed the engine finished requests
+        # the worker takes the transfer thread's results from its outbox itself: a deque that
+        # notes the time of each such take, put in once (at a drive's start, when nothing is in
+        # flight to publish) and kept; it notes only while a timeline runs
+        box = mover.outbox
+        if not isinstance(box, _NotingOutbox):
+            old, box = box, _NotingOutbox(())
+            mover.outbox = worker._outbox = box
+            while old:
+                box.append(old.popleft())
+        box.noted = self.reported
+        self._box = box
 
-        def timed_take():
-            got = take()
-            if got is not None and (got.sending or got.recving):
-                self.reported.append(time.perf_counter())
-            return got
-
-        client.submit, client._on_reply, mover.post, mover.take = timed_submit, timed_reply, timed_post, timed_take
+        client.submit, client._on_reply, mover.post, worker._post_quiet = timed_submit, timed_reply, timed_post, timed_quiet
         mover._handle = timed_handle
 
     def step(self, start_s: float, end_s: float, forward: bool) -> None:
@@ -169,8 +179,9 @@ class Timeline:
     def take(self, end_s: float, chunk_bytes: int) -> dict | None:
         if not self.enabled:
             return None
-        client, submit, on_reply, mover, post, take, handle = self._undo
-        client.submit, client._on_reply, mover.post, mover.take, mover._handle = submit, on_reply, post, take, handle
+        client, submit, on_reply, mover, post, handle = self._undo
+        client.submit, client._on_reply, mover.post, mover._handle = submit, on_reply, post, handle
+        self._worker._post_quiet, self._box.noted = self._quiet, None
         # each posted command until the thread took it (one queue, taken in order; the engine
         # posts every command through `post` but a preemption's)
         pickup = sorted(1e6 * (h - p) for (p, _), h in zip(self.posted, self.handled))
@@ -204,6 +215,22 @@ class Timeline:
                 "post_to_take_us_max": pickup[-1] if pickup else None,
                 "forward_steps_ms": 1e3 * sum(e - s for s, e, f in self.steps if f),
                 "idle_steps": sum(1 for *_, f in self.steps if not f)}
+
+
+class _NotingOutbox(collections.deque):
+    """The transfer thread's outbox (`TransferThread.outbox`) for `Timeline`: notes in
+    ``noted`` (a list, or None: nothing) the time of each result taken that ends requests."""
+
+    def __init__(self, items) -> None:
+        super().__init__(items)
+        self.noted: list[float] | None = None
+
+    def popleft(self):
+        got = super().popleft()
+        noted = self.noted
+        if noted is not None and (got.sending or got.recving):
+            noted.append(time.perf_counter())
+        return got
 
 
 class CallTimer:
@@ -323,7 +350,7 @@ class CallTimer:
 STAGE_CALLS = {  # --stages: the parts of the worker's transfer path, timed per call
     "mover": ("_keys", "_block_ids", "_pump", "_collect", "_publish", "_handle", "post", "take", "stage_saves",
               "_store_pieces", "_stage_pieces", "_send_staged"),
-    "worker": ("_engine_event", "_current_stream", "_stream_now", "_take_release"),
+    "worker": ("_engine_event", "_current_stream", "_stream_now", "_take_release", "_post_quiet"),
     "scheduler": ("_state", "_lookup_answer", "_load_job", "_store_job", "_blocks_of", "_send"),
     "scheduler_client": ("poll", "wait", "done", "submit"),
     "client": ("submit_store", "submit_retrieve", "submit", "poll", "_fence", "wait", "stage_store",

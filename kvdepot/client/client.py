@@ -342,7 +342,11 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
 
     def available(self) -> bool:
         """Never blocks: True while the daemon is considered up; while down, sends a ping at
-        most every ``retry_interval_s`` and turns True when one is answered."""
+        most every ``retry_interval_s`` and turns True when one is answered. While up it reads
+        no socket: a scheduler asks this once per new request, and replies are read where
+        someone waits for one (`poll`, `reply_now`, `wait`)."""
+        if self.up:
+            return True
         self.poll()
         if self.up:
             return True

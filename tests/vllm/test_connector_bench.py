@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,10 @@ def test_connector_benchmark_smoke_run_with_timeline_and_stages(tmp_path):
         assert parts == pytest.approx(t["lead_in_ms"], abs=1e-6)
         assert r[f"{op}_stages"][sent_as]["calls"] >= t["requests"]
         assert 0 <= t["post_to_take_us_median"] <= t["post_to_take_us_p99"] <= t["post_to_take_us_max"]
-    assert r["store_stages"]["mover.post"]["calls"] >= 2  # the engine thread's side is timed too
+    # the engine thread's side is timed too: a save goes to the transfer thread through the
+    # worker's `_post_quiet`, a load through `TransferThread.post`
+    assert r["store_stages"]["worker._post_quiet"]["calls"] >= 2
+    assert r["load_stages"]["mover.post"]["calls"] >= 1
     # vLLM's own scheduler, beside the connector's calls inside it, was timed in the same steps
     assert r["store_vllm_sched_us_median"] > 0 and r["load_vllm_sched_us_median"] > 0
     # --floor: the same prompts on an engine whose connector does nothing, timed by the same calls:
@@ -159,3 +163,49 @@ def test_connector_ab_toggles_the_variant_in_abba_order_and_pairs_the_runs(tmp_p
         assert len(r[key]["pairs_b_minus_a"]) == 2 and 0 <= r[key]["pairs_b_cheaper"] <= 2
     with pytest.raises(ValueError):
         ab.arms(6)
+
+
+def test_connector_ab_tree_swaps_exactly_the_functions_that_differ_and_rebinds_the_step_calls(tmp_path):
+    """benchmarks/connector_ab_tree.py: against an old tree in which one method differs, only
+    that method is swapped; `off` puts the old one on the live class (and binds the connectors'
+    per-step calls again, so they reach it), `on` the new one; an old method that calls super()
+    needs an entry of its own."""
+    import shutil
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import connector_ab_tree as abt
+
+    from kvdepot.client.vllm.scheduler import SchedulerSide
+
+    old = tmp_path / "old"
+    shutil.copytree(ROOT / "kvdepot", old / "kvdepot", ignore=shutil.ignore_patterns("__pycache__"))
+    path = old / "kvdepot" / "client" / "vllm" / "scheduler.py"
+    src = path.read_text()
+    marker = "    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:\n"
+    assert marker in src
+    path.write_text(src.replace(marker, marker + "        self.ab_old_ran = True\n"))
+    assert abt.load(old) == ["SchedulerSide.update_state_after_alloc"]
+    new_fn = SchedulerSide.update_state_after_alloc
+    bound = []
+    conn = types.SimpleNamespace(_bind_step_calls=lambda: bound.append(SchedulerSide.update_state_after_alloc))
+    engine = types.SimpleNamespace(sched_conn=conn, worker_conn=conn)
+    try:
+        abt.off(engine)
+        assert SchedulerSide.update_state_after_alloc is not new_fn
+        side = object.__new__(SchedulerSide)
+        SchedulerSide.update_state_after_alloc(side, None, None, 0)
+        assert side.ab_old_ran  # the old tree's code ran
+        assert bound == [SchedulerSide.update_state_after_alloc] * 2
+        abt.on(engine)
+        assert SchedulerSide.update_state_after_alloc is new_fn and bound[-1] is new_fn
+    finally:
+        abt.on(engine)
+    # an old method that calls super() is refused unless OLD_SUPER gives it
+    conn_path = old / "kvdepot" / "client" / "vllm" / "connector.py"
+    src = conn_path.read_text()
+    marker = "    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:\n"
+    assert marker in src
+    conn_path.write_text(src.replace(marker, marker + "        super().__init__\n"))
+    with pytest.raises(RuntimeError, match="super"):
+        abt.load(old)
+    abt.swaps.clear()

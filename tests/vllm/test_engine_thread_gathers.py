@@ -348,6 +348,7 @@ def test_wait_for_save_of_a_dense_model_leaves_the_event_to_the_transfer_thread(
     posted = []
     stream = object()
     w.mover = types.SimpleNamespace(started=True, post=posted.append)
+    w._post_quiet = posted.append  # (saves and releases: `TransferThread.post_quiet`)
     w.stores_may_wait, w.reg, w._cuda, w._active = True, types.SimpleNamespace(device="cuda"), True, True
     w._saves_posted, w._sliding_saves, w._released = 0, [], None
     w._current_stream = lambda: stream
@@ -368,6 +369,7 @@ def test_a_steps_releases_go_with_its_save_once_and_alone_when_it_saves_nothing(
     w = object.__new__(WorkerSide)
     posted = []
     w.mover = types.SimpleNamespace(started=True, post=posted.append, take=lambda: None)
+    w._post_quiet = posted.append  # (saves and releases: `TransferThread.post_quiet`)
     w.stores_may_wait, w.reg, w._cuda, w._active = True, types.SimpleNamespace(device="cpu"), False, True
     w._saves_posted, w._sliding_saves, w._released, w._invalid_blocks = 0, [], None, set()
     w._outbox = ()  # nothing ended
@@ -389,6 +391,7 @@ def test_a_wait_for_save_that_raises_before_posting_leaves_the_releases_to_get_t
     posted = []
     w.mover = types.SimpleNamespace(started=True, post=posted.append, take=lambda: None,
                                     stage_saves=lambda jobs, s: pytest.fail("dense models never stage here"))
+    w._post_quiet = posted.append  # (saves and releases: `TransferThread.post_quiet`)
     w.stores_may_wait, w.reg, w._cuda, w._active = True, types.SimpleNamespace(device="cuda"), True, True
     w._saves_posted, w._sliding_saves, w._released, w._invalid_blocks = 0, [], None, set()
     w._outbox = ()
@@ -465,3 +468,34 @@ def test_a_job_of_several_pieces_is_gathered_by_one_call_wherever_its_pieces_fit
     mv, client, side = _thread()
     mv.stage_saves([_job("c", 6, 0)], object())
     assert client.runs == [] and [n for _, n, _ in client.staged] == [4, 2]
+
+
+def test_get_transfer_results_returns_what_the_thread_published_merged_and_nothing_else():
+    """The transfer thread builds vLLM's ``KVConnectorTransferResults`` when it publishes
+    (`TransferThread._publish`), over the sets it publishes, so that the engine thread only hands
+    it over: two publications taken in one step come back as one result holding both, a later
+    one alone, and a step with nothing published gets the shared empty result."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    from kvdepot.client.vllm.worker import NO_RESULTS
+
+    side = types.SimpleNamespace(cfg=None, client=None, stats={})
+    t = TransferThread(side)
+    w = object.__new__(WorkerSide)
+    w.mover, w._outbox, w._post_quiet = t, t.outbox, t.post_quiet
+    w._active, w._meta, w._released, w._invalid_blocks, w._saves_ended = True, None, None, set(), set()
+    assert w.get_transfer_results() is NO_RESULTS
+    t._release = {"r1"}
+    t._publish()
+    t._release = {"r2"}
+    t._loads.recving = {"r9"}  # a load that ended
+    t._publish()
+    assert len(t.outbox) == 2
+    got = w.get_transfer_results()
+    assert isinstance(got, KVConnectorTransferResults)
+    assert got.finished_sending == {"r1", "r2"} and got.finished_recving == {"r9"} and not got.failed_recving
+    assert not t.outbox and w.get_transfer_results() is NO_RESULTS
+    t._release = {"r3"}
+    t._publish()
+    got = w.get_transfer_results()
+    assert got.finished_sending == {"r3"} and not got.finished_recving

@@ -177,7 +177,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
+        self._connector_metadata = connector_metadata  # (what vLLM's base class does, without its call)
         if self.worker is not None and isinstance(connector_metadata, KVDepotMetadata):
             self.worker.bind(connector_metadata)
 

@@ -46,6 +46,7 @@ import threading
 import time
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvdepot import trace
 from kvdepot.client.client import KVDepotClient
@@ -96,6 +97,9 @@ class TransferThread(JobPieces):
         self._loads = LoadOutcomes(side)  # loads that ended since the last publish
         self._pinned = PinnedSaves()  # pinned saves (`KVDepotMetadata.pin_seq`) not reported yet
         self._wake = Wake()  # a load, preemption or stop ends the thread's wait for replies
+        # `post` of a command that wakes nobody ("save", "release"), as one C call: the engine
+        # thread's most common post, every store step
+        self.post_quiet = self._inbox.put
 
     # ------------------------------------------------------------------ engine thread
 
@@ -161,12 +165,15 @@ class TransferThread(JobPieces):
         for k in [k for k in self._gather_events if k <= seq]:
             self._gather_events.pop(k, None)
 
-    def take(self) -> Results | None:
-        """The results published since the last call (merged); None if there are none."""
+    def take(self, first: Results | None = None) -> Results | None:
+        """The results published since the last call (merged); None if there are none.
+        ``first``: the oldest of them, already taken from `outbox` by the caller."""
         box = self.outbox
-        if not box:
-            return None
-        out = box.popleft()
+        if first is None:
+            if not box:
+                return None
+            first = box.popleft()
+        out = first
         while box:
             more = box.popleft()
             out.sending |= more.sending
@@ -363,7 +370,10 @@ class TransferThread(JobPieces):
             ev = torch.cuda.Event()
             ev.record(self._side)
             self._scattered = False
-        self.outbox.append(Results(sending, lo.recving, lo.failed_recving & lo.recving, lo.invalid_blocks, ev, ended))
+        r = Results(sending, lo.recving, lo.failed_recving & lo.recving, lo.invalid_blocks, ev, ended)
+        r.transfer = KVConnectorTransferResults(finished_sending=r.sending, finished_recving=r.recving,
+                                                failed_recving=r.failed_recving)
+        self.outbox.append(r)
         lo.failed_recving -= lo.recving
         lo.recving, lo.invalid_blocks = set(), set()
 

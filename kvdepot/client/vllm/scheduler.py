@@ -122,6 +122,10 @@ class SchedulerSide:
         # per group, the blocks of each chunk a store leaves to vLLM's null block: a load is
         # never given them (`TransferGroup.kept_from`), so they are neither pinned nor read
         self._dropped = [g.kept_from(cfg.chunk_size) for g in groups]
+        # per group, what `_store_job` reads of it: (vLLM gid, blocks per chunk, whether a null
+        # block in its table is an error (groups that never hold one), blocks left to the null block)
+        self._store_groups = [(g.vllm_gid, cfg.chunk_size // g.block_size, not g.has_null_blocks, drop)
+                              for g, drop in zip(groups, self._dropped)]
         # vLLM block hashes per chunk where chain values come from them (0: tokens hashed here)
         self._blocks_per_chunk, self._chain_source = block_hash_chains(cfg, vllm_config, kv_cache_config)
         self._namespaces: dict[tuple[str, bool], tuple[bytes, list[bytes]]] = {}  # `_namespace`
@@ -274,9 +278,12 @@ class SchedulerSide:
             if st.hit_chunks is not None:
                 return st.hit_chunks
         c = self.client
-        c.poll()
         try:
+            # a reply read before (by the poll of an earlier lookup) costs no system call
             reply = c.reply_now(st.lookup_rid)
+            if reply is None:
+                c.poll()
+                reply = c.reply_now(st.lookup_rid)
         except KVDepotError as exc:
             log.warning("kvdepot: lookup of request %s failed: %s", st.request.request_id, exc)
             if exc.code in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED, ErrorCode.UNAVAILABLE):
@@ -330,7 +337,8 @@ class SchedulerSide:
                                     st.local_tokens + num_external_tokens))
 
     def build_connector_meta(self, scheduler_output) -> KVDepotMetadata:
-        self.client.poll()
+        # (no socket read here: lookup answers are read where they are asked for,
+        # `_lookup_answer`, and the daemon's other replies with them)
         if self.cfg.store and self.enabled and (self._unstored or self.cfg.store_generated):
             scheduled = scheduler_output.num_scheduled_tokens
             if self.cfg.store_generated:
@@ -351,9 +359,10 @@ class SchedulerSide:
                     loads=(), stores=(), release=(), preempted=(), fingerprint=self.fingerprint,
                     null_block_id=self._null_block_id, stores_pinned=self._pins is not None)
             return idle
-        meta = KVDepotMetadata(fingerprint=self.fingerprint, null_block_id=self._null_block_id)
+        # the lists first, the metadata last with all of them (no default factories to run)
+        loads, stores, preempted = [], [], []
         for rid in scheduler_output.preempted_req_ids or ():
-            meta.preempted.append(rid)
+            preempted.append(rid)
             st = self._reqs.get(rid)
             if st is not None:  # its blocks are gone; ask the daemon again when it is rescheduled
                 if st.lookup_rid is not None:
@@ -362,7 +371,7 @@ class SchedulerSide:
         for req_id, block_ids, local, end in self._pending_loads:
             job = self._load_job(req_id, block_ids, local, end)
             if job is not None:
-                meta.loads.append(job)
+                loads.append(job)
         self._pending_loads = []
         if todo:
             state = getattr(scheduler_output, "kv_connector_block_state", None)
@@ -373,15 +382,17 @@ class SchedulerSide:
             for req_id in todo:
                 job = self._store_job(req_id, scheduled[req_id], state, new_tables.get(req_id))
                 if job is not None:
-                    meta.stores.append(job)
+                    stores.append(job)
                 st = self._unstored.get(req_id)
                 if st is not None and (st.store_stopped or st.next_store_chunk >= len(st.keys[0])):
                     del self._unstored[req_id]  # its prompt's chunks are all stored (or never will be)
-        meta.release, self._release = self._release, []
+        meta = KVDepotMetadata(loads=loads, stores=stores, release=self._release, preempted=preempted,
+                               fingerprint=self.fingerprint, null_block_id=self._null_block_id)
+        self._release = []
         if self._pins is not None:
             meta.stores_pinned = True
-            if meta.stores:
-                meta.pin_seq = self._pins.pin(meta.stores, self._null_block_id)
+            if stores:
+                meta.pin_seq = self._pins.pin(stores, self._null_block_id)
         elif self._written_each_step:
             meta.written_block_ids = written_blocks(scheduler_output)
         return meta
@@ -435,21 +446,22 @@ class SchedulerSide:
                 return None
         ids = []
         null = self._null_block_id
-        for g, drop in zip(self.groups, self._dropped):
+        for gid, per, no_nulls, drop in self._store_groups:
+            lo, hi = first * per, end_chunk * per
             if blocks is not None:
-                per = c // g.block_size
-                held = blocks[g.vllm_gid]
-                got = [b.block_id for b in held[first * per:end_chunk * per]] if end_chunk * per <= len(held) else None
-            else:
-                got = chunk_block_ids(table[g.vllm_gid], g.block_size, c, first, end_chunk)
+                held = blocks[gid]
+                got = [b.block_id for b in held[lo:hi]] if hi <= len(held) else None
+            else:  # (`chunk_block_ids`, inline: one call less per store step)
+                held = table[gid]
+                got = (held[lo:hi] if type(held) is list else list(held[lo:hi])) if hi <= len(held) else None
             # vLLM's null block is block 0: all() finds a 0 faster than ``in`` compares
-            if got is None or (not g.has_null_blocks and (not all(got) if null == 0 else null in got)):
+            if got is None or (no_nulls and (not all(got) if null == 0 else null in got)):
                 log.warning("kvdepot: request %s: no blocks for chunks %d..%d of KV-cache group %d; "
-                            "its later chunks are not stored", req_id, first, end_chunk - 1, g.vllm_gid)
+                            "its later chunks are not stored", req_id, first, end_chunk - 1, gid)
                 st.store_stopped = True
                 return None
             if drop:
-                per, nulls = c // g.block_size, [null] * drop
+                nulls = [null] * drop
                 for j in range(0, len(got), per):
                     got[j:j + drop] = nulls
             ids.append(got)
@@ -470,12 +482,13 @@ class SchedulerSide:
         """vLLM's ``request_finished`` and ``request_finished_all_groups`` (``block_ids``, per
         group or not, is not read: the workers hold what a transfer still touches)."""
         rid = request.request_id
-        self._ineligible.discard(rid)
-        loading = self._loading.pop(rid, None) is not None
         st = self._reqs.pop(rid, None)
-        self._unstored.pop(rid, None)
-        if st is None:
+        if st is None:  # (a request with state is never ineligible)
+            self._ineligible.discard(rid)
+            self._loading.pop(rid, None)
             return False, None
+        loading = self._loading.pop(rid, None) is not None
+        self._unstored.pop(rid, None)
         if st.lookup_rid is not None:
             self.client.forget(st.lookup_rid)
         if st.pinned and self.client.up:

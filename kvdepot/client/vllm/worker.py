@@ -98,6 +98,7 @@ class WorkerSide:
                       "thread_cpu_s": 0.0}
         self.mover = TransferThread(self)
         self._outbox = self.mover.outbox  # its published results (`TransferThread.take`)
+        self._post_quiet = self.mover.post_quiet  # (`TransferThread.post` of a save or release)
         # the per-step calls read these plain attributes (no property, no chain of them): each
         # object or function a call touches first is a cache miss in a real step
         self._active = False  # the transfer thread runs (`register_kv_caches` started it)
@@ -358,7 +359,7 @@ class WorkerSide:
                 self._released = meta
             else:
                 release = None
-            self.mover.post(("save", meta.stores, stream, None, release, meta.pin_seq))
+            self._post_quiet(("save", meta.stores, stream, None, release, meta.pin_seq))
             return
         if self._cuda:
             if GATHER_IN_WAIT_FOR_SAVE or self._gather_in_wait > 0:
@@ -403,18 +404,20 @@ class WorkerSide:
         # less on every step
         if meta is not None and meta.release and meta is not self._released:
             self._released = meta
-            self.mover.post(("release", meta.release))
-        if not self._outbox:  # most steps: nothing ended
+            self._post_quiet(("release", meta.release))
+        box = self._outbox
+        if not box:  # most steps: nothing ended
             return NO_RESULTS
-        out = self.mover.take()
+        out = box.popleft()  # (`TransferThread.take`, inline for the usual one result)
+        if box:
+            out = self.mover.take(out)
         if out.scatter_event is not None:
             self._current_stream().wait_event(out.scatter_event)
         if out.invalid_blocks:
             self._invalid_blocks |= out.invalid_blocks
         if out.saves_ended:
             self._saves_ended |= out.saves_ended
-        return KVConnectorTransferResults(finished_sending=out.sending, finished_recving=out.recving,
-                                          failed_recving=out.failed_recving)
+        return out.transfer  # (built by the transfer thread over out's sets)
 
     def worker_meta(self) -> KVDepotWorkerMeta | None:
         """The pinned saves that ended since the last call (vLLM's
