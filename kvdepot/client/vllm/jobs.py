@@ -118,7 +118,7 @@ class JobPieces:
         now = time.monotonic()
         first_new = len(self._queue)
         for job in jobs:
-            if not ready or job.req_id in self._stopped or not job.chain:
+            if not ready or job.req_id in self._stopped or not job.chain or not self._sliced(job):
                 side.stats["store_failures"] += 1
                 continue
             keys = self._keys(job.chain, job.seed)
@@ -141,8 +141,26 @@ class JobPieces:
                     kept.append(p)
             self._queue = kept
 
+    def _sliced(self, job: StoreJob) -> bool:
+        """`StoreJob.slice_block_ids`, here on the transfer thread; a job whose blocks include
+        vLLM's null block where none can be is not stored, nor any later chunk of its request."""
+        if job.block_ids is not None or job.slice_block_ids():
+            return True
+        log.warning("kvdepot: request %s: vLLM's null block among the blocks of chunks %d..%d; they and its "
+                    "later chunks are not stored", job.req_id, job.first_chunk, job.first_chunk + len(job.chain) - 1)
+        self._stopped.add(job.req_id)
+        return False
+
     def _job_ids(self, job: StoreJob) -> list[list[int]]:
-        """A store job's registered block ids per daemon gid, all its chunks."""
+        """A store job's registered block ids per daemon gid, all its chunks.
+
+        Raises:
+            RuntimeError: a lazy job (`StoreJob.lazy`) not sliced by `_sliced` first whose
+                blocks include the null block (no caller gets there: lazy jobs are made only
+                for models whose saves go through `_save`).
+        """
+        if job.block_ids is None and not job.slice_block_ids():
+            raise RuntimeError(f"store of request {job.req_id}: vLLM's null block among its blocks")
         reg = self.side.reg
         return [self._block_ids(reg, g, b, None) for g, b in enumerate(job.block_ids)]
 

@@ -126,6 +126,9 @@ class SchedulerSide:
         # block in its table is an error (groups that never hold one), blocks left to the null block)
         self._store_groups = [(g.vllm_gid, cfg.chunk_size // g.block_size, not g.has_null_blocks, drop)
                               for g, drop in zip(groups, self._dropped)]
+        # no group holds null blocks: a new request's store job names its table and range, and
+        # the worker's transfer thread slices the ids (`StoreJob.lazy`)
+        self._lazy_stores = not self.sliding and all(no_nulls and not drop for _, _, no_nulls, drop in self._store_groups)
         # vLLM block hashes per chunk where chain values come from them (0: tokens hashed here)
         self._blocks_per_chunk, self._chain_source = block_hash_chains(cfg, vllm_config, kv_cache_config)
         self._namespaces: dict[tuple[str, bool], tuple[bytes, list[bytes]]] = {}  # `_namespace`
@@ -435,6 +438,19 @@ class SchedulerSide:
         first = st.next_store_chunk
         if end_chunk <= first:
             return None
+        if new_table is not None and self._lazy_stores:
+            ranges = []
+            for gid, per, _, _ in self._store_groups:
+                held = new_table[gid]
+                if end_chunk * per > len(held):
+                    break
+                ranges.append((held, first * per, end_chunk * per))
+            else:
+                st.next_store_chunk = end_chunk
+                st.stored = True
+                return StoreJob(req_id=req_id, chain=st.chain[first:end_chunk],
+                                parent=st.chain[first - 1] if first else b"", seed=st.seed, first_chunk=first,
+                                block_ids=None, cache_salt=st.cache_salt, lazy=(ranges, self._null_block_id))
         table = new_table
         # else vLLM's KVCacheBlock lists (ids of the chunks' blocks only), else its id tables
         blocks = self._blocks_of(req_id) if table is None else None
