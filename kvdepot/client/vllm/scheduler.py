@@ -44,7 +44,7 @@ from kvdepot.client.vllm.config import ConnectorConfig, block_hash_chains
 from kvdepot.client.vllm.layout import TransferGroup, attention_tag
 from kvdepot.client.vllm.pins import StorePins
 from kvdepot.client.vllm.plan import (KVConnectorWorkerMetadata, KVDepotMetadata, KVDepotWorkerMeta, LoadJob, StoreJob,
-                                     blocks_covering, chunk_block_ids, plan_load)
+                                     blocks_covering, chunk_block_ids, holds_block, plan_load)
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
@@ -438,21 +438,28 @@ class SchedulerSide:
         first = st.next_store_chunk
         if end_chunk <= first:
             return None
+        ids, lazy = None, None
         if new_table is not None and self._lazy_stores:
-            ranges = []
-            for gid, per, _, _ in self._store_groups:
-                held = new_table[gid]
-                if end_chunk * per > len(held):
-                    break
-                ranges.append((held, first * per, end_chunk * per))
-            else:
-                st.next_store_chunk = end_chunk
-                st.stored = True
-                return StoreJob(req_id=req_id, chain=st.chain[first:end_chunk],
-                                parent=st.chain[first - 1] if first else b"", seed=st.seed, first_chunk=first,
-                                block_ids=None, cache_salt=st.cache_salt, lazy=(ranges, self._null_block_id))
-        table = new_table
-        # else vLLM's KVCacheBlock lists (ids of the chunks' blocks only), else its id tables
+            # the table and the range only: the worker's transfer thread slices (`StoreJob.lazy`)
+            ranges = [(new_table[gid], first * per, end_chunk * per) for gid, per, _, _ in self._store_groups]
+            if all(hi <= len(held) for held, _, hi in ranges):
+                lazy = (ranges, self._null_block_id)
+        if lazy is None:
+            ids = self._store_block_ids(st, req_id, first, end_chunk, block_state, new_table)
+            if ids is None:
+                return None
+        st.next_store_chunk = end_chunk
+        st.stored = True
+        return StoreJob(req_id=req_id, chain=st.chain[first:end_chunk], parent=st.chain[first - 1] if first else b"",
+                        seed=st.seed, first_chunk=first, block_ids=ids, cache_salt=st.cache_salt, lazy=lazy)
+
+    def _store_block_ids(self, st: _Req, req_id: str, first: int, end_chunk: int, block_state,
+                         table) -> list[list[int]] | None:
+        """A store job's block ids per daemon gid, read on the step (`_store_job`); None (and
+        the request's later stores stopped) where a group's table is short or holds vLLM's
+        null block where none can be."""
+        # ``table``: vLLM's id lists of a request new in the step; else its KVCacheBlock lists
+        # (ids of the chunks' blocks only), else its id tables
         blocks = self._blocks_of(req_id) if table is None else None
         if table is None and blocks is None:
             table = block_state.get_block_ids(req_id) if block_state is not None else None
@@ -470,8 +477,7 @@ class SchedulerSide:
             else:  # (`chunk_block_ids`, inline: one call less per store step)
                 held = table[gid]
                 got = (held[lo:hi] if type(held) is list else list(held[lo:hi])) if hi <= len(held) else None
-            # vLLM's null block is block 0: all() finds a 0 faster than ``in`` compares
-            if got is None or (no_nulls and (not all(got) if null == 0 else null in got)):
+            if got is None or (no_nulls and holds_block(got, null)):
                 log.warning("kvdepot: request %s: no blocks for chunks %d..%d of KV-cache group %d; "
                             "its later chunks are not stored", req_id, first, end_chunk - 1, gid)
                 st.store_stopped = True
@@ -481,11 +487,7 @@ class SchedulerSide:
                 for j in range(0, len(got), per):
                     got[j:j + drop] = nulls
             ids.append(got)
-        st.next_store_chunk = end_chunk
-        st.stored = True
-        return StoreJob(req_id=req_id, chain=st.chain[first:end_chunk], parent=st.chain[first - 1] if first else b"",
-                        seed=st.seed, first_chunk=first,
-                        block_ids=ids, cache_salt=st.cache_salt)
+        return ids
 
     def _blocks_of(self, req_id: str):
         """The request's blocks per vLLM gid (``KVCacheBlock`` lists, vLLM's
