@@ -4,8 +4,9 @@ code this process imported (the working tree), A the same modules of another che
 
 Each module of `MODULES` is executed again from the old tree's source, as a module of its own;
 every function of a class of both versions whose code differs is swapped on the live class
-(`on`: the new one, `off`: the old one), and the connectors' bound per-step calls are bound
-again (`KVDepotConnector._bind_step_calls`). Objects already built stay as they are: a change
+(`on`: the new one, `off`: the old one), a function only the old class has is put on the
+live class for `off` and taken off again for `on` (old code may call it), and the connectors'
+bound per-step calls are bound again (`KVDepotConnector._bind_step_calls`). Objects already built stay as they are: a change
 that needs state only its own ``__init__`` makes works in its arm (the engine was built with the
 new code), an old method that reads state the new code no longer makes fails loudly. An old
 method that calls ``super()`` without arguments cannot run on the new class: give its
@@ -42,7 +43,7 @@ def _old_bind_connector_metadata(self, connector_metadata) -> None:
 
 OLD_SUPER = {("KVDepotConnector", "bind_connector_metadata"): _old_bind_connector_metadata}
 
-swaps: list[tuple[type, str, object, object]] = []  # (live class, name, new function, old function)
+swaps: list[tuple[type, str, object, object]] = []  # (live class, name, new function or None, old function)
 
 
 def _code(f) -> tuple | None:
@@ -86,6 +87,11 @@ def load(tree: str | os.PathLike | None = None, modules=MODULES) -> list[str]:
                     if of is None:
                         raise RuntimeError(f"old {cname}.{fname} calls super(): give it in OLD_SUPER")
                 swaps.append((live, fname, nf, of))
+            for fname, of in vars(was).items():  # only in the old class
+                if fname not in vars(live) and callable(of) and _code(of) is not None:
+                    if "__class__" in of.__code__.co_freevars:
+                        raise RuntimeError(f"old {cname}.{fname} calls super(): give it in OLD_SUPER")
+                    swaps.append((live, fname, None, of))
     return sorted(f"{c.__name__}.{n}" for c, n, _, _ in swaps)
 
 
@@ -93,7 +99,12 @@ def _set(engine, use_new: bool) -> None:
     if not swaps:
         print("connector_ab_tree: swapped", ", ".join(load()), flush=True)
     for cls, name, nf, of in swaps:
-        setattr(cls, name, nf if use_new else of)
+        if not use_new:
+            setattr(cls, name, of)
+        elif nf is not None:
+            setattr(cls, name, nf)
+        elif name in vars(cls):
+            delattr(cls, name)
     for conn in (engine.sched_conn, engine.worker_conn):
         conn._bind_step_calls()
 

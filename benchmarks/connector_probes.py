@@ -348,7 +348,7 @@ class CallTimer:
 
 
 STAGE_CALLS = {  # --stages: the parts of the worker's transfer path, timed per call
-    "mover": ("_keys", "_block_ids", "_pump", "_collect", "_publish", "_handle", "post", "take", "stage_saves",
+    "mover": ("_keys", "_block_ids", "_pump", "_collect", "_publish", "_handle", "post", "merge_rest", "stage_saves",
               "_store_pieces", "_stage_pieces", "_send_staged"),
     "worker": ("_engine_event", "_current_stream", "_stream_now", "_take_release", "_post_quiet"),
     "scheduler": ("_state", "_lookup_answer", "_load_job", "_store_job", "_blocks_of", "_send"),

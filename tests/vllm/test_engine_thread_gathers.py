@@ -368,7 +368,7 @@ def test_a_steps_releases_go_with_its_save_once_and_alone_when_it_saves_nothing(
     stores; never twice."""
     w = object.__new__(WorkerSide)
     posted = []
-    w.mover = types.SimpleNamespace(started=True, post=posted.append, take=lambda: None)
+    w.mover = types.SimpleNamespace(started=True, post=posted.append, merge_rest=lambda out: out)
     w._post_quiet = posted.append  # (saves and releases: `TransferThread.post_quiet`)
     w.stores_may_wait, w.reg, w._cuda, w._active = True, types.SimpleNamespace(device="cpu"), False, True
     w._saves_posted, w._sliding_saves, w._released, w._invalid_blocks = 0, [], None, set()
@@ -389,7 +389,7 @@ def test_a_steps_releases_go_with_its_save_once_and_alone_when_it_saves_nothing(
 def test_a_wait_for_save_that_raises_before_posting_leaves_the_releases_to_get_transfer_results():
     w = object.__new__(WorkerSide)
     posted = []
-    w.mover = types.SimpleNamespace(started=True, post=posted.append, take=lambda: None,
+    w.mover = types.SimpleNamespace(started=True, post=posted.append, merge_rest=lambda out: out,
                                     stage_saves=lambda jobs, s: pytest.fail("dense models never stage here"))
     w._post_quiet = posted.append  # (saves and releases: `TransferThread.post_quiet`)
     w.stores_may_wait, w.reg, w._cuda, w._active = True, types.SimpleNamespace(device="cuda"), True, True

@@ -65,7 +65,7 @@ _FULL_PASS_S = 0.01  # ops in flight: look at them at least this often (timeouts
 class TransferThread(JobPieces):
     """The transfers of one vLLM worker (stores, loads, registration with the daemon), run on
     a thread of their own. The engine thread calls `post`, `preempt`, `saves_gathered` and
-    `take`; everything else runs on the thread.
+    `merge_rest`; everything else runs on the thread.
 
     Args:
         side: the `WorkerSide` (configuration, layout, stats, registration helpers).
@@ -165,15 +165,10 @@ class TransferThread(JobPieces):
         for k in [k for k in self._gather_events if k <= seq]:
             self._gather_events.pop(k, None)
 
-    def take(self, first: Results | None = None) -> Results | None:
-        """The results published since the last call (merged); None if there are none.
-        ``first``: the oldest of them, already taken from `outbox` by the caller."""
+    def merge_rest(self, out: Results) -> Results:
+        """``out`` (the oldest published result, which the engine thread took from `outbox`
+        itself) with every later one still in `outbox` merged into it."""
         box = self.outbox
-        if first is None:
-            if not box:
-                return None
-            first = box.popleft()
-        out = first
         while box:
             more = box.popleft()
             out.sending |= more.sending

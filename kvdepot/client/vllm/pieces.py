@@ -107,7 +107,7 @@ class Preemption:
 
 @dataclasses.dataclass(slots=True)
 class Results:
-    """What the transfer thread reports to the engine thread (taken by `TransferThread.take`)."""
+    """What the transfer thread reports to the engine thread (taken by `WorkerSide.get_transfer_results`)."""
 
     sending: set[str] = dataclasses.field(default_factory=set)  # finished requests whose transfers ended
     recving: set[str] = dataclasses.field(default_factory=set)  # loads that ended (ok or not)
@@ -116,7 +116,7 @@ class Results:
     scatter_event: object = None  # CUDA: recorded after the scatters of every load in ``recving``
     saves_ended: set[int] = dataclasses.field(default_factory=set)  # pinned saves ended (`KVDepotWorkerMeta`)
     # vLLM's ``KVConnectorTransferResults`` over the same three sets (so a merge into them,
-    # `TransferThread.take`, is in it too): built by the transfer thread when it publishes,
+    # `TransferThread.merge_rest`, is in it too): built by the transfer thread when it publishes,
     # what the engine thread's ``get_transfer_results`` returns (one object less to build on
     # the step: 4-5 us of cold caches on an H200 host)
     transfer: object = None

@@ -97,7 +97,7 @@ class WorkerSide:
                       "null_blocks_left_alone": 0, "forwards_waiting_for_gathers": 0, "saves_gathered_by_bind": 0,
                       "thread_cpu_s": 0.0}
         self.mover = TransferThread(self)
-        self._outbox = self.mover.outbox  # its published results (`TransferThread.take`)
+        self._outbox = self.mover.outbox  # its published results (`get_transfer_results` takes them)
         self._post_quiet = self.mover.post_quiet  # (`TransferThread.post` of a save or release)
         # the per-step calls read these plain attributes (no property, no chain of them): each
         # object or function a call touches first is a cache miss in a real step
@@ -408,9 +408,9 @@ class WorkerSide:
         box = self._outbox
         if not box:  # most steps: nothing ended
             return NO_RESULTS
-        out = box.popleft()  # (`TransferThread.take`, inline for the usual one result)
+        out = box.popleft()  # the usual one result; more are merged into it
         if box:
-            out = self.mover.take(out)
+            out = self.mover.merge_rest(out)
         if out.scatter_event is not None:
             self._current_stream().wait_event(out.scatter_event)
         if out.invalid_blocks:
