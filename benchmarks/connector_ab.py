@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import vllm_connector as V  # noqa: E402
 from connector_model import CHUNKS_PER_STEP, shapes  # noqa: E402
+from kvdepot.config import parse_bytes  # noqa: E402
 from transfer_bench.procs import DaemonProc  # noqa: E402
 from vllm.utils.gc_utils import freeze_gc_heap  # noqa: E402
 
@@ -88,8 +89,8 @@ def paired(rows: list[dict], key: str) -> list[float]:
 
 
 def run(variant, shape: str, runs: int, requests: int = 24, chunk: int = 256, device: str = "cuda",
-        l1_bytes: str = "20g", forward_us: float = 3000.0, output_wait: str = "own") -> dict:
-    specs = shapes()[shape]
+        l1_bytes: str = "20g", forward_us: float = 3000.0, output_wait: str = "own", evict_bytes: int = 0) -> dict:
+    specs = shapes(smoke=True)[shape]
     tokens = CHUNKS_PER_STEP * chunk
     block_bytes = sum(s.page_size_bytes for s in specs.values())
     chunk_bytes = block_bytes * chunk // 16
@@ -105,7 +106,7 @@ def run(variant, shape: str, runs: int, requests: int = 24, chunk: int = 256, de
             e = V.new_engine(specs, H.model_dir(wd), d.endpoint, name="ab", chunk=chunk, requests=requests,
                              device=device, num_blocks=(requests * tokens + 4 * tokens) // 16 + 64,
                              output_wait=output_wait if device == "cuda" else "",
-                             forward_us=forward_us if device == "cuda" else 0.0)
+                             forward_us=forward_us if device == "cuda" else 0.0, evict_bytes=evict_bytes)
             try:
                 e.add(H.tokens(8, 1000), max_tokens=1)  # connect, register, first kernels
                 e.run(timeout_s=60)
@@ -128,13 +129,16 @@ def run(variant, shape: str, runs: int, requests: int = 24, chunk: int = 256, de
         finally:
             d.stop()
     res = {"shape": shape, "runs": runs, "requests": requests, "chunk_tokens": chunk, "device": device,
-           "forward_us": forward_us, "rows": rows}
+           "forward_us": forward_us, "evict_bytes": evict_bytes, "rows": rows}
     for key in ("store_step_us", "decode_step_us"):
         diff = paired(rows, key)
         a = statistics.median(r[key] for r in rows if r["arm"] == "A")
         b = statistics.median(r[key] for r in rows if r["arm"] == "B")
         res[key] = {"a_median": a, "b_median": b, "b_over_a": b / a, "pairs_b_minus_a": diff,
                     "diff_median": statistics.median(diff), "pairs_b_cheaper": sum(1 for x in diff if x < 0)}
+    calls = sorted({k for r in rows for k in r["per_call_us"]})
+    res["per_call_us"] = {k: {arm: statistics.median(r["per_call_us"].get(k, 0.0) for r in rows if r["arm"] == arm)
+                              for arm in "AB"} for k in calls}
     return res
 
 
@@ -145,6 +149,10 @@ def report(res: dict) -> str:
         lines.append(f"  {what}: A {r['a_median']:.1f} us, B {r['b_median']:.1f} us median (B/A {r['b_over_a']:.2f});"
                      f" B - A per pair {', '.join(f'{x:+.1f}' for x in r['pairs_b_minus_a'])}: median"
                      f" {r['diff_median']:+.1f}, B cheaper in {r['pairs_b_cheaper']} of {len(r['pairs_b_minus_a'])}")
+    per = res.get("per_call_us", {})
+    busy = sorted(per.items(), key=lambda kv: -max(kv[1].values()))
+    lines.append("  per call in a store step, median of the runs' medians (A -> B, us): " + ", ".join(
+        f"{k} {v['A']:.1f} -> {v['B']:.1f}" for k, v in busy if max(v.values()) >= 0.5))
     return "\n".join(lines)
 
 
@@ -152,20 +160,23 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("variant", nargs="?", default="", help="a Python file defining on(engine) and off(engine)")
     p.add_argument("--aa", action="store_true", help="no variant: both arms the same code (the spread)")
-    p.add_argument("--shape", default="Llama-3.1-8B TP1", help=f"one of: {', '.join(shapes())}")
+    p.add_argument("--shape", default="Llama-3.1-8B TP1", help=f"one of: {', '.join(shapes(smoke=True))}")
     p.add_argument("--runs", type=int, default=16, help="runs, a multiple of 4 (default 16: 8 pairs)")
     p.add_argument("--requests", type=int, default=24, help="prompts per run (default 24)")
     p.add_argument("--l1-bytes", default="20g")
     p.add_argument("--forward-us", type=float, default=3000.0,
                    help="GPU time of each forward, spun on the stream (default 3000, as the connector table's)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--evict-bytes", default="0",
+                   help="host bytes each forward writes on the engine thread, as a model runner's own work "
+                        "leaves the connector's code and objects out of the CPU caches (e.g. 64m)")
     p.add_argument("--out", default="", help="write the result as JSON here")
     args = p.parse_args(argv)
     if bool(args.variant) == args.aa:
         p.error("give a variant file or --aa, not both")
     variant = _Same if args.aa else load_variant(args.variant)
     res = run(variant, args.shape, args.runs, args.requests, device=args.device, l1_bytes=args.l1_bytes,
-              forward_us=args.forward_us)
+              forward_us=args.forward_us, evict_bytes=parse_bytes(args.evict_bytes))
     res["variant"] = "(A/A)" if args.aa else args.variant
     print(report(res), flush=True)
     if args.out:

@@ -106,6 +106,8 @@ def _set(engine, use_new: bool) -> None:
         elif name in vars(cls):
             delattr(cls, name)
     for conn in (engine.sched_conn, engine.worker_conn):
+        for name in [n for n, v in vars(conn).items() if callable(v) and callable(getattr(type(conn), n, None))]:
+            delattr(conn, name)  # the other arm's per-step bindings (its STEP_CALLS may name other calls)
         conn._bind_step_calls()
 
 

@@ -22,8 +22,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from connector_probes import LayerProbe  # noqa: E402
 
 
-def shapes() -> dict[str, dict]:
-    """Per-layer vLLM KV specs of the models measured (bf16, 16 tokens per block)."""
+def shapes(smoke: bool = False) -> dict[str, dict]:
+    """Per-layer vLLM KV specs of the models measured (bf16, 16 tokens per block). ``smoke``:
+    also `SMOKE_SHAPE`, a two-layer dense model whose caches fit a small CPU machine (the
+    connector's per-step calls do not depend on a dense model's layer count: for local A/Bs
+    with ``--device cpu``; never in the GPU table)."""
     bf16 = torch.bfloat16
 
     def dense(layers, heads, head):
@@ -35,8 +38,14 @@ def shapes() -> dict[str, dict]:
         cls = FullAttentionSpec if i % 2 else SlidingWindowSpec
         kw = {} if i % 2 else {"sliding_window": 128}
         oss[f"model.layers.{i}.attn"] = cls(block_size=16, num_kv_heads=8, head_size=64, dtype=bf16, **kw)
-    return {"Llama-3.1-8B TP1": dense(32, 8, 128), "Llama-3.1-70B TP4 shard": dense(80, 2, 128),
-            "gpt-oss-20b": oss}
+    out = {"Llama-3.1-8B TP1": dense(32, 8, 128), "Llama-3.1-70B TP4 shard": dense(80, 2, 128),
+           "gpt-oss-20b": oss}
+    if smoke:
+        out[SMOKE_SHAPE] = dense(2, 2, 64)
+    return out
+
+
+SMOKE_SHAPE = "dense-2L (smoke)"
 
 
 CHUNKS_PER_STEP = 16  # chunks a measured step stores: the token budget of a step is 16 chunks' tokens

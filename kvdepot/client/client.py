@@ -109,6 +109,7 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
         self._rid = itertools.count(1 + next(_CLIENTS) * _RIDS_PER_CLIENT)
         self._outstanding: set[int] = set()  # submitted, reply not yet returned by wait()
         self._replies: dict[int, m.Msg] = {}  # replies that arrived before their wait()
+        self._sinks: dict[int, Callable[[m.Msg], None]] = {}  # rid -> `submit`'s on_reply
         self._identity = f"kvd-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
         self._fences: dict = {}  # cudaStream_t -> a local event (`_fence`)
         self._last_scatter = (None, None)  # `last_retrieve_event`
@@ -181,10 +182,13 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
             self._wake_poller = None
         self._outstanding -= self._unconfirmed  # done for their callers: nobody waits for these
         self._unconfirmed.clear()
-        for rid in self._outstanding:
-            if rid not in self._replies:
-                self._replies[rid] = m.ErrorReply(rid=rid, code=int(code), message=f"request {rid} was lost: {why}")
+        lost = [rid for rid in self._outstanding if rid not in self._replies]
+        for rid in lost:
+            self._replies[rid] = m.ErrorReply(rid=rid, code=int(code), message=f"request {rid} was lost: {why}")
         self._outstanding.clear()
+        for rid in lost:
+            if rid in self._sinks:
+                self._deliver(self._replies.pop(rid))
         self._hello_rid = self._probe_rid = None
         self._unread = 0
         if was_stream and code is ErrorCode.TIMEOUT and self._greeted:
@@ -223,10 +227,23 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
                             ErrorCode(got.code).name, got.message)
             return None
         if got.rid in self._outstanding:
+            if self._sinks and got.rid in self._sinks:
+                self._outstanding.discard(got.rid)
+                self._deliver(got)
+                return got
             self._replies[got.rid] = got  # first: done() never sees it in neither
             self._outstanding.discard(got.rid)
             return got
         return None  # a late reply to a request lost in a timeout
+
+    def _deliver(self, reply: m.Msg) -> None:
+        """Hand ``reply`` (an answer or an `m.ErrorReply`) to its request's ``on_reply``; a
+        raising callback is logged, never lets a read of replies fail."""
+        sink = self._sinks.pop(reply.rid)
+        try:
+            sink(reply)
+        except Exception:  # noqa: BLE001 - the caller's code; the client's state stays consistent
+            log.exception("on_reply of request %d raised", reply.rid)
 
     def confirm_later(self, rid: int) -> None:
         """Store ``rid`` ended on its landed word (`PendingStore.result`): its reply, still due,
@@ -306,23 +323,6 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
         """Whether `wait` of ``rid`` returns at once (its reply, error or loss is in); after `poll`."""
         return rid in self._replies or rid not in self._outstanding
 
-    def reply_now(self, rid: int) -> m.Msg | None:
-        """The reply to the submitted request ``rid`` if `poll` read it, else None (still due);
-        never waits. One call where `done` and `wait` would be two.
-
-        Raises:
-            KVDepotError: the error reply; the request was lost (DISCONNECTED, TIMEOUT: see `wait`).
-        """
-        reply = self._replies.pop(rid, None)
-        if reply is None:
-            if rid in self._outstanding:
-                return None
-            raise KVDepotError(ErrorCode.TIMEOUT, f"request {rid} is not outstanding (its reply was taken)")
-        self._outstanding.discard(rid)
-        if isinstance(reply, m.ErrorReply):
-            raise KVDepotError(reply.code, reply.message)
-        return reply
-
     @property
     def connected(self) -> bool:
         """Whether a connection is open (False before the first request and after the daemon
@@ -330,9 +330,11 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
         return self._sock is not None and not self._sock.closed
 
     def forget(self, rid: int) -> None:
-        """Stop tracking ``rid`` (nobody will wait for it); a late reply is dropped."""
+        """Stop tracking ``rid`` (nobody will wait for it, its ``on_reply`` is not called); a
+        late reply is dropped."""
         self._outstanding.discard(rid)
         self._replies.pop(rid, None)
+        self._sinks.pop(rid, None)
 
     def mark_down(self) -> None:
         """The daemon does not answer: `available` is False until a ping is answered."""
@@ -344,7 +346,7 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
         """Never blocks: True while the daemon is considered up; while down, sends a ping at
         most every ``retry_interval_s`` and turns True when one is answered. While up it reads
         no socket: a scheduler asks this once per new request, and replies are read where
-        someone waits for one (`poll`, `reply_now`, `wait`)."""
+        someone waits for one (`poll`, `wait`)."""
         if self.up:
             return True
         self.poll()
@@ -371,9 +373,20 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
         """
         return self.wait(self.submit(req), timeout_s)
 
-    def submit(self, req: m.Msg) -> int:
+    def submit(self, req: m.Msg, on_reply: Callable[[m.Msg], None] | None = None) -> int:
         """Send ``req`` without waiting (its ``rid`` is assigned here); returns the rid to give
-        `wait`. Several requests may be outstanding; the daemon answers each in turn."""
+        `wait`. Several requests may be outstanding; the daemon answers each in turn.
+
+        ``on_reply``: called with the reply (or the `m.ErrorReply` of a refusal or of the
+        request's loss: DISCONNECTED, TIMEOUT) by whichever call reads it (`poll`, `wait` of
+        another request), once, on the thread that reads replies; the request is then done and
+        never given to `wait` (the vLLM scheduler side's lookups: each answer is
+        booked on its request as it is read, in one pass over every reply that came).
+        `forget` cancels it.
+
+        Raises:
+            KVDepotError: MALFORMED (the message exceeds the frame limit); UNAVAILABLE (no
+                daemon at an ``ipc://`` endpoint)."""
         if self._unconfirmed and not isinstance(req, m.Store):
             self._confirm_stores()
         req.rid = next(self._rid)
@@ -391,6 +404,8 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
             self._socket().send(frame)
         self._unread += 1
         self._outstanding.add(req.rid)
+        if on_reply is not None:
+            self._sinks[req.rid] = on_reply
         trace.point(req.rid, "c_sent")
         return req.rid
 
@@ -462,6 +477,7 @@ class KVDepotClient(TransferRequests, StagedStores, ManyRequests):
     def close(self) -> None:
         self._reset(ErrorCode.DISCONNECTED, "the client was closed")
         self._replies.clear()
+        self._sinks.clear()
         self._ctx.term()
 
     def __enter__(self) -> KVDepotClient:

@@ -53,7 +53,7 @@ def main(sc: dict) -> dict:
         if sc.get("kill_daemon_pid"):
             st = eng.sched_conn.scheduler._reqs[rid]
             deadline = time.monotonic() + 10
-            while not (st.lookup_rid is not None and eng.sched_conn.scheduler.client.done(st.lookup_rid)):
+            while not st.answered:
                 eng.sched_conn.scheduler.client.poll(0.01)
                 assert time.monotonic() < deadline, "no lookup answer"
             os.kill(sc["kill_daemon_pid"], signal.SIGKILL)

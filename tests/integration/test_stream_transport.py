@@ -292,33 +292,47 @@ def test_an_idle_poll_reads_replies_nobody_waits_for_in_its_rhythm(module_daemon
         assert c.done(rid) and isinstance(c.wait(rid, timeout_s=0), m.Pong)
 
 
-def test_reply_now_gives_a_read_reply_once_and_raises_for_an_error_or_a_lost_request(module_daemon):
-    """`KVDepotClient.reply_now` (the scheduler side's way to take a lookup's answer): None while
-    the reply is due, the reply once a poll read it, and only once; an error reply raises its
-    error; a request lost with its connection raises DISCONNECTED."""
+def test_on_reply_gets_each_reply_once_as_it_is_read_errors_and_losses_too(module_daemon):
+    """`KVDepotClient.submit`'s ``on_reply`` (how the vLLM scheduler side books lookup answers):
+    not called while the reply is due, called once by the read that brings it (the request is
+    then done: `wait` refuses it); an error reply and a request lost with its connection
+    arrive as `m.ErrorReply`; `forget` cancels it; a callback that raises does not stop the
+    read of the other replies."""
     import signal
 
+    got: list[m.Msg] = []
     with KVDepotClient(module_daemon.endpoint) as c:
         c.ping()
         os.kill(module_daemon.proc.pid, signal.SIGSTOP)
         try:
-            rid = c.submit(m.Ping(rid=0))
+            rid = c.submit(m.Ping(rid=0), got.append)
             c.poll()
-            assert c.reply_now(rid) is None  # due: no reply can come from a stopped daemon
+            assert got == [] and not c.done(rid)  # due: no reply can come from a stopped daemon
         finally:
             os.kill(module_daemon.proc.pid, signal.SIGCONT)
         c.poll(10.0)
-        assert isinstance(c.reply_now(rid), m.Pong)
+        assert len(got) == 1 and isinstance(got[0], m.Pong) and got[0].rid == rid
         with pytest.raises(KVDepotError) as taken:
-            c.reply_now(rid)  # taken already
+            c.wait(rid, timeout_s=0)  # answered through on_reply only
         assert taken.value.code == ErrorCode.TIMEOUT
-        bad = c.submit(m.Unregister(rid=0, registration="no-such-registration"))
-        c.poll(10.0)
-        with pytest.raises(KVDepotError) as refused:
-            c.reply_now(bad)
-        assert refused.value.code != ErrorCode.TIMEOUT  # the daemon's own error, as its reply said
-        lost = c.submit(m.Ping(rid=0))
+        c.poll()
+        assert len(got) == 1, "delivered twice"
+
+        def boom(reply):
+            raise RuntimeError("a broken callback")
+
+        bad = c.submit(m.Unregister(rid=0, registration="no-such-registration"), got.append)
+        broken = c.submit(m.Ping(rid=0), boom)
+        after = c.submit(m.Ping(rid=0), got.append)
+        deadline = time.monotonic() + 10
+        while len(got) < 3 and time.monotonic() < deadline:
+            c.poll(0.1)
+        assert [type(x) for x in got[1:]] == [m.ErrorReply, m.Pong] and got[2].rid == after
+        assert got[1].rid == bad and got[1].code != ErrorCode.TIMEOUT  # the daemon's own error
+        assert c.done(broken)
+        forgotten = c.submit(m.Ping(rid=0), got.append)
+        c.forget(forgotten)
+        lost = c.submit(m.Ping(rid=0), got.append)
         c._reset(ErrorCode.DISCONNECTED, "the test closed the connection")
-        with pytest.raises(KVDepotError) as gone:
-            c.reply_now(lost)
-        assert gone.value.code == ErrorCode.DISCONNECTED
+        c.poll(0.2)
+        assert len(got) == 4 and got[3].rid == lost and got[3].code == ErrorCode.DISCONNECTED

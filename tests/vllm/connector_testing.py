@@ -39,7 +39,7 @@ def wait_for_lookup_answer(engine: H.Engine, req_id: str) -> None:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         client.poll(0.01)
-        if st.lookup_rid is not None and client.done(st.lookup_rid):
+        if st.answered:
             return
     raise AssertionError("no lookup answer")
 

@@ -147,10 +147,12 @@ def test_connector_ab_toggles_the_variant_in_abba_order_and_pairs_the_runs(tmp_p
     variant, log, out = tmp_path / "v.py", tmp_path / "log", tmp_path / "ab.json"
     variant.write_text(_VARIANT)
     monkeypatch.setenv("AB_LOG", str(log))
-    assert ab.main([str(variant), "--device", "cpu", "--shape", "Llama-3.1-70B TP4 shard", "--runs", "4",
-                    "--requests", "2", "--l1-bytes", "1g", "--out", str(out)]) == 0
+    assert ab.main([str(variant), "--device", "cpu", "--shape", "dense-2L (smoke)", "--runs", "4",
+                    "--requests", "2", "--l1-bytes", "1g", "--evict-bytes", "1m", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert [row["arm"] for row in r["rows"]] == list("ABBA")
+    assert r["evict_bytes"] == 1 << 20
+    assert set(r["per_call_us"]["build_connector_meta"]) == {"A", "B"}  # each arm's median per call
     assert all(row["stored_chunks"] == 2 * ab.CHUNKS_PER_STEP for row in r["rows"])
     events = log.read_text().split()
     # off before each A run, on before each B run, off once more at the end; the variant's

@@ -73,8 +73,8 @@ def test_a_dense_models_new_request_gets_a_lazy_store_job_with_the_ids_of_its_ta
     made = []
     orig = side._store_job
 
-    def spy(req_id, num_scheduled, block_state, new_table=None):
-        job = orig(req_id, num_scheduled, block_state, new_table)
+    def spy(req_id, num_scheduled, block_state, new_table=None, st=None):
+        job = orig(req_id, num_scheduled, block_state, new_table, st)
         if job is not None:
             assert job.block_ids is None and job.lazy is not None  # nothing sliced on the engine thread
             made.append((job, [list(t) for t in new_table] if new_table is not None else None))

@@ -23,9 +23,9 @@ def test_decode_steps_look_at_no_request_once_prompts_are_stored(daemon, tmp_pat
         looked: list[str] = []
         store_job = sched._store_job
 
-        def spy(req_id, n, state, new_table=None):
+        def spy(req_id, n, state, new_table=None, st=None):
             looked.append(req_id)
-            return store_job(req_id, n, state, new_table)
+            return store_job(req_id, n, state, new_table, st)
 
         sched._store_job = spy
         ids = [a.add(H.tokens(40 + i, 140), max_tokens=12) for i in range(4)]  # 2 whole chunks each
@@ -144,5 +144,53 @@ def test_store_jobs_take_the_same_block_ids_from_vllms_block_lists_as_from_its_i
         a.run()
         assert len(jobs_seen) >= 4 and any(job.first_chunk > 0 for job in jobs_seen)
         assert 0 < new_seen < len(jobs_seen)  # both kinds of request were compared
+    finally:
+        a.close()
+
+
+def test_lookup_answers_are_booked_on_their_requests_as_they_are_read(daemon, tmp_path):
+    """Every lookup reply that came is booked on its request by the read that brings it
+    (`_Req.answer`, the client's ``on_reply``), so a later ``get_num_new_matched_tokens`` of
+    another request reads neither the socket nor the client; a refused or lost lookup is
+    answered 0 (recompute), and only a lost one marks the daemon down."""
+    from kvdepot.protocol import messages as m
+    from kvdepot.protocol.errors import ErrorCode
+
+    cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, chunk_size=64, extra={"model_id": "booked"})
+    a = H.Engine(cfg, H.dense_specs())
+    try:
+        side, conn = a.sched_conn.scheduler, a.sched_conn
+        warm = a.add(H.tokens(70, 140), max_tokens=1)
+        a.run(warm)  # its two chunks stored: the requests below hit them
+        ids = [a.add(H.tokens(70, 140) if i < 2 else H.tokens(80 + i, 140), max_tokens=1) for i in range(4)]
+        states = [side._reqs[r] for r in ids]
+        assert all(st.lookup_rid is not None and not st.answered for st in states)  # sent, none read yet
+        deadline = time.monotonic() + 5
+        while not states[-1].answered and time.monotonic() < deadline:
+            side.client.poll(0.01)  # (the reads themselves book every answer that came)
+        assert all(st.answered and st.lookup_rid is None for st in states)
+        assert [st.hit_chunks for st in states] == [2, 2, 0, 0]
+        polls = []
+        poll = side.client.poll
+        side.client.poll = lambda *a, **k: polls.append(1) or poll(*a, **k)
+        try:
+            req = a.scheduler.requests[ids[0]]
+            assert conn.get_num_new_matched_tokens(req, 0) == (128, True)
+            assert conn.get_num_new_matched_tokens(a.scheduler.requests[ids[2]], 0) == (0, False)
+            assert polls == [], "a booked answer was looked for on the socket"
+        finally:
+            side.client.poll = poll
+        # a refused lookup: recompute, the daemon still up; a lost one: recompute, marked down
+        st = states[3]
+        st.hit_chunks, st.lookup_rid = None, 123456
+        st.answer(m.ErrorReply(rid=123456, code=int(ErrorCode.MALFORMED), message="refused"))
+        assert conn.get_num_new_matched_tokens(a.scheduler.requests[ids[3]], 0) == (0, False)
+        assert side.client.up and st.lookup_rid is None and st.lookup_error is None
+        st.hit_chunks, st.lookup_rid = None, 123457
+        st.answer(m.ErrorReply(rid=123457, code=int(ErrorCode.DISCONNECTED), message="lost"))
+        assert conn.get_num_new_matched_tokens(a.scheduler.requests[ids[3]], 0) == (0, False)
+        assert not side.client.up
+        st.answer(m.ErrorReply(rid=99, code=int(ErrorCode.DISCONNECTED), message="another lookup's"))
+        assert st.lookup_error is None and st.hit_chunks == 0  # a reply to another rid is not its
     finally:
         a.close()

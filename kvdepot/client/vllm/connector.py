@@ -51,11 +51,18 @@ STEP_CALLS = {
                   "build_connector_meta": "build_connector_meta", "update_connector_output": "update_connector_output",
                   "request_finished": "request_finished", "request_finished_all_groups": "request_finished",
                   "on_new_request": "on_new_request"},
-    "worker": {"handle_preemptions": "handle_preemptions", "start_load_kv": "start_load_kv",
-               "wait_for_save": "wait_for_save", "get_transfer_results": "get_transfer_results",
+    "worker": {"handle_preemptions": "handle_preemptions", "bind_connector_metadata": "bind",
+               "start_load_kv": "start_load_kv", "wait_for_save": "wait_for_save",
+               "get_transfer_results": "get_transfer_results",
                "get_block_ids_with_load_errors": "get_block_ids_with_load_errors",
                "build_connector_worker_meta": "worker_meta"},
 }
+
+
+def _no_worker_meta() -> None:
+    """``build_connector_worker_meta`` of a model without sliding-window groups: its stores
+    are never pinned, so a worker has nothing to tell the scheduler side."""
+    return None
 
 
 def model_identity(vllm_config, cfg: ConnectorConfig) -> str:
@@ -152,6 +159,8 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             if side is not None:
                 for name, target in calls.items():
                     setattr(self, name, getattr(side, target))
+        if self.worker is not None and not self.worker.has_sliding_groups:
+            self.build_connector_worker_meta = _no_worker_meta
         self.get_kv_connector_stats = self._stats.take
 
     @property
@@ -177,8 +186,10 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        self._connector_metadata = connector_metadata  # (what vLLM's base class does, without its call)
-        if self.worker is not None and isinstance(connector_metadata, KVDepotMetadata):
+        """Before the forward: the step's plan (`WorkerSide.bind`; vLLM's call is bound to it
+        directly, so the base class's ``_connector_metadata`` is not kept: nothing reads it, as
+        ``has_connector_metadata`` is always False)."""
+        if self.worker is not None:
             self.worker.bind(connector_metadata)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:

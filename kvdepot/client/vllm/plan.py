@@ -161,7 +161,7 @@ class StoreJob:
         return True
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class KVDepotMetadata(KVConnectorMetadata):
     """What the scheduler-side connector tells every worker for one step. A step with nothing
     for the workers (most decode steps) gets one shared instance whose lists are empty tuples:

@@ -70,12 +70,34 @@ class _Req:
     lookup_rid: int | None = None  # outstanding Lookup
     lookup_sent_s: float = 0.0  # time.monotonic() it was sent
     hit_chunks: int | None = None  # the answer (None: not known yet)
+    lookup_error: Any = None  # the daemon's refusal of it, or its loss (an `m.ErrorReply`), until handled
     pinned: bool = False  # a Lookup with pin_request was sent (EndRequest releases it)
     local_tokens: int = 0  # vLLM's own hit, as last given to get_num_new_matched_tokens
     next_store_chunk: int = 0  # chunks [0, next_store_chunk) are cached or being stored
     store_stopped: bool = False
     load_failed: bool = False  # a load of it failed: vLLM recomputes, the connector offers no more
     stored: bool = False  # a store of this request was sent to the workers (its loads: `_loading`)
+
+    def answer(self, reply: m.Msg) -> None:
+        """Its Lookup's reply, booked as the client reads it (`KVDepotClient.submit`'s
+        ``on_reply``: every reply that came is booked in one pass, so that a later
+        ``get_num_new_matched_tokens`` of the request finds its answer here). An error is kept
+        for `SchedulerSide._lookup_answer` to handle."""
+        if reply.rid != self.lookup_rid:
+            return  # (a lookup given up since is `forget`-ed and never answered here)
+        if reply.__class__ is m.ErrorReply:
+            self.lookup_error = reply
+            return
+        hit = self.hit_chunks = reply.hit_chunks
+        self.lookup_rid = None
+        self.pinned = hit > 0  # a lookup without a hit pins nothing: no EndRequest
+        if hit > self.next_store_chunk:
+            self.next_store_chunk = hit  # those are cached already
+
+    @property
+    def answered(self) -> bool:
+        """Its lookup's answer (or error) is in."""
+        return self.hit_chunks is not None or self.lookup_error is not None
 
 
 class SchedulerSide:
@@ -245,10 +267,11 @@ class SchedulerSide:
             got = self._namespaces[(seed_salt, from_block_hashes)] = seed, [shard_mask(seed, s) for s in self.shards]
         return got
 
-    def _send(self, req: m.Msg) -> int | None:
-        """Send without waiting; None (and the daemon marked down) if it cannot be sent."""
+    def _send(self, req: m.Msg, on_reply=None) -> int | None:
+        """Send without waiting (``on_reply``: `KVDepotClient.submit`'s); None (and the daemon
+        marked down) if it cannot be sent."""
         try:
-            return self.client.submit(req)
+            return self.client.submit(req, on_reply)
         except (KVDepotError, zmq.ZMQError, OSError) as exc:
             log.warning("kvdepot: cannot send %s to %s: %s", type(req).__name__, self.cfg.endpoint, exc)
             self.client.mark_down()
@@ -262,9 +285,12 @@ class SchedulerSide:
         if n == 0:
             st.hit_chunks = 0
             return
+        # (the answer is booked on ``st`` as it is read, `_Req.answer`: no read comes before
+        # ``lookup_rid`` is set below)
+        st.lookup_error = None
         rid = self._send(m.Lookup(rid=0, keys=st.keys, chunk_size=self.cfg.chunk_size,
                                   num_tokens=st.request.num_prompt_tokens, model=self.model_id,
-                                  pin_request=st.request.request_id))
+                                  pin_request=st.request.request_id), st.answer)
         if rid is None:
             st.hit_chunks = 0
         else:
@@ -274,39 +300,33 @@ class SchedulerSide:
 
     def _lookup_answer(self, st: _Req) -> int | None:
         """Hit chunks, or None while the answer is pending (never waits)."""
-        if st.hit_chunks is not None:
+        if st.hit_chunks is not None:  # (booked by `_Req.answer` when the client read it)
             return st.hit_chunks
         if st.lookup_rid is None:
             self._send_lookup(st)
             if st.hit_chunks is not None:
                 return st.hit_chunks
         c = self.client
-        try:
-            # a reply read before (by the poll of an earlier lookup) costs no system call
-            reply = c.reply_now(st.lookup_rid)
-            if reply is None:
-                c.poll()
-                reply = c.reply_now(st.lookup_rid)
-        except KVDepotError as exc:
-            log.warning("kvdepot: lookup of request %s failed: %s", st.request.request_id, exc)
-            if exc.code in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED, ErrorCode.UNAVAILABLE):
+        if st.lookup_error is None:
+            c.poll()  # reads every reply that came: each lookup's is booked on its request
+            if st.hit_chunks is not None:
+                return st.hit_chunks
+        err = st.lookup_error
+        if err is not None:
+            log.warning("kvdepot: lookup of request %s failed: %s: %s", st.request.request_id,
+                        _code_name(err.code), err.message)
+            if err.code in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED, ErrorCode.UNAVAILABLE):
                 c.mark_down()
-            st.hit_chunks = 0
+        elif c.up and time.monotonic() - st.lookup_sent_s < self.cfg.lookup_timeout_s:
+            return None
         else:
-            if reply is None:
-                if c.up and time.monotonic() - st.lookup_sent_s < self.cfg.lookup_timeout_s:
-                    return None
-                log.warning("kvdepot: no lookup answer within %.1f s; request %s is computed without cached KV",
-                            self.cfg.lookup_timeout_s, st.request.request_id)
-                c.forget(st.lookup_rid)
-                c.mark_down()
-                st.hit_chunks = 0
-            else:
-                st.hit_chunks = reply.hit_chunks
-                st.pinned = reply.hit_chunks > 0  # a lookup without a hit pins nothing: no EndRequest
-                st.next_store_chunk = max(st.next_store_chunk, reply.hit_chunks)  # those are cached already
-        st.lookup_rid = None
-        return st.hit_chunks
+            log.warning("kvdepot: no lookup answer within %.1f s; request %s is computed without cached KV",
+                        self.cfg.lookup_timeout_s, st.request.request_id)
+            c.forget(st.lookup_rid)
+            c.mark_down()
+        st.hit_chunks = 0
+        st.lookup_rid = st.lookup_error = None
+        return 0
 
     # ------------------------------------------------------------------ vLLM calls
 
@@ -320,8 +340,8 @@ class SchedulerSide:
         if st is None or not self.cfg.load or st.load_failed:
             return 0, False
         hit = self._lookup_answer(st)
-        if hit is None:
-            return None, False
+        if not hit:  # not known yet (None), or a miss
+            return (None, False) if hit is None else (0, False)
         st.local_tokens = num_computed_tokens
         total = min(hit * self.cfg.chunk_size, request.num_prompt_tokens)
         if total <= num_computed_tokens or num_computed_tokens % self.lcm:
@@ -352,8 +372,8 @@ class SchedulerSide:
                         else [rid for rid in scheduled if rid in unstored])
         else:
             todo = ()
-        if not (todo or self._pending_loads or self._release or scheduler_output.preempted_req_ids
-                or self._written_each_step):
+        pending, release, preempted_ids = self._pending_loads, self._release, scheduler_output.preempted_req_ids
+        if not (todo or pending or release or preempted_ids or self._written_each_step):
             # most decode steps: nothing for the workers. One shared metadata of empty tuples
             # (vLLM only passes it on): building one cost such a step 3-4 us of cold caches
             idle = self._idle_meta
@@ -362,36 +382,44 @@ class SchedulerSide:
                     loads=(), stores=(), release=(), preempted=(), fingerprint=self.fingerprint,
                     null_block_id=self._null_block_id, stores_pinned=self._pins is not None)
             return idle
-        # the lists first, the metadata last with all of them (no default factories to run)
-        loads, stores, preempted = [], [], []
-        for rid in scheduler_output.preempted_req_ids or ():
-            preempted.append(rid)
-            st = self._reqs.get(rid)
-            if st is not None:  # its blocks are gone; ask the daemon again when it is rescheduled
-                if st.lookup_rid is not None:
-                    self.client.forget(st.lookup_rid)
-                st.lookup_rid = st.hit_chunks = None
-        for req_id, block_ids, local, end in self._pending_loads:
-            job = self._load_job(req_id, block_ids, local, end)
-            if job is not None:
-                loads.append(job)
-        self._pending_loads = []
+        # the lists first, the metadata last with all of them (no default factories to run);
+        # what is empty is the shared empty tuple: no list made (and later freed) for it
+        loads = stores = preempted = ()
+        if preempted_ids:
+            preempted = list(preempted_ids)
+            for rid in preempted:
+                st = self._reqs.get(rid)
+                if st is not None:  # its blocks are gone; ask the daemon again when it is rescheduled
+                    if st.lookup_rid is not None:
+                        self.client.forget(st.lookup_rid)
+                    st.lookup_rid = st.hit_chunks = st.lookup_error = None
+        if pending:
+            loads = []
+            for req_id, block_ids, local, end in pending:
+                job = self._load_job(req_id, block_ids, local, end)
+                if job is not None:
+                    loads.append(job)
+            self._pending_loads = []
         if todo:
+            stores = []
             state = getattr(scheduler_output, "kv_connector_block_state", None)
             scheduled = scheduler_output.num_scheduled_tokens
             # the tables of requests new in this step, as vLLM already built them (id lists):
             # taken by slicing, where the live blocks would be read one KVCacheBlock at a time
             new_tables = {r.req_id: r.block_ids for r in scheduler_output.scheduled_new_reqs}
+            unstored = self._unstored
             for req_id in todo:
-                job = self._store_job(req_id, scheduled[req_id], state, new_tables.get(req_id))
+                job = self._store_job(req_id, scheduled[req_id], state, new_tables.get(req_id), unstored.get(req_id))
                 if job is not None:
                     stores.append(job)
-                st = self._unstored.get(req_id)
-                if st is not None and (st.store_stopped or st.next_store_chunk >= len(st.keys[0])):
-                    del self._unstored[req_id]  # its prompt's chunks are all stored (or never will be)
-        meta = KVDepotMetadata(loads=loads, stores=stores, release=self._release, preempted=preempted,
-                               fingerprint=self.fingerprint, null_block_id=self._null_block_id)
-        self._release = []
+                st = unstored.get(req_id)
+                if st is not None and (st.store_stopped or st.next_store_chunk >= len(st.chain)):
+                    del unstored[req_id]  # its prompt's chunks are all stored (or never will be)
+        if release:
+            self._release = []
+        else:
+            release = ()
+        meta = KVDepotMetadata(loads, stores, release, preempted, self.fingerprint, self._null_block_id)
         if self._pins is not None:
             meta.stores_pinned = True
             if stores:
@@ -417,12 +445,15 @@ class SchedulerSide:
                        first_chunk=p.first_chunk, skip_tokens=p.skip_tokens, block_ids=ids, local_tokens=local,
                        end_tokens=end, fail_block_ids=fail_ids)
 
-    def _store_job(self, req_id: str, num_scheduled: int, block_state, new_table=None) -> StoreJob | None:
+    def _store_job(self, req_id: str, num_scheduled: int, block_state, new_table=None,
+                   st: _Req | None = None) -> StoreJob | None:
         """The store of the whole chunks this step's forward completes (None: nothing to
         store). ``new_table``: the request's block ids per vLLM gid where it is new in this
         step (``NewRequestData.block_ids``, its whole table as of this step's allocation);
-        else its live blocks are read (`_blocks_of`)."""
-        st = self._reqs.get(req_id)
+        else its live blocks are read (`_blocks_of`). ``st``: its state, where the caller has
+        it."""
+        if st is None:
+            st = self._reqs.get(req_id)
         if st is None or st.store_stopped:
             return None
         req = st.request
@@ -434,15 +465,20 @@ class SchedulerSide:
             return None
         if self.cfg.store_generated:
             self._hash(st, limit)
-        end_chunk = min(end_chunk, len(st.keys[0]))
+        end_chunk = min(end_chunk, len(st.chain))
         first = st.next_store_chunk
         if end_chunk <= first:
             return None
-        ids, lazy = None, None
+        ids = lazy = None
         if new_table is not None and self._lazy_stores:
             # the table and the range only: the worker's transfer thread slices (`StoreJob.lazy`)
-            ranges = [(new_table[gid], first * per, end_chunk * per) for gid, per, _, _ in self._store_groups]
-            if all(hi <= len(held) for held, _, hi in ranges):
+            ranges = []
+            for gid, per, _, _ in self._store_groups:
+                held, hi = new_table[gid], end_chunk * per
+                if hi > len(held):
+                    break
+                ranges.append((held, first * per, hi))
+            else:
                 lazy = (ranges, self._null_block_id)
         if lazy is None:
             ids = self._store_block_ids(st, req_id, first, end_chunk, block_state, new_table)
@@ -450,8 +486,9 @@ class SchedulerSide:
                 return None
         st.next_store_chunk = end_chunk
         st.stored = True
-        return StoreJob(req_id=req_id, chain=st.chain[first:end_chunk], parent=st.chain[first - 1] if first else b"",
-                        seed=st.seed, first_chunk=first, block_ids=ids, cache_salt=st.cache_salt, lazy=lazy)
+        chain = st.chain
+        return StoreJob(req_id, chain[first:end_chunk], chain[first - 1] if first else b"", st.seed, first, ids,
+                        st.cache_salt, lazy)
 
     def _store_block_ids(self, st: _Req, req_id: str, first: int, end_chunk: int, block_state,
                          table) -> list[list[int]] | None:
@@ -505,7 +542,7 @@ class SchedulerSide:
             self._ineligible.discard(rid)
             self._loading.pop(rid, None)
             return False, None
-        loading = self._loading.pop(rid, None) is not None
+        loading = self._loading.pop(rid, None) is not None if self._loading else False
         self._unstored.pop(rid, None)
         if st.lookup_rid is not None:
             self.client.forget(st.lookup_rid)
@@ -525,10 +562,11 @@ class SchedulerSide:
 
     def update_connector_output(self, connector_output) -> None:
         # (most steps bring nothing: no set is built for them)
-        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if worker_meta is not None and self._pins is not None and self._pins.saves and isinstance(
-                worker_meta, KVDepotWorkerMeta):
-            self._pins.unpin(worker_meta.saves_ended)
+        pins = self._pins
+        if pins is not None and pins.saves:
+            worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(worker_meta, KVDepotWorkerMeta):
+                pins.unpin(worker_meta.saves_ended)
         failed = connector_output.failed_recving
         invalid = connector_output.invalid_block_ids
         if invalid:
@@ -553,7 +591,7 @@ class SchedulerSide:
             st.seed_salt, _ = self._seed_salt(st.request)
             st.keys, st.chain, st.seed, st.hashed_tokens = [[] for _ in self.shards], [], b"", 0
             self._hash(st, st.request.num_prompt_tokens)
-            st.lookup_rid = st.hit_chunks = None
+            st.lookup_rid = st.hit_chunks = st.lookup_error = None
             st.next_store_chunk = 0
             if self.cfg.store and st.keys[0] and not st.store_stopped:
                 self._unstored[st.request.request_id] = st  # stored again under the new keys
@@ -566,6 +604,13 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+def _code_name(code: int) -> str:
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return str(code)
 
 
 def written_blocks(so) -> list[int]:

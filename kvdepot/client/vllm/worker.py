@@ -77,8 +77,10 @@ class WorkerSide:
         self.model_id = model_id
         self.disabled_reason = disabled_reason
         self.single_group = len(kv_cache_config.kv_cache_groups) == 1
+        # vLLM frees blocks of running requests (sliding windows, chunked local attention)
+        self.has_sliding_groups = any(g.has_null_blocks for g in groups)
         # a store may wait for ring room only where vLLM never frees a running request's blocks
-        self.stores_may_wait = not any(g.has_null_blocks for g in groups)
+        self.stores_may_wait = not self.has_sliding_groups
         # sliding-window models: a store that finds the staging ring full is skipped (counted),
         # never queued, pinned blocks or not: it would hold blocks vLLM counts on getting back
         self.stores_skip_when_full = not self.stores_may_wait
@@ -209,7 +211,9 @@ class WorkerSide:
     # ------------------------------------------------------------------ per step (engine thread)
 
     def bind(self, meta: KVDepotMetadata) -> None:
-        """Before the forward. For a model with a sliding-window group (vLLM frees blocks that
+        """vLLM's ``bind_connector_metadata``, before the forward (metadata of another kind, which
+        vLLM's scheduler-side connector never sends, is taken as a step with nothing to do).
+        For a model with a sliding-window group (vLLM frees blocks that
         leave the window while their request runs), the forward must not write a block before
         an earlier step's store gathered it: the scheduler pins those blocks until the save
         ended (``meta.stores_pinned``: nothing to do here), else see `_order_after_gathers`.
@@ -221,16 +225,18 @@ class WorkerSide:
         requests wait for the load). Posting a load costs the engine thread the same here; the
         load starts a forward's launch earlier, and may end within the step instead of the
         next one."""
+        if meta.__class__ is not KVDepotMetadata:
+            meta = None
         self._meta = meta
-        if not self.stores_may_wait and getattr(meta, "stores_pinned", False):
+        if not self.stores_may_wait and meta is not None and meta.stores_pinned:
             # the scheduler pins the sliding-window blocks of every store until its save ended:
             # nothing orders a forward after the gathers any more (the same for every step)
             self.stores_may_wait = True
         if self._sliding_saves and self._active:
-            ours = isinstance(meta, KVDepotMetadata)
+            ours = meta is not None
             self._order_after_gathers(written_set(meta.written_block_ids if ours else None,
                                                   meta.null_block_id if ours else None))
-        if getattr(meta, "loads", None):
+        if meta is not None and meta.loads:
             self._start_loads(meta)  # after the stream waits above: the scatters follow them too
 
     def _order_after_gathers(self, written: set[int] | None) -> None:
@@ -345,7 +351,6 @@ class WorkerSide:
         # instead of two; `get_transfer_results` posts them where a step saves nothing). Taken
         # last in each command, so that a call that raises before the post leaves them to
         # `get_transfer_results`
-        take = self._take_release
         if self.stores_may_wait:
             # the blocks stay the request's until its stores ended (sliding-window blocks: pinned
             # by the scheduler until the save ended, `pin_seq`), so the gathers may follow a
@@ -361,6 +366,7 @@ class WorkerSide:
                 release = None
             self._post_quiet(("save", meta.stores, stream, None, release, meta.pin_seq))
             return
+        take = self._take_release
         if self._cuda:
             if GATHER_IN_WAIT_FOR_SAVE or self._gather_in_wait > 0:
                 # gathered now on the engine's stream where the ring's fence words are in use:
