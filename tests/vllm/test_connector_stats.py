@@ -93,7 +93,7 @@ def test_worker_counters_reach_vllms_log_line_and_prometheus(daemon, tmp_path, m
 def test_stats_go_out_at_most_once_per_interval_and_only_what_changed(monkeypatch):
     counters = {"stored_chunks": 0, "loads": 0}
     clock = [100.0]
-    monkeypatch.setattr(kvstats.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(kvstats, "monotonic", lambda: clock[0])
     taker = kvstats.StatsTaker(counters)
     assert taker.take() is None  # nothing yet
     counters["stored_chunks"] = 5
@@ -126,7 +126,7 @@ def test_the_schedulers_pins_go_out_at_once_when_none_is_held_any_more(monkeypat
     (vLLM asks only while it steps: an engine idle after a burst must not show pins held)."""
     counters = {"blocks_pinned": 0, "blocks_unpinned": 0}
     clock = [100.0]
-    monkeypatch.setattr(kvstats.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(kvstats, "monotonic", lambda: clock[0])
     taker = kvstats.StatsTaker(counters, balanced=("blocks_pinned", "blocks_unpinned"))
     assert taker.take() is None
     counters["blocks_pinned"] = 256

@@ -84,10 +84,10 @@ def test_two_adapters_of_one_name_at_other_paths_get_other_keys(daemon, tmp_path
     cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, extra={"model_id": "identity-lora"})
     e = H.Engine(cfg, H.dense_specs(), num_blocks=160)
     try:
-        sched = e.sched_conn.scheduler
+        keys = e.sched_conn.scheduler._keys
 
         def salt(lora):
-            return sched._seed_salt(SimpleNamespace(cache_salt="tenant", lora_request=lora))[0]
+            return keys.seed_salt(SimpleNamespace(cache_salt="tenant", lora_request=lora))[0]
         a, b = LoRARequest("sql", 1, "/adapters/sql-v1"), LoRARequest("sql", 1, "/adapters/sql-v2")
         assert len({salt(None), salt(a), salt(b)}) == 3
         assert salt(a) == salt(LoRARequest("sql", 7, "/adapters/sql-v1"))  # the id is the engine's own

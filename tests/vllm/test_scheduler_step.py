@@ -150,7 +150,7 @@ def test_store_jobs_take_the_same_block_ids_from_vllms_block_lists_as_from_its_i
 
 def test_lookup_answers_are_booked_on_their_requests_as_they_are_read(daemon, tmp_path):
     """Every lookup reply that came is booked on its request by the read that brings it
-    (`_Req.answer`, the client's ``on_reply``), so a later ``get_num_new_matched_tokens`` of
+    (`RequestState.answer`, the client's ``on_reply``), so a later ``get_num_new_matched_tokens`` of
     another request reads neither the socket nor the client; a refused or lost lookup is
     answered 0 (recompute), and only a lost one marks the daemon down."""
     from kvdepot.protocol import messages as m

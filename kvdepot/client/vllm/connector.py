@@ -32,7 +32,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvdepot.client.vllm.config import EXTRA_CONFIG, ConnectorConfig, check_chunk_size
 from kvdepot.client.vllm.layout import ShmSegments, layout_name, predict_fingerprint, transfer_groups
-from kvdepot.client.vllm.plan import KVDepotMetadata
 from kvdepot.client.vllm.scheduler import SchedulerSide
 from kvdepot.client.vllm.stats import KVDepotPromMetrics, KVDepotStats, StatsTaker
 from kvdepot.client.vllm.worker import WorkerSide

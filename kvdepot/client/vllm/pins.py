@@ -33,18 +33,16 @@ class StorePins:
         """Pin the sliding-window blocks ``stores`` read (one reference each, vLLM's
         ``BlockPool.touch``); returns the save's number, 0 if it reads none."""
         pool, null = self.pool, null_block_id
-        blocks = pool.blocks
         pinned = []
         for job in stores:
             for i in self._sliding_gids:
-                for b in job.block_ids[i]:
-                    if b != null:
-                        blk = blocks[b]
-                        if blk.ref_cnt:  # its request holds it (always, as the step's stores are built)
-                            blk.ref_cnt += 1  # what touch() does to it, less a call per block
-                        else:
-                            pool.touch((blk,))  # in the free queue: taken out of it
-                        pinned.append(blk)
+                ids = [b for b in job.block_ids[i] if b != null]  # (half of them are null: `kept_from`)
+                pinned += map(pool.blocks.__getitem__, ids)
+        for blk in pinned:
+            if blk.ref_cnt:  # its request holds it (always, as the step's stores are built)
+                blk.ref_cnt += 1  # what touch() does to it, less a call per block
+            else:
+                pool.touch((blk,))  # in the free queue: taken out of it
         if not pinned:
             return 0
         self.saves_pinned += 1

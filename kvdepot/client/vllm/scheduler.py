@@ -27,7 +27,6 @@ Per request:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -38,11 +37,11 @@ import zmq
 from vllm.v1.request import RequestStatus
 
 from kvdepot.client.client import KVDepotClient
-from kvdepot.client.hashing import (chain_from_block_hashes, chain_hashes, namespace_seed,
-                                    shard_keys, shard_mask, shard_name)
+from kvdepot.client.hashing import shard_name
 from kvdepot.client.vllm.config import ConnectorConfig, block_hash_chains
 from kvdepot.client.vllm.layout import TransferGroup, attention_tag
 from kvdepot.client.vllm.pins import StorePins
+from kvdepot.client.vllm.requests import RequestKeys, RequestState
 from kvdepot.client.vllm.plan import (KVConnectorWorkerMetadata, KVDepotMetadata, KVDepotWorkerMeta, LoadJob, StoreJob,
                                      blocks_covering, chunk_block_ids, holds_block, plan_load)
 from kvdepot.protocol import messages as m
@@ -50,54 +49,10 @@ from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
 log = logging.getLogger("kvdepot.vllm")
 NO_STORE_PINS_ENV = "KVDEPOT_NO_STORE_PINS"  # set: sliding-window stores are not pinned (the way before, for A/Bs)
-_NAMESPACES_KEPT = 4096  # (salt, chain source) -> seed and masks kept at most (`SchedulerSide._namespace`)
 _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
-
-
-@dataclasses.dataclass(slots=True)
-class _Req:
-    """Scheduler-side state of one request."""
-
-    request: Any  # vllm.v1.request.Request
-    seed_salt: str  # cache_salt plus LoRA / reset epoch: part of the key namespace
-    cache_salt: str  # the request's cache_salt as is (Store.cache_salt, what `kvdepot flush` matches)
-    keys: list[list[bytes]]  # per shard: keys of the whole chunks hashed so far
-    chain: list[bytes]  # shard-independent chain values of those chunks (`kvdepot.client.hashing`)
-    hashed_tokens: int  # tokens covered by ``keys`` (a multiple of chunk_size)
-    seed: bytes = b""  # namespace seed of the chain (model, layout fingerprint, seed_salt, chain source)
-    from_block_hashes: bool = False  # chain values from vLLM's block hashes (else hashed tokens)
-    masks: list[bytes] = dataclasses.field(default_factory=list)  # per shard: `shard_mask` of seed
-    lookup_rid: int | None = None  # outstanding Lookup
-    lookup_sent_s: float = 0.0  # time.monotonic() it was sent
-    hit_chunks: int | None = None  # the answer (None: not known yet)
-    lookup_error: Any = None  # the daemon's refusal of it, or its loss (an `m.ErrorReply`), until handled
-    pinned: bool = False  # a Lookup with pin_request was sent (EndRequest releases it)
-    local_tokens: int = 0  # vLLM's own hit, as last given to get_num_new_matched_tokens
-    next_store_chunk: int = 0  # chunks [0, next_store_chunk) are cached or being stored
-    store_stopped: bool = False
-    load_failed: bool = False  # a load of it failed: vLLM recomputes, the connector offers no more
-    stored: bool = False  # a store of this request was sent to the workers (its loads: `_loading`)
-
-    def answer(self, reply: m.Msg) -> None:
-        """Its Lookup's reply, booked as the client reads it (`KVDepotClient.submit`'s
-        ``on_reply``: every reply that came is booked in one pass, so that a later
-        ``get_num_new_matched_tokens`` of the request finds its answer here). An error is kept
-        for `SchedulerSide._lookup_answer` to handle."""
-        if reply.rid != self.lookup_rid:
-            return  # (a lookup given up since is `forget`-ed and never answered here)
-        if reply.__class__ is m.ErrorReply:
-            self.lookup_error = reply
-            return
-        hit = self.hit_chunks = reply.hit_chunks
-        self.lookup_rid = None
-        self.pinned = hit > 0  # a lookup without a hit pins nothing: no EndRequest
-        if hit > self.next_store_chunk:
-            self.next_store_chunk = hit  # those are cached already
-
-    @property
-    def answered(self) -> bool:
-        """Its lookup's answer (or error) is in."""
-        return self.hit_chunks is not None or self.lookup_error is not None
+# `request_finished`'s answers (delay_free_blocks, kv_transfer_params), made once
+_KEEP_BLOCKS: tuple[bool, None] = (True, None)
+_FREE_BLOCKS: tuple[bool, None] = (False, None)
 
 
 class SchedulerSide:
@@ -117,10 +72,10 @@ class SchedulerSide:
         self.shards = [shard_name(r, tp) for r in range(tp)]
         self.client = KVDepotClient(cfg.endpoint, timeout_s=cfg.lookup_timeout_s, name=f"vllm-scheduler-{os.getpid()}",
                                     connect=False, retry_interval_s=cfg.retry_interval_s)
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, RequestState] = {}
         # requests whose prompt has whole chunks not stored yet (without store_generated, the
         # only ones a step may store: a decode step then looks at none, however many run)
-        self._unstored: dict[str, _Req] = {}
+        self._unstored: dict[str, RequestState] = {}
         self._ineligible: set[str] = set()
         self._pending_loads: list[tuple[str, tuple[list[int], ...], int, int]] = []  # (req, block ids, local, end)
         self._release: list[str] = []
@@ -153,8 +108,9 @@ class SchedulerSide:
         self._lazy_stores = not self.sliding and all(no_nulls and not drop for _, _, no_nulls, drop in self._store_groups)
         # vLLM block hashes per chunk where chain values come from them (0: tokens hashed here)
         self._blocks_per_chunk, self._chain_source = block_hash_chains(cfg, vllm_config, kv_cache_config)
-        self._namespaces: dict[tuple[str, bool], tuple[bytes, list[bytes]]] = {}  # `_namespace`
         self._attention = attention_tag(kv_cache_config, groups)  # sliding windows etc. (`namespace_seed`)
+        self._keys = RequestKeys(cfg.chunk_size, model_id, fingerprint, self.shards, self._blocks_per_chunk,
+                                 self._chain_source, self._attention)
         if not self._blocks_per_chunk and cfg.key_source == "auto" and self.enabled:
             log.info("kvdepot: chunk keys hashed from tokens, not vLLM's block hashes: %s", self._chain_source)
 
@@ -195,19 +151,7 @@ class SchedulerSide:
         """Blocks the scheduler holds a pin on now (sliding-window stores not ended)."""
         return self._pins.held if self._pins is not None else 0
 
-    def _seed_salt(self, request) -> tuple[str, str]:
-        cache_salt = request.cache_salt or ""
-        salt = cache_salt
-        lora = getattr(request, "lora_request", None)
-        if lora is not None:
-            # an adapter changes the KV of the same tokens; engines name their adapters freely,
-            # so the name alone could give another engine's adapter the same keys
-            salt += f"\x00lora={lora.lora_name}\x00{getattr(lora, 'lora_path', '')}"
-        if self._epoch:
-            salt += f"\x00reset={self._epoch}"
-        return salt, cache_salt
-
-    def _state(self, request) -> _Req | None:
+    def _state(self, request) -> RequestState | None:
         """The request's state, created (keys hashed) on first sight; None if not cached."""
         rid = request.request_id
         st = self._reqs.get(rid)
@@ -223,49 +167,15 @@ class SchedulerSide:
             # prompt embeddings (``("prompt_embeds", digest)``), chained
             self._ineligible.add(rid)
             return None
-        salt, cache_salt = self._seed_salt(request)
-        st = _Req(request, salt, cache_salt, [[] for _ in self.shards], [], 0)
+        salt, cache_salt = self._keys.seed_salt(request, self._epoch)
+        st = RequestState(request, salt, cache_salt, [[] for _ in self.shards], [], 0)
         # a request without block hashes (vLLM built it without a block hasher) hashes its tokens
         st.from_block_hashes = from_block_hashes
-        self._hash(st, request.num_prompt_tokens)
+        self._keys.extend(st, request.num_prompt_tokens)
         self._reqs[rid] = st
         if self.cfg.store and st.keys[0]:
             self._unstored[rid] = st
         return st
-
-    def _hash(self, st: _Req, num_tokens: int) -> None:
-        """Extend ``st.keys`` to the whole chunks of the first ``num_tokens`` tokens."""
-        c = self.cfg.chunk_size
-        end = num_tokens // c * c
-        per = self._blocks_per_chunk
-        if st.from_block_hashes:  # only chunks whose last block vLLM hashed (speculative lookahead)
-            end = min(end, len(st.request.block_hashes) // per * c)
-        if end <= st.hashed_tokens:
-            return
-        if not st.seed:
-            st.seed, st.masks = self._namespace(st.seed_salt, st.from_block_hashes)
-        if st.from_block_hashes:  # no token read: vLLM hashed them in its input thread
-            new = chain_from_block_hashes(st.request.block_hashes, per, st.hashed_tokens // c, end // c)
-        else:
-            tokens = (st.request.prompt_token_ids if end <= len(st.request.prompt_token_ids)
-                      else st.request.all_token_ids)[st.hashed_tokens:end]
-            new = chain_hashes(st.chain[-1] if st.chain else st.seed, tokens, c)  # each token hashed once
-        st.chain.extend(new)
-        for chain, keys in zip(st.keys, shard_keys(new, st.masks)):
-            chain.extend(keys)
-        st.hashed_tokens = end
-
-    def _namespace(self, seed_salt: str, from_block_hashes: bool) -> tuple[bytes, list[bytes]]:
-        """The namespace seed of a request's chain and its shards' masks, made once per
-        (``seed_salt``, chain source): most requests share a few salts (none, a tenant's)."""
-        got = self._namespaces.get((seed_salt, from_block_hashes))
-        if got is None:
-            if len(self._namespaces) >= _NAMESPACES_KEPT:
-                self._namespaces.clear()  # many tenants: made again as they come
-            seed = namespace_seed(self.model_id, self.fingerprint, seed_salt,
-                                  self._chain_source if from_block_hashes else "", self._attention)
-            got = self._namespaces[(seed_salt, from_block_hashes)] = seed, [shard_mask(seed, s) for s in self.shards]
-        return got
 
     def _send(self, req: m.Msg, on_reply=None) -> int | None:
         """Send without waiting (``on_reply``: `KVDepotClient.submit`'s); None (and the daemon
@@ -277,7 +187,7 @@ class SchedulerSide:
             self.client.mark_down()
             return None
 
-    def _send_lookup(self, st: _Req) -> None:
+    def _send_lookup(self, st: RequestState) -> None:
         if not self.client.available():
             st.hit_chunks = 0  # daemon down: recompute, no waiting
             return
@@ -285,7 +195,7 @@ class SchedulerSide:
         if n == 0:
             st.hit_chunks = 0
             return
-        # (the answer is booked on ``st`` as it is read, `_Req.answer`: no read comes before
+        # (the answer is booked on ``st`` as it is read, `RequestState.answer`: no read comes before
         # ``lookup_rid`` is set below)
         st.lookup_error = None
         rid = self._send(m.Lookup(rid=0, keys=st.keys, chunk_size=self.cfg.chunk_size,
@@ -298,9 +208,9 @@ class SchedulerSide:
             st.lookup_sent_s = time.monotonic()
             st.pinned = True
 
-    def _lookup_answer(self, st: _Req) -> int | None:
+    def _lookup_answer(self, st: RequestState) -> int | None:
         """Hit chunks, or None while the answer is pending (never waits)."""
-        if st.hit_chunks is not None:  # (booked by `_Req.answer` when the client read it)
+        if st.hit_chunks is not None:  # (booked by `RequestState.answer` when the client read it)
             return st.hit_chunks
         if st.lookup_rid is None:
             self._send_lookup(st)
@@ -446,7 +356,7 @@ class SchedulerSide:
                        end_tokens=end, fail_block_ids=fail_ids)
 
     def _store_job(self, req_id: str, num_scheduled: int, block_state, new_table=None,
-                   st: _Req | None = None) -> StoreJob | None:
+                   st: RequestState | None = None) -> StoreJob | None:
         """The store of the whole chunks this step's forward completes (None: nothing to
         store). ``new_table``: the request's block ids per vLLM gid where it is new in this
         step (``NewRequestData.block_ids``, its whole table as of this step's allocation);
@@ -464,7 +374,7 @@ class SchedulerSide:
         if end_chunk <= st.next_store_chunk:
             return None
         if self.cfg.store_generated:
-            self._hash(st, limit)
+            self._keys.extend(st, limit)
         end_chunk = min(end_chunk, len(st.chain))
         first = st.next_store_chunk
         if end_chunk <= first:
@@ -490,7 +400,7 @@ class SchedulerSide:
         return StoreJob(req_id, chain[first:end_chunk], chain[first - 1] if first else b"", st.seed, first, ids,
                         st.cache_salt, lazy)
 
-    def _store_block_ids(self, st: _Req, req_id: str, first: int, end_chunk: int, block_state,
+    def _store_block_ids(self, st: RequestState, req_id: str, first: int, end_chunk: int, block_state,
                          table) -> list[list[int]] | None:
         """A store job's block ids per daemon gid, read on the step (`_store_job`); None (and
         the request's later stores stopped) where a group's table is short or holds vLLM's
@@ -541,7 +451,7 @@ class SchedulerSide:
         if st is None:  # (a request with state is never ineligible)
             self._ineligible.discard(rid)
             self._loading.pop(rid, None)
-            return False, None
+            return _FREE_BLOCKS
         loading = self._loading.pop(rid, None) is not None if self._loading else False
         self._unstored.pop(rid, None)
         if st.lookup_rid is not None:
@@ -555,10 +465,10 @@ class SchedulerSide:
         # request whose loads all ended (finished_recving) and that stored nothing is freed at
         # once, a step or two earlier. One aborted while its load runs is freed by vLLM itself on
         # finished_recving.
-        delay = (st.stored or loading) and request.status != _WAITING_FOR_REMOTE_KVS
-        if delay:
+        if (st.stored or loading) and request.status != _WAITING_FOR_REMOTE_KVS:
             self._release.append(rid)
-        return delay, None
+            return _KEEP_BLOCKS
+        return _FREE_BLOCKS
 
     def update_connector_output(self, connector_output) -> None:
         # (most steps bring nothing: no set is built for them)
@@ -588,9 +498,9 @@ class SchedulerSide:
         for st in self._reqs.values():
             if st.lookup_rid is not None:
                 self.client.forget(st.lookup_rid)
-            st.seed_salt, _ = self._seed_salt(st.request)
+            st.seed_salt, _ = self._keys.seed_salt(st.request, self._epoch)
             st.keys, st.chain, st.seed, st.hashed_tokens = [[] for _ in self.shards], [], b"", 0
-            self._hash(st, st.request.num_prompt_tokens)
+            self._keys.extend(st, st.request.num_prompt_tokens)
             st.lookup_rid = st.hit_chunks = st.lookup_error = None
             st.next_store_chunk = 0
             if self.cfg.store and st.keys[0] and not st.store_stopped:

@@ -18,8 +18,8 @@ adds them to the workers'.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
+from time import monotonic
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
@@ -97,7 +97,7 @@ class StatsTaker:
         self.balanced = balanced
 
     def take(self) -> KVDepotStats | None:
-        now = time.monotonic()
+        now = monotonic()
         if now < self.next_s and (self.balanced is None or not self._settled()):
             return None
         self.next_s = now + EMIT_INTERVAL_S
