@@ -24,6 +24,15 @@ def _gc(r: dict, op: str) -> str:
             f" and not counted above (p99 with them {g['step_us_p99_with_them']:.0f})")
 
 
+def _admission(r: dict, op: str) -> str:
+    """The bound counting vLLM's own scheduler in the steps without a forward too, where there was any."""
+    extra = r.get(f"{op}_no_forward_sched_s", 0.0)
+    if extra < 1e-4 or f"{op}_vs_bound_with_admission" not in r:
+        return ""
+    return (f", {100 * r[f'{op}_vs_bound_with_admission']:.1f}% counting vLLM's own scheduler in the steps"
+            f" without a forward ({1e3 * extra:.1f} ms) as the engine's")
+
+
 def report(r: dict) -> str:
     calls = lambda op: ", ".join(f"{k} {v:.0f}" for k, v in sorted(r[f"{op}_per_call_us_median"].items(),  # noqa: E731
                                                                    key=lambda kv: -kv[1]) if v >= 1)
@@ -34,7 +43,7 @@ def report(r: dict) -> str:
             f"  store: {r['store_gbps']:.1f} GB/s = {100 * r['store_vs_roofline']:.1f}% of {r['roofline_d2h_gbps']:.1f}"
             f" (direct {r['direct_store_gbps']:.1f} = {100 * r['direct_store_vs_roofline']:.1f}%); wall"
             f" {1e3 * r['store_wall_s']:.0f} ms = {100 * r['store_vs_bound']:.1f}% of max(link {1e3 * r['store_link_s']:.0f},"
-            f" engine's own steps {1e3 * r['store_engine_s']:.0f} ms); per step"
+            f" engine's own steps {1e3 * r['store_engine_s']:.0f} ms){_admission(r, 'store')}; per step"
             f" +{r['store_step_us_median']:.0f} us median, {r['store_step_us_p99']:.0f} p99 (waiting"
             f" {_us(r['store_step_wait_us_median'])} of it; scheduler"
             f" {r['store_sched_us_median']:.0f}, worker {r['store_worker_us_median']:.0f}; {calls('store')};"
@@ -47,7 +56,7 @@ def report(r: dict) -> str:
             f"  load:  {r['load_gbps']:.1f} GB/s = {100 * r['load_vs_roofline']:.1f}% of {r['roofline_h2d_gbps']:.1f}"
             f" (direct {r['direct_retrieve_gbps']:.1f} = {100 * r['direct_retrieve_vs_roofline']:.1f}%); wall"
             f" {1e3 * r['load_wall_s']:.0f} ms = {100 * r['load_vs_bound']:.1f}% of max(link {1e3 * r['load_link_s']:.0f},"
-            f" engine's own steps {1e3 * r['load_engine_s']:.0f} ms); per step"
+            f" engine's own steps {1e3 * r['load_engine_s']:.0f} ms){_admission(r, 'load')}; per step"
             f" +{r['load_step_us_median']:.0f} us median over {r['load_steps_measured']} steps (waiting"
             f" {_us(r['load_step_wait_us_median'])} of it; scheduler"
             f" {r['load_sched_us_median']:.0f}, worker {r['load_worker_us_median']:.0f}; {calls('load')};"

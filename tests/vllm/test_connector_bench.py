@@ -45,6 +45,13 @@ def test_connector_benchmark_smoke_run_with_timeline_and_stages(tmp_path):
     assert r["load_stages"]["mover.post"]["calls"] >= 1
     # vLLM's own scheduler, beside the connector's calls inside it, was timed in the same steps
     assert r["store_vllm_sched_us_median"] > 0 and r["load_vllm_sched_us_median"] > 0
+    # B's hits load asynchronously: vLLM admits them in a step without a forward, whose own
+    # scheduler time is kept apart (`*_vs_bound_with_admission` on a GPU)
+    assert r["load_no_forward_sched_s"] > 0 and r["store_no_forward_sched_s"] >= 0
+    import connector_report
+    r2 = dict(r, load_vs_bound_with_admission=0.9)
+    assert "counting vLLM's own scheduler in the steps without a forward" in connector_report._admission(r2, "load")
+    assert connector_report._admission(dict(r2, load_no_forward_sched_s=0.0), "load") == ""
     # --floor: the same prompts on an engine whose connector does nothing, timed by the same calls:
     # each prompt is new in exactly one step (16 chunks per prompt, 16 chunks per step)
     assert r["floor_steps_measured"] == 2 and r["floor_decode_steps"] > 0
