@@ -24,9 +24,10 @@ from connector_probes import LayerProbe  # noqa: E402
 
 def shapes(smoke: bool = False) -> dict[str, dict]:
     """Per-layer vLLM KV specs of the models measured (bf16, 16 tokens per block). ``smoke``:
-    also `SMOKE_SHAPE`, a two-layer dense model whose caches fit a small CPU machine (the
-    connector's per-step calls do not depend on a dense model's layer count: for local A/Bs
-    with ``--device cpu``; never in the GPU table)."""
+    also `SMOKE_SHAPE` and `SMOKE_HYBRID_SHAPE`, two-layer models (dense; gpt-oss-20b's
+    full-attention and 128-token sliding-window groups) whose caches fit a small CPU machine
+    (the connector's per-step calls depend on the groups, not on the layers in them: for local
+    A/Bs with ``--device cpu``; never in the GPU table)."""
     bf16 = torch.bfloat16
 
     def dense(layers, heads, head):
@@ -42,10 +43,15 @@ def shapes(smoke: bool = False) -> dict[str, dict]:
            "gpt-oss-20b": oss}
     if smoke:
         out[SMOKE_SHAPE] = dense(2, 2, 64)
+        out[SMOKE_HYBRID_SHAPE] = {  # gpt-oss-20b's two groups, one layer each
+            "model.layers.0.attn": SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=bf16,
+                                                     sliding_window=128),
+            "model.layers.1.attn": FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=bf16)}
     return out
 
 
 SMOKE_SHAPE = "dense-2L (smoke)"
+SMOKE_HYBRID_SHAPE = "hybrid-2L (smoke)"
 
 
 CHUNKS_PER_STEP = 16  # chunks a measured step stores: the token budget of a step is 16 chunks' tokens
