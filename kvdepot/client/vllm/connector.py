@@ -158,8 +158,8 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             if side is not None:
                 for name, target in calls.items():
                     setattr(self, name, getattr(side, target))
-        if self.worker is not None and not self.worker.has_sliding_groups:
-            self.build_connector_worker_meta = _no_worker_meta
+        if self.worker is not None and not any(g.has_null_blocks for g in self.worker.groups):
+            self.build_connector_worker_meta = _no_worker_meta  # (no sliding-window group: nothing pinned)
         self.get_kv_connector_stats = self._stats.take
 
     @property

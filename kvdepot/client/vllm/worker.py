@@ -77,10 +77,8 @@ class WorkerSide:
         self.model_id = model_id
         self.disabled_reason = disabled_reason
         self.single_group = len(kv_cache_config.kv_cache_groups) == 1
-        # vLLM frees blocks of running requests (sliding windows, chunked local attention)
-        self.has_sliding_groups = any(g.has_null_blocks for g in groups)
         # a store may wait for ring room only where vLLM never frees a running request's blocks
-        self.stores_may_wait = not self.has_sliding_groups
+        self.stores_may_wait = not any(g.has_null_blocks for g in groups)
         # sliding-window models: a store that finds the staging ring full is skipped (counted),
         # never queued, pinned blocks or not: it would hold blocks vLLM counts on getting back
         self.stores_skip_when_full = not self.stores_may_wait
