@@ -4,7 +4,8 @@ The scheduler hashes each new prompt once (`kvdepot.client.hashing`: one BLAKE2b
 the tokens, then one XOR mask per tensor-parallel shard). Printed next to the same run's
 floor: one BLAKE2b pass over the prompt's packed token bytes (what reading every token
 through the hash costs at least) and the per-shard chains that version 1 of the keys computed
-(every token hashed once per shard).
+(every token hashed once per shard); and the keys the vLLM connector makes by default, from
+vLLM's own block hashes (`chain_from_block_hashes`: no token read).
 
     python benchmarks/keys.py [--tokens 131072] [--chunk-size 256] [--tp 8] [--out r.json]
 """
@@ -19,7 +20,8 @@ import statistics
 import time
 from array import array
 
-from kvdepot.client.hashing import chain_hashes, namespace_seed, shard_keys, shard_mask, shard_name
+from kvdepot.client.hashing import (chain_from_block_hashes, chain_hashes, namespace_seed, shard_keys, shard_mask,
+                                    shard_name)
 
 
 def _best_ms(fn, repeats: int) -> tuple[float, float]:
@@ -54,10 +56,21 @@ def main() -> None:
         for s in shards:
             chain_hashes(shard_mask(seed, s), tokens, args.chunk_size)
 
+    # the vLLM connector's default (``key_source`` auto): chain values taken from vLLM's own
+    # SHA-256 block hashes (16-token blocks), no token read
+    block = 16
+    block_hashes = [hashlib.sha256(i.to_bytes(8, "little")).digest() for i in range(args.tokens // block)]
+
+    def keys_from_block_hashes() -> list[list[bytes]]:
+        chain = chain_from_block_hashes(block_hashes, args.chunk_size // block, 0, args.tokens // args.chunk_size)
+        return shard_keys(chain, [shard_mask(seed, s) for s in shards])
+
     got = keys()
     assert len(got) == args.tp and all(len(k) == args.tokens // args.chunk_size for k in got)
     res = {}
-    for name, fn in (("keys", keys), ("floor_one_pass", floor), ("v1_per_shard_chains", per_shard_chains)):
+    assert [len(k) for k in keys_from_block_hashes()] == [len(k) for k in got]
+    for name, fn in (("keys", keys), ("floor_one_pass", floor), ("v1_per_shard_chains", per_shard_chains),
+                     ("keys_from_block_hashes", keys_from_block_hashes)):
         best, med = _best_ms(fn, args.repeats)
         res[name] = {"best_ms": round(best, 3), "median_ms": round(med, 3)}
     print(f"{args.tokens} tokens, {args.chunk_size}-token chunks, TP={args.tp} ({args.tp} key chains of "
