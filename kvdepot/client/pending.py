@@ -17,7 +17,8 @@ from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
 if TYPE_CHECKING:
-    from kvdepot.client.client import KVDepotClient, Registration
+    from kvdepot.client.client import KVDepotClient
+    from kvdepot.client.registration import Registration
 
 log = logging.getLogger("kvdepot.client")
 LANDED_GRACE_S = 0.05  # how long a gated retrieve's landed word may lag behind its reply

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from kvdepot.client import KVDepotClient
-from kvdepot.client.client import Registration
+from kvdepot.client.registration import Registration
 from kvdepot.client.kvcache import KVGroupShape, ShmKVCache
 
 SHAPES_PATH = Path(__file__).parent.parent / "data" / "model_kv_shapes.json"  # tests/data
