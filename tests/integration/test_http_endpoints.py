@@ -12,7 +12,6 @@ import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 import kv_engine as ke
 import kvdepot
