@@ -223,8 +223,8 @@ class SchedulerSide:
                 return st.hit_chunks
         err = st.lookup_error
         if err is not None:
-            log.warning("kvdepot: lookup of request %s failed: %s: %s", st.request.request_id,
-                        _code_name(err.code), err.message)
+            log.warning("kvdepot: lookup of request %s failed: %s", st.request.request_id,
+                        KVDepotError(err.code, err.message))  # (its text: "[CODE] message")
             if err.code in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED, ErrorCode.UNAVAILABLE):
                 c.mark_down()
         elif c.up and time.monotonic() - st.lookup_sent_s < self.cfg.lookup_timeout_s:
@@ -514,13 +514,6 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.client.close()
-
-
-def _code_name(code: int) -> str:
-    try:
-        return ErrorCode(code).name
-    except ValueError:
-        return str(code)
 
 
 def written_blocks(so) -> list[int]:
