@@ -17,6 +17,7 @@ says it is back. An ``ipc://`` daemon that is not running fails a call at once (
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import itertools
 import logging
@@ -54,6 +55,7 @@ _RIDS_PER_CLIENT = 1 << 32
 # call on the dev VM, and at every 10 ms it came in most steps of a real model
 _IDLE_LOOK_S = 0.5
 _UNREAD_KEPT = 64  # ... or once this many replies nobody waits for are due (bounds the backlog)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 _PR_GET_TIMERSLACK = 30
 _slack = threading.local()
@@ -91,6 +93,10 @@ class KVDepotClient(Registrations, TransferRequests, StagedStores, ManyRequests)
         connect: say hello to the daemon now (raises if it does not answer); False: on first
             use, so a client can be made while the daemon is down.
         retry_interval_s: after `mark_down`, `available` pings the daemon at most this often.
+        copy_deadline_s: unstaged stores and retrieves (the daemon copies straight out of or into
+            the engine's blocks) carry a deadline this far after their send (`Store.deadline_ns`;
+            default ``timeout_s``): their handles' ``blocks_free_at_s`` says when the blocks are
+            the engine's again even if no reply ever comes.
 
     Raises:
         KVDepotError: with ``connect``: UNAVAILABLE (no daemon at an ``ipc://`` endpoint),
@@ -98,9 +104,11 @@ class KVDepotClient(Registrations, TransferRequests, StagedStores, ManyRequests)
     """
 
     def __init__(self, endpoint: str | None = None, timeout_s: float = 10.0, name: str = "",
-                 spin_us: float = 200.0, connect: bool = True, retry_interval_s: float = 1.0) -> None:
+                 spin_us: float = 200.0, connect: bool = True, retry_interval_s: float = 1.0,
+                 copy_deadline_s: float | None = None) -> None:
         self.endpoint = endpoint or default_endpoint()
         self.timeout_s = timeout_s
+        self.copy_deadline_s = timeout_s if copy_deadline_s is None else copy_deadline_s
         self.spin_s = max(0.0, spin_us) / 1e6
         self.name = name or f"pid{os.getpid()}"
         self._ctx = zmq.Context()
@@ -109,6 +117,10 @@ class KVDepotClient(Registrations, TransferRequests, StagedStores, ManyRequests)
         self._outstanding: set[int] = set()  # submitted, reply not yet returned by wait()
         self._replies: dict[int, m.Msg] = {}  # replies that arrived before their wait()
         self._sinks: dict[int, Callable[[m.Msg], None]] = {}  # rid -> `submit`'s on_reply
+        # (end offset in the stream, rid) of requests still (partly) in the stream socket's
+        # outbox, oldest first: lost with the connection, these never reached the daemon
+        self._queued: collections.deque[tuple[int, int]] = collections.deque()
+        self.requests_dropped = 0  # requests given up with a connection the daemon took no bytes of
         self._identity = f"kvd-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
         self._fences: dict = {}  # cudaStream_t -> a local event (`_fence`)
         self._last_scatter = (None, None)  # `last_retrieve_event`
@@ -175,7 +187,12 @@ class KVDepotClient(Registrations, TransferRequests, StagedStores, ManyRequests)
         """Drop the socket; every outstanding request is lost, and its wait or ``done()`` says so
         (``code``): a late reply on a new socket is never taken for another request."""
         was_stream = isinstance(self._sock, StreamSocket)
+        unsent: set[int] = set()
         if self._sock is not None:
+            if self._queued:
+                taken = self._sock.bytes_queued - self._sock.outbox_bytes
+                unsent = {rid for end, rid in self._queued if end > taken}
+                self._queued.clear()
             self._sock.close(0)
             self._sock = None
             self._wake_poller = None
@@ -183,7 +200,11 @@ class KVDepotClient(Registrations, TransferRequests, StagedStores, ManyRequests)
         self._unconfirmed.clear()
         lost = [rid for rid in self._outstanding if rid not in self._replies]
         for rid in lost:
-            self._replies[rid] = m.ErrorReply(rid=rid, code=int(code), message=f"request {rid} was lost: {why}")
+            if rid in unsent:  # never reached the daemon: nothing of it runs there
+                self._replies[rid] = m.ErrorReply(rid=rid, code=int(ErrorCode.BACKPRESSURE),
+                                                  message=f"request {rid} was never sent: {why}")
+            else:
+                self._replies[rid] = m.ErrorReply(rid=rid, code=int(code), message=f"request {rid} was lost: {why}")
         self._outstanding.clear()
         for rid in lost:
             if rid in self._sinks:
@@ -278,7 +299,7 @@ class KVDepotClient(Registrations, TransferRequests, StagedStores, ManyRequests)
         they are read in that rhythm, or once `_UNREAD_KEPT` of them are due, not by every
         step that polls."""
         sock = self._sock
-        if sock is None:
+        if sock is None or (self._queued and self._outbox_stalled(sock)):
             return
         if timeout_s <= 0 and (self._unread <= 0 or not (self._outstanding or self._probe_rid is not None
                                                           or self._hello_rid is not None)):
@@ -307,6 +328,28 @@ class KVDepotClient(Registrations, TransferRequests, StagedStores, ManyRequests)
             self._reset(ErrorCode.DISCONNECTED, str(exc))
         except (msgspec.DecodeError, UnicodeDecodeError):
             self._reset(ErrorCode.MALFORMED, "undecodable reply")
+
+    def _outbox_stalled(self, sock: StreamSocket) -> bool:
+        """Flush the stream socket's outbox; True (the connection given up, its requests lost:
+        those still queued as BACKPRESSURE, the others TIMEOUT; the daemon marked down) once the
+        daemon has taken none of it for ``timeout_s``."""
+        try:
+            left = sock.flush()
+        except zmq.ZMQError as exc:
+            self._reset(ErrorCode.DISCONNECTED, str(exc))
+            return True
+        queued = self._queued
+        taken = sock.bytes_queued - left
+        while queued and queued[0][0] <= taken:
+            queued.popleft()
+        if not left or time.monotonic() - sock.outbox_since_s <= self.timeout_s:
+            return False
+        self.requests_dropped += max(self._unread, 0)
+        log.warning("kvdepot: the daemon at %s took none of %d queued bytes for %.1f s; dropping the connection "
+                    "and %d requests", self.endpoint, left, self.timeout_s, max(self._unread, 0))
+        self._reset(ErrorCode.TIMEOUT, f"the daemon took no bytes for {self.timeout_s} s")
+        self.mark_down()
+        return True
 
     def on_own_thread(self) -> bool:
         """Whether the caller runs on the thread that last sent on this client (its socket's user)."""
@@ -383,9 +426,13 @@ class KVDepotClient(Registrations, TransferRequests, StagedStores, ManyRequests)
         booked on its request as it is read, in one pass over every reply that came).
         `forget` cancels it.
 
+        Never blocks: what the socket does not take waits in its outbox (`StreamSocket`).
+
         Raises:
             KVDepotError: MALFORMED (the message exceeds the frame limit); UNAVAILABLE (no
-                daemon at an ``ipc://`` endpoint)."""
+                daemon at an ``ipc://`` endpoint); BACKPRESSURE (the daemon took none of what
+                was queued before and the outbox is full, or it accepts no connections: the
+                request was not sent, and the daemon is marked down)."""
         if self._unconfirmed and not isinstance(req, m.Store):
             self._confirm_stores()
         req.rid = next(self._rid)
@@ -395,12 +442,27 @@ class KVDepotClient(Registrations, TransferRequests, StagedStores, ManyRequests)
             raise KVDepotError(ErrorCode.MALFORMED, f"{type(req).__name__} of {len(frame)} bytes exceeds the "
                                                     f"{codec.MAX_FRAME_BYTES}-byte message limit")
         try:
-            self._socket().send(frame)
-        except zmq.ZMQError:
-            # the daemon closed our stream connection (it restarted) before this request: nothing
-            # of it was delivered, and requests still outstanding are lost with the connection
-            self._reset(ErrorCode.DISCONNECTED, "the daemon closed the connection")
-            self._socket().send(frame)
+            try:
+                sock = self._socket()
+                sock.send(frame, _NOBLOCK)
+            except zmq.Again:
+                raise
+            except zmq.ZMQError:
+                # the daemon closed our stream connection (it restarted) before this request: nothing
+                # of it was delivered, and requests still outstanding are lost with the connection
+                self._reset(ErrorCode.DISCONNECTED, "the daemon closed the connection")
+                sock = self._socket()
+                sock.send(frame, _NOBLOCK)
+        except zmq.Again as exc:  # the outbox is full (or a DEALER's queue at its high-water mark)
+            self.mark_down()
+            raise KVDepotError(ErrorCode.BACKPRESSURE, f"{type(req).__name__} not sent to {self.endpoint}: "
+                                                       f"{exc or 'its send queue is full'}") from None
+        except KVDepotError as exc:
+            if exc.code is ErrorCode.BACKPRESSURE:
+                self.mark_down()
+            raise
+        if type(sock) is StreamSocket and sock.outbox_bytes:
+            self._queued.append((sock.bytes_queued, req.rid))
         self._unread += 1
         self._outstanding.add(req.rid)
         if on_reply is not None:

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvdepot.client")
 LANDED_GRACE_S = 0.05  # how long a gated retrieve's landed word may lag behind its reply
+# an unstaged request's blocks are the engine's again this long after its deadline
+# (`Store.deadline_ns`): the daemon begins no copy after the deadline, and one chunk's copy begun
+# just before it ends well within this (milliseconds) unless the daemon's process is stopped
+DEADLINE_MARGIN_S = 1.0
 
 
 def region_reusable_after(error: KVDepotError) -> bool:
@@ -112,8 +116,11 @@ class PendingStore:
     """A submitted STORE (`KVDepotClient.submit_store`)."""
 
     def __init__(self, client: KVDepotClient, rid: int, region=None, num_chunks: int = 0, fence=None,
-                 reg: Registration | None = None, landed: bool = False) -> None:
+                 reg: Registration | None = None, landed: bool = False, deadline_ns: int = 0) -> None:
         self.client, self.rid = client, rid
+        # unstaged with a deadline: ``time.monotonic()`` after which the daemon never touches the
+        # blocks, whatever became of the request (None: only its reply or the daemon's restart says)
+        self.blocks_free_at_s = deadline_ns / 1e9 + DEADLINE_MARGIN_S if deadline_ns else None
         self._reg = reg
         self._landed = landed  # sent with `Store.landed`: `result` may end on the region's word
         # fenced (`kvdepot.client.staging.FenceWords`): the region is free only once its gather
@@ -214,8 +221,9 @@ def gate_scatter(reg: Registration, region, block_ids, num_chunks: int, skip_tok
 class PendingRetrieve:
     """A submitted RETRIEVE (`KVDepotClient.submit_retrieve`)."""
 
-    def __init__(self, client: KVDepotClient, rid: int) -> None:
+    def __init__(self, client: KVDepotClient, rid: int, deadline_ns: int = 0) -> None:
         self.client, self.rid = client, rid
+        self.blocks_free_at_s = deadline_ns / 1e9 + DEADLINE_MARGIN_S if deadline_ns else None  # as `PendingStore`'s
         self._sent_at = time.monotonic()
         self._region = None
         self._retrieved: int | None = None

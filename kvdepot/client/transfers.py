@@ -4,6 +4,7 @@ before it runs, a retrieve's scatter gated on the daemon's copies (`Retrieve.lan
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from kvdepot import trace
@@ -19,8 +20,17 @@ class TransferRequests:
     ``_landed_stores``)."""
 
     unstaged_requests: int
+    copy_deadline_s: float
     _gated_scatters: bool
     _landed_stores: bool
+
+    def _deadline_ns(self, reg: Registration) -> int:
+        """`Store.deadline_ns` of a request sent now: ``copy_deadline_s`` from now for a CPU
+        engine (the daemon's copy threads read and write its shared memory); 0 for a CUDA
+        engine, whose blocks stay the request's until its reply or the daemon's restart."""
+        if reg.request.device != "cpu":
+            return 0
+        return time.monotonic_ns() + int(self.copy_deadline_s * 1e9)
 
     def store(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
               parent: bytes = b"", cache_salt: str = "", request: str = "", after=None,
@@ -87,12 +97,13 @@ class TransferRequests:
         landed = bool(fence and not chains and self._landed_stores and staging.landed_active
                       and fence <= m.LANDED_MAX_SEQ and len(keys) <= m.LANDED_MAX_CHUNKS)
         gathered_ns = trace.now_ns()
+        deadline_ns = self._deadline_ns(reg)
         try:
             rid = self.submit(m.Store(rid=0, registration=reg.id, keys=list(keys),
                                       block_ids=[list(b) for b in block_ids], parent=parent, cache_salt=cache_salt,
                                       request=request, staging_offset=offset, fence=fence,
                                       staging_seq=region.seq if region is not None else 0, chains=list(chains),
-                                      landed=landed))
+                                      landed=landed, deadline_ns=deadline_ns))
         except BaseException:
             if gather_after_send:
                 region.fenced = False
@@ -112,7 +123,7 @@ class TransferRequests:
                 region.fenced = False
                 region.release()
                 raise
-        return PendingStore(self, rid, region, len(keys), staging.fence if fence else None, reg, landed)
+        return PendingStore(self, rid, region, len(keys), staging.fence if fence else None, reg, landed, deadline_ns)
 
     def retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
                  skip_tokens: int = 0, request: str = "", before=None, cpu_wait: bool = False) -> int:
@@ -171,17 +182,18 @@ class TransferRequests:
                  and self._gated_scatters and region.seq <= m.LANDED_MAX_SEQ and len(keys) <= m.LANDED_MAX_CHUNKS)
         if gated:  # before sending: the daemon's word may come before this thread's next line
             reg.staging.fence.close_gate(region.seq)
+        deadline_ns = self._deadline_ns(reg)
         try:
             rid = self.submit(m.Retrieve(rid=0, registration=reg.id, keys=list(keys),
                                          block_ids=[list(b) for b in block_ids], skip_tokens=skip_tokens,
                                          request=request, staging_offset=region.offset if region else -1,
                                          staging_seq=region.seq if region else 0, chains=list(chains),
-                                         landed=gated))
+                                         landed=gated, deadline_ns=deadline_ns))
         except BaseException:
             if region is not None:
                 region.release()
             raise
-        pending = PendingRetrieve(self, rid)
+        pending = PendingRetrieve(self, rid, deadline_ns)
         if region is not None:
             pending._staged(reg, region, block_ids, len(keys), skip_tokens, chains)
             # enqueued after the send: its launch (tens of microseconds) runs while the daemon copies

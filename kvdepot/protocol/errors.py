@@ -26,6 +26,10 @@ class ErrorCode(enum.IntEnum):
     UNAVAILABLE = 12  # client side only: no daemon listens at the endpoint (connection refused, no socket file)
     FORBIDDEN = 13  # not allowed over this transport (e.g. shared-memory registration or flush over tcp://)
     TIER_UNAVAILABLE = 14  # a remote tier (L3) failed or is unreachable; what the other tiers could do was done
+    BACKPRESSURE = 15  # client side only: the daemon takes no bytes (its connection's outbox is full or stalled);
+    # the request was not sent, or was dropped with the outbox
+    DEADLINE = 16  # a CPU engine's transfer reached its deadline (`Store.deadline_ns`) before its copy began, or
+    # a store's copy ended after it: nothing was committed; the engine may reuse the blocks
 
 
 class KVDepotError(Exception):

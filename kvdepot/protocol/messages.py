@@ -306,6 +306,11 @@ class Store(Msg, tag="store"):
         its copies, before the daemon's completion, commit and reply: the engine may take the
         store as done from the word (`StoreReply` then: ``stored == len(keys)``); the chunks
         become visible to lookups with the commit, which the reply follows.
+    deadline_ns: unstaged (the daemon reads the engine's blocks itself), > 0: a
+        ``CLOCK_MONOTONIC`` time in nanoseconds (``time.monotonic_ns()`` of the engine's host,
+        which is the daemon's) after which the engine may reuse the blocks. A copy that has not
+        begun by then is refused, and a store whose copies ended after it is not committed:
+        both answer DEADLINE. 0: none (the blocks stay the store's until its reply).
     Reply: `StoreReply`.
     """
 
@@ -322,6 +327,7 @@ class Store(Msg, tag="store"):
     staging_seq: NonNegInt = 0
     chains: list[Chain] = msgspec.field(default_factory=list)
     landed: bool = False
+    deadline_ns: NonNegInt = 0
 
 
 class Retrieve(Msg, tag="get"):
@@ -345,6 +351,8 @@ class Retrieve(Msg, tag="get"):
         % fence_words``); after its copies into the ring the daemon's DMA stream writes
         ``staging_seq | 1 << 62 | retrieved << 40`` into that word. A retrieve that copies
         nothing leaves the word alone (the engine writes it when the reply comes).
+    deadline_ns: unstaged, > 0: as in `Store`; the daemon writes no chunk into the blocks after
+        it (the retrieve then answers DEADLINE, its earlier chunks possibly written).
     Reply: `RetrieveReply`; only its ``retrieved`` leading chunks were written.
     """
 
@@ -357,6 +365,7 @@ class Retrieve(Msg, tag="get"):
     staging_seq: NonNegInt = 0
     chains: list[Chain] = msgspec.field(default_factory=list)
     landed: bool = False
+    deadline_ns: NonNegInt = 0
 
 
 # A gated retrieve's landed word (`Retrieve.landed`; KVD_LANDED_* in the kernel library):

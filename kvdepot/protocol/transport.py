@@ -125,21 +125,32 @@ class StreamSocket:
     each message is `FRAME_HEADER` + body in both directions. The daemon ties pins and its
     liveness record to the identity, as it does to a DEALER's routing id.
 
-    Errors follow pyzmq's: ``zmq.Again`` for a non-blocking call that would block, and
+    Nothing blocks on the daemon: connect, `send` and `flush` are non-blocking. What the kernel's
+    socket buffer does not take waits in an outbox of at most ``outbox_max_bytes`` (whole
+    messages, in order) and goes out with the next `send`, `flush` or `poll`; `send` of a message
+    that would overfill it raises `OutboxFull` and queues nothing of it. ``outbox_bytes`` and
+    ``outbox_since_s`` (``time.monotonic()`` of the last byte the daemon took while the outbox
+    was non-empty) let the owner give up on a daemon that takes nothing (`KVDepotClient`).
+
+    Errors follow pyzmq's: ``zmq.Again`` for a non-blocking receive that would block, and
     ``zmq.ZMQError`` with an errno for a connection the daemon closed (it stopped or restarted),
     after which the socket is unusable: the owner rebuilds it.
 
     Raises (constructor):
-        OSError: nothing accepts connections at ``path`` (no daemon, or an older one).
+        OSError: nothing accepts connections at ``path`` (no daemon, or an older one);
+            ``BlockingIOError`` when the daemon's listen backlog is full (a hung daemon).
     """
 
-    def __init__(self, path: str, identity: bytes) -> None:
+    def __init__(self, path: str, identity: bytes, outbox_max_bytes: int = 16 << 20) -> None:
         if not 0 < len(identity) < 256:
             raise ValueError("identity must be 1..255 bytes")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.connect(path)
-            sock.sendall(bytes([len(identity)]) + identity)
+            sock.setblocking(False)
+            sock.connect(path)  # AF_UNIX: done at once, or BlockingIOError (backlog full)
+            hello = bytes([len(identity)]) + identity
+            if sock.send(hello, _MSG_NOSIGNAL) != len(hello):  # an empty new socket buffer takes it whole
+                raise BlockingIOError(errno.EAGAIN, "the daemon took no identity bytes")
         except BaseException:
             sock.close()
             raise
@@ -148,28 +159,73 @@ class StreamSocket:
         self._start = self._end = 0
         self._poller = select.poll()
         self._poller.register(sock.fileno(), select.POLLIN)
+        self._out = bytearray()  # framed messages the kernel did not take yet, in order
+        self.outbox_max_bytes = outbox_max_bytes
+        self.outbox_since_s = 0.0
+        self.bytes_queued = 0  # every byte `send` accepted, framing included
         self.closed = False
 
     def fileno(self) -> int:
         return self._sock.fileno()
 
+    @property
+    def outbox_bytes(self) -> int:
+        """Bytes sent by `send` that the kernel has not taken yet (the message ending at
+        ``bytes_queued - outbox_bytes`` is the last the daemon can read, even after a close)."""
+        return len(self._out)
+
     def send(self, frame: bytes, flags: int = 0) -> None:
-        """Send one message. ``flags=zmq.NOBLOCK``: raise ``zmq.Again`` instead of blocking when
-        nothing of it could be sent (once part of it is out, the rest is always sent)."""
+        """Queue one message and send what the socket takes, never waiting (``flags`` is
+        accepted for pyzmq's signature; every send is non-blocking).
+
+        Raises:
+            OutboxFull: the outbox cannot take the message (nothing of it was queued).
+            zmq.ZMQError: the daemon closed the connection."""
         self._check_open()
-        parts = [FRAME_HEADER.pack(len(frame)), frame]
-        total = FRAME_HEADER.size + len(frame)
+        header = FRAME_HEADER.pack(len(frame))
+        if self._out:
+            if len(self._out) + len(header) + len(frame) > self.outbox_max_bytes:
+                self.flush()
+                if len(self._out) + len(header) + len(frame) > self.outbox_max_bytes:
+                    raise OutboxFull(len(self._out))
+            self._out += header
+            self._out += frame
+            self.bytes_queued += len(header) + len(frame)
+            self.flush()
+            return
         try:
-            sent = self._sock.sendmsg(parts, [], _MSG_NOSIGNAL | (_MSG_DONTWAIT if flags & _NOBLOCK else 0))
+            sent = self._sock.sendmsg([header, frame], [], _MSG_NOSIGNAL | _MSG_DONTWAIT)
         except BlockingIOError:
-            raise zmq.Again() from None
+            sent = 0
         except OSError as exc:
             raise self._lost(exc.errno or errno.EPIPE) from None
-        if sent < total:  # a full socket buffer took part of it: finish, or the stream is torn
-            try:
-                self._sock.sendall((parts[0] + frame)[sent:], _MSG_NOSIGNAL)
-            except OSError as exc:
-                raise self._lost(exc.errno or errno.EPIPE) from None
+        total = len(header) + len(frame)
+        if sent < total:  # the socket buffer is full: the rest waits in the outbox
+            if total > self.outbox_max_bytes and sent == 0:
+                raise OutboxFull(0)
+            self._out += (header + frame)[sent:]
+            self.outbox_since_s = time.monotonic()
+        self.bytes_queued += total
+
+    def flush(self) -> int:
+        """Send what the outbox holds as far as the socket takes it, without waiting; returns
+        the bytes still queued.
+
+        Raises:
+            zmq.ZMQError: the daemon closed the connection."""
+        out = self._out
+        if not out:
+            return 0
+        try:
+            sent = self._sock.send(out, _MSG_NOSIGNAL | _MSG_DONTWAIT)
+        except BlockingIOError:
+            return len(out)
+        except OSError as exc:
+            raise self._lost(exc.errno or errno.EPIPE) from None
+        if sent:
+            del out[:sent]
+            self.outbox_since_s = time.monotonic()
+        return len(out)
 
     def _frame_end(self) -> int:
         """End offset of the first whole buffered message, or -1."""
@@ -183,7 +239,10 @@ class StreamSocket:
         return end if end <= self._end else -1
 
     def _fill(self, block_ms: int) -> None:
-        """Read what has arrived, waiting up to ``block_ms`` (-1: forever) for something."""
+        """Read what has arrived, waiting up to ``block_ms`` (-1: forever) for something; while
+        the outbox holds bytes, it is flushed first and the wait lasts at most a millisecond."""
+        if self._out and self.flush() and block_ms != 0:
+            block_ms = 1
         if self._start == self._end:
             self._start = self._end = 0
         elif len(self._buf) - self._end < 4096 or self._frame_end() < 0:
@@ -249,7 +308,8 @@ class StreamSocket:
         while True:
             left = deadline - time.monotonic()
             if left > 0:
-                select.select((self._sock,), (), (), left)
+                # (while the outbox holds bytes: woken when the socket takes more, then flushed)
+                select.select((self._sock,), (self._sock,) if self._out else (), (), left)
             self._fill(0)
             if self._frame_end() >= 0:
                 return _POLLIN
@@ -279,6 +339,18 @@ class StreamSocket:
         return zmq.ZMQError(err, f"connection to the kvdepot daemon lost ({os.strerror(err)}); did it stop or restart?")
 
 
+class OutboxFull(zmq.Again):
+    """`StreamSocket.send` (or a ZMQ DEALER at its high-water mark): the daemon has not taken
+    the messages queued before, and this one would exceed the outbox's bound."""
+
+    def __init__(self, queued_bytes: int) -> None:
+        super().__init__()
+        self.queued_bytes = queued_bytes
+
+    def __str__(self) -> str:
+        return f"the daemon took none of the {self.queued_bytes} bytes queued for it"
+
+
 def _monotonic_ms() -> int:
     return int(time.monotonic() * 1000)
 
@@ -299,6 +371,9 @@ def connect_socket(ctx: zmq.Context, endpoint: str, identity: bytes) -> zmq.Sock
     if path is not None and os.environ.get(ENV_TRANSPORT, "").lower() != "zmq":
         try:
             return StreamSocket(path, identity)
+        except BlockingIOError:
+            raise KVDepotError(ErrorCode.BACKPRESSURE, f"the kvdepot daemon at {endpoint} accepts no connections "
+                                                       "(its listen backlog is full: is it stopped or hung?)") from None
         except (ConnectionRefusedError, FileNotFoundError) as exc:
             if isinstance(exc, ConnectionRefusedError) or not os.path.exists(ipc_path(endpoint)):
                 raise KVDepotError(ErrorCode.UNAVAILABLE, f"no kvdepot daemon listens at {endpoint} ({exc.strerror}); "

@@ -56,7 +56,7 @@ log = logging.getLogger("kvdepot.daemon")
 _TICK_S = 1.0  # the event loop notes it is alive this often (/healthz)
 _STALL_S = 10.0  # /healthz fails once the loop has not ticked for this long
 # ErrorCode values only clients make up (never sent, never counted by the daemon)
-_CLIENT_SIDE_CODES = (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED, ErrorCode.UNAVAILABLE)
+_CLIENT_SIDE_CODES = (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED, ErrorCode.UNAVAILABLE, ErrorCode.BACKPRESSURE)
 
 
 @dataclasses.dataclass

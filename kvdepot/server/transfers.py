@@ -42,6 +42,8 @@ class TransferHandlers:
         keys = req.keys
         n = len(keys)
         self._check_block_ids(reg, req.block_ids, n)
+        if req.deadline_ns:
+            _check_deadline(req.deadline_ns, "store")
         runs = _store_runs(req, n) if req.chains else ((0, n, req.parent),)
         if reg.files:
             reg.check_memory()
@@ -135,7 +137,7 @@ class TransferHandlers:
             trace_point(req.rid, "enqueue")
         try:
             if reg.cuda_device is None:
-                self._in_executor(finish, self._gather, reg, req.block_ids, new)
+                self._in_executor(finish, self._gather, reg, req.block_ids, new, req.deadline_ns)
             elif staged:
                 base = self.pool.base_ptr
                 self._cuda.path(reg.cuda_device).copy_staged(
@@ -161,6 +163,9 @@ class TransferHandlers:
             trace_point(req.rid, "gpu_done")
         self._finish_transfer(reg, seq)
         stuck = self.unwatch(token)  # answered TIMEOUT by the watchdog: publish nothing, reply nothing
+        if err is None and req.deadline_ns and time.monotonic_ns() > req.deadline_ns:
+            # the engine may have reused the blocks while they were read: commit nothing
+            err = RequestError(ErrorCode.DEADLINE, "the store's copies ended after its deadline; nothing was stored")
         try:
             index = self.index
             if err is not None or stuck:
@@ -202,7 +207,11 @@ class TransferHandlers:
 
         fut.add_done_callback(done)
 
-    def _gather(self, reg: Registration, block_ids, new: list[tuple[int, Entry]]) -> None:
+    def _gather(self, reg: Registration, block_ids, new: list[tuple[int, Entry]], deadline_ns: int = 0) -> None:
+        """CPU engines, on a copy thread: read each new chunk out of the engine's blocks (not
+        begun after ``deadline_ns``, `Store.deadline_ns`)."""
+        if deadline_ns:
+            _check_deadline(deadline_ns, "store")
         eng = reg.engine
         for j, e in new:
             eng.gather(self.pool.buffer(e.offset, e.size_bytes), self._chunk_block_ids(reg, block_ids, j))
@@ -215,6 +224,8 @@ class TransferHandlers:
         keys = req.keys
         n = len(keys)
         self._check_block_ids(reg, req.block_ids, n)
+        if req.deadline_ns:
+            _check_deadline(req.deadline_ns, "retrieve")
         if reg.files:
             reg.check_memory()
         runs = _retrieve_runs(req, n, lay) if req.chains else None
@@ -293,7 +304,7 @@ class TransferHandlers:
             writes = list(zip(at, entries, skips))
         trace_point(req.rid, "enqueue")
         try:
-            self._in_executor(finish, self._scatter, reg, req.block_ids, writes)
+            self._in_executor(finish, self._scatter, reg, req.block_ids, writes, req.deadline_ns)
         except BaseException as exc:
             finish(exc)
             return None
@@ -428,11 +439,14 @@ class TransferHandlers:
             return None
         return m.OkReply(rid=req.rid)
 
-    def _scatter(self, reg: Registration, block_ids, writes: list[tuple[int, Entry, int]]) -> None:
+    def _scatter(self, reg: Registration, block_ids, writes: list[tuple[int, Entry, int]], deadline_ns: int = 0) -> None:
         """CPU engines, on a copy thread: write each (chunk position, entry, leading tokens to
-        leave alone) into the engine's blocks."""
+        leave alone) into the engine's blocks; no chunk is begun after ``deadline_ns``
+        (`Retrieve.deadline_ns`)."""
         eng, cs = reg.engine, reg.layout.chunk_size
         for j, e, skip in writes:
+            if deadline_ns:
+                _check_deadline(deadline_ns, "retrieve")
             if skip < cs:
                 eng.scatter(self.pool.buffer(e.offset, e.size_bytes), self._chunk_block_ids(reg, block_ids, j), skip)
 
@@ -515,6 +529,14 @@ def _retrieve_runs(req: m.Retrieve, n: int, lay) -> list[tuple[int, int, m.Chain
         if c.skip_tokens:
             _check_skip(c.skip_tokens, e - s, lay)
     return runs
+
+
+def _check_deadline(deadline_ns: int, op: str) -> None:
+    """Raise DEADLINE once ``CLOCK_MONOTONIC`` passed ``deadline_ns`` (`Store.deadline_ns`)."""
+    late_ns = time.monotonic_ns() - deadline_ns
+    if late_ns >= 0:
+        raise RequestError(ErrorCode.DEADLINE, f"the {op}'s deadline passed {late_ns / 1e6:.1f} ms before its copy "
+                                               "began; the engine may have reused its blocks, nothing was copied")
 
 
 def _stalled(stall_s: float, fn, *args):

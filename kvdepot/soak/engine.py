@@ -26,7 +26,7 @@ from kvdepot.soak.content import FAMILIES, Family, corrupt_bytes, write_chunk
 
 # errors after which the engine reconnects (and registers again if the daemon restarted)
 _RECOVER = (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE, ErrorCode.DISCONNECTED, ErrorCode.UNKNOWN_REGISTRATION,
-            ErrorCode.INTERNAL)
+            ErrorCode.INTERNAL, ErrorCode.BACKPRESSURE)
 _SALTS = ("", "tenant-b")
 _LOST = (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED, ErrorCode.INTERNAL)  # the copy may still run
 _QUARANTINE_S = 30.0

@@ -24,7 +24,7 @@ log = logging.getLogger("kvdepot.vllm")
 
 # errors after which the daemon is treated as down (pinged until it answers) rather than as
 # having refused one request
-DOWN = (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE, ErrorCode.DISCONNECTED, ErrorCode.INTERNAL)
+DOWN = (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE, ErrorCode.DISCONNECTED, ErrorCode.INTERNAL, ErrorCode.BACKPRESSURE)
 TOGETHER = "together"  # `JobPieces.stage_saves`: this job's chunks are in the step's shared region
 # `stage_saves`: a job of several pieces gathered by one call (`_stage_pieces`); off
 # ($KVDEPOT_NO_JOB_GATHER set): one call per piece, for comparisons
@@ -352,7 +352,7 @@ class JobPieces:
         for op in ops:
             if op.piece.kind == "store" and op.pending._region is None:
                 try:
-                    op.pending.result(timeout_s=self.cfg.rpc_timeout_s)
+                    op.pending.result(timeout_s=_hold_s(op, self.cfg.rpc_timeout_s))
                 except KVDepotError:
                     pass  # `_collect` books the failure
 
@@ -371,7 +371,7 @@ class JobPieces:
         for op in self._ops:
             if op.piece.req_id in gone and op.piece.kind == "store" and op.pending._region is None:
                 try:
-                    op.pending.result(timeout_s=self.cfg.rpc_timeout_s)
+                    op.pending.result(timeout_s=_hold_s(op, self.cfg.rpc_timeout_s))
                 except KVDepotError as exc:
                     log.error("kvdepot: store of preempted request %s did not end (%s); its blocks are reused now",
                               op.piece.req_id, exc)
@@ -496,3 +496,11 @@ class JobPieces:
                                        batch[0].cache_salt, after=stream, wait_for_room=False)
         return c.submit_retrieve_many(kvreg, [RetrieveItem(p.keys, p.block_ids, p.skip_tokens) for p in batch],
                                       wait_for_room=False)
+
+
+def _hold_s(op: Op, default_s: float) -> float:
+    """How long to wait for an unstaged store's reply before its blocks are reused: until its
+    deadline passed with margin (`PendingStore.blocks_free_at_s`), else ``default_s``."""
+    free_at = op.pending.blocks_free_at_s
+    return default_s if free_at is None else max(0.0, free_at - time.monotonic())
+

@@ -456,7 +456,7 @@ class TransferThread(JobPieces):
                         self._loads.piece_ended(p, got)
                 except KVDepotError as exc:
                     if (exc.code in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED) and op.generation == c.generation
-                            and age_s <= self.cfg.hold_max_s):
+                            and age_s <= self.cfg.hold_max_s and not _blocks_free(op, now)):
                         # lost with the connection, not refused: the daemon may still run it, so its
                         # blocks stay the request's until the daemon restarted or hold_max_s passed
                         if not op.late:
@@ -467,7 +467,7 @@ class TransferThread(JobPieces):
                         continue
                     self._failed_op(op, exc)
                 continue
-            if op.generation != c.generation or age_s > self.cfg.hold_max_s:
+            if op.generation != c.generation or age_s > self.cfg.hold_max_s or _blocks_free(op, now):
                 if op.generation == c.generation:
                     log.warning("kvdepot: no answer for request %s after %.0f s; releasing its blocks",
                                 p.req_id, age_s)
@@ -503,6 +503,13 @@ class TransferThread(JobPieces):
 
     def _busy(self, req_id: str) -> bool:
         return any(op.piece.req_id == req_id for op in self._ops) or any(p.req_id == req_id for p in self._queue)
+
+
+def _blocks_free(op: Op, now_s: float) -> bool:
+    """Whether the daemon can no longer touch ``op``'s blocks although no answer came: its
+    deadline (`Store.deadline_ns`, unstaged CPU transfers) passed with margin."""
+    free_at = op.pending.blocks_free_at_s
+    return free_at is not None and now_s > free_at
 
 
 __all__ = ["TransferThread", "Results", "Preemption", "DOWN"]

@@ -225,7 +225,7 @@ class SchedulerSide:
         if err is not None:
             log.warning("kvdepot: lookup of request %s failed: %s", st.request.request_id,
                         KVDepotError(err.code, err.message))  # (its text: "[CODE] message")
-            if err.code in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED, ErrorCode.UNAVAILABLE):
+            if err.code in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED, ErrorCode.UNAVAILABLE, ErrorCode.BACKPRESSURE):
                 c.mark_down()
         elif c.up and time.monotonic() - st.lookup_sent_s < self.cfg.lookup_timeout_s:
             return None
@@ -492,8 +492,9 @@ class SchedulerSide:
             self._loading.pop(rid, None)
 
     def reset_cache(self) -> bool:
-        """After a weight update: drop this model's chunks in the daemon and move this engine's
-        keys to a fresh namespace (so a failed flush can never serve the old KV)."""
+        """After a weight update: move this engine's keys to a fresh namespace (so the old KV
+        can never be served) and send the daemon a `Flush` of this model's chunks without
+        waiting for it. True if the flush was sent."""
         self._epoch += 1
         for st in self._reqs.values():
             if st.lookup_rid is not None:
@@ -505,11 +506,12 @@ class SchedulerSide:
             st.next_store_chunk = 0
             if self.cfg.store and st.keys[0] and not st.store_stopped:
                 self._unstored[st.request.request_id] = st  # stored again under the new keys
-        try:
-            self.client.call(m.Flush(rid=0, model=self.model_id), self.cfg.lookup_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - the new namespace already protects correctness
-            log.warning("kvdepot: flush of model %s failed: %s", self.model_id, exc)
+        # sent without waiting (vLLM calls this on its engine-core thread); the new namespace
+        # already protects correctness, so a flush that never arrives only leaves dead chunks to LRU
+        rid = self._send(m.Flush(rid=0, model=self.model_id))
+        if rid is None:
             return False
+        self.client.forget(rid)
         return True
 
     def shutdown(self) -> None:

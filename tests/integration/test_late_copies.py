@@ -1,0 +1,59 @@
+"""A CPU engine's copies never touch blocks the engine may have reused (`Store.deadline_ns`):
+the daemon's copies are stalled longer than the client's timeout ($KVDEPOT_INJECT_FAULTS stall),
+the engine writes another request's KV into the blocks once the handle's ``blocks_free_at_s``
+passed, and neither a late store (its key keeps missing) nor a late retrieve (the blocks keep
+the new bytes) lets the daemon's late copy through."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import kv_engine as ke
+from daemon_proc import metric, scrape
+from kvdepot.protocol.errors import ErrorCode, KVDepotError
+from test_watchdog import _seed_first_copy_runs_second_stalls
+
+STALL_S = 4.0
+TIMEOUT_S = 1.0  # the client's reply timeout and copy deadline
+
+
+def _overwrite(eng: ke.Engine, block_ids: list[int], value: int) -> None:
+    """The engine gives the blocks to another request, which writes its KV (``value``) there."""
+    for layer in range(len(eng.cache.layer_names)):
+        eng.cache.token_view(layer, as_bytes=True)[block_ids] = value
+
+
+@pytest.mark.parametrize("op", ["store", "retrieve"])
+def test_a_late_cpu_copy_never_touches_reused_blocks(daemon_factory, monkeypatch, op):
+    seed = _seed_first_copy_runs_second_stalls()
+    monkeypatch.setenv("KVDEPOT_INJECT_FAULTS", f"stall=0.5,stall_s={STALL_S},seed={seed}")
+    d = daemon_factory()
+    spec = ke.EngineSpec(d.endpoint, ke.SMOLLM2, "LBNHC", (16,), (24,), 16, 7400, model_id=f"late-{op}",
+                         sealed=True)
+    with ke.Engine(spec) as eng:
+        c = eng.client
+        c.timeout_s = c.copy_deadline_s = TIMEOUT_S
+        keys = eng.keys(ke.prompt_tokens(7400, 32))
+        assert c.store(eng.reg, keys[:1], [[0]]).stored == 1  # the first copy runs at once
+        if op == "store":  # the second copy stalls STALL_S
+            pending = c.submit_store(eng.reg, keys[1:], [[3]], parent=keys[0])
+        else:
+            pending = c.submit_retrieve(eng.reg, keys[:1], [[3]])
+        sent_s = time.monotonic()
+        with pytest.raises(KVDepotError) as err:
+            pending.result()
+        assert err.value.code is ErrorCode.TIMEOUT
+        free_at = pending.blocks_free_at_s
+        assert free_at is not None and sent_s + TIMEOUT_S < free_at < sent_s + TIMEOUT_S + 2.0
+        time.sleep(max(0.0, free_at - time.monotonic()))
+        _overwrite(eng, [3], 0x55)  # block 3 now holds another request's KV
+        time.sleep(max(0.0, sent_s + STALL_S + 1.0 - time.monotonic()))  # the stalled copy's thread ran
+        assert c.describe().injected_faults["stalled_copies"] == 1  # (a new connection: the old one timed out)
+        assert c.lookup(keys, 16) == 1, "a late store must not be committed"
+        for layer in range(len(eng.cache.layer_names)):
+            got = eng.cache.token_view(layer, as_bytes=True)[[3]]
+            assert bool((got == 0x55).all()), f"layer {layer}: the late {op} wrote into a reused block"
+        assert metric(scrape(d.metrics_port), "kvdepot_errors_total", code="DEADLINE") == 1
+    assert d.alive
