@@ -126,7 +126,7 @@ def replay(trace: list[dict], workdir: Path, l1_tokens: int, l2_tokens: int, pac
     c = KVDepotClient(d.endpoint, timeout_s=60.0, name="trace-replay")
     try:
         reg = c.register("trace-model", "tp0of1", BLOCK_TOKENS, cache.storage_specs(), cache.layer_specs(),
-                         cache.group_specs())
+                         cache.group_specs(), storage_fds=cache.storage_fds())
         per_chunk = BLOCK_TOKENS // GROUP.tokens_per_block
         hit = total = retrieved = stored = 0
         t0 = time.perf_counter()

@@ -51,7 +51,7 @@ def cmd_serve(args) -> int:
         curve=curve, l2_path=v["l2_path"], l2_capacity_bytes=v["l2_bytes"], l2_queue_bytes=v["l2_queue_bytes"],
         l2_io_threads=v["l2_io_threads"], l2_direct_io=v["l2_direct_io"], l3_url=v["l3_url"],
         l3_cluster=v["l3_cluster"], l3_prefix=v["l3_prefix"], l3_ttl_s=v["l3_ttl_s"], l3_timeout_s=v["l3_timeout_s"],
-        l3_queue_bytes=v["l3_queue_bytes"], watchdog_s=v["watchdog_s"])
+        l3_queue_bytes=v["l3_queue_bytes"], watchdog_s=v["watchdog_s"], allow_shm_names=v["allow_shm_names"])
     run_daemon(cfg)
     return 0
 

@@ -168,6 +168,10 @@ SETTINGS: tuple[Setting, ...] = (
             "page-lock L1 for DMA at full speed (needs a memlock limit >= l1_bytes); default: when a GPU is visible",
             env="KVDEPOT_PIN_L1", metavar=""),
     Setting("transfer_threads", "--transfer-threads", _int, 2, "copy threads for CPU engines", metavar="N"),
+    Setting("allow_shm_names", "--allow-shm-names", _bool, False,
+            "accept CPU engines' KV caches in named /dev/shm segments (default: only sealed memfds). RISK: an "
+            "engine that shrinks its segment while the daemon copies from it kills the daemon (SIGBUS) for "
+            "every engine it serves", metavar=""),
     Setting("watchdog_s", "--watchdog-s", _float, 30.0,
             "a copy not completed after this many seconds (plus its bytes at 100 MB/s) is declared stuck: its "
             "request is answered TIMEOUT and describe lists it; 0 = no watchdog", metavar="SECONDS"),

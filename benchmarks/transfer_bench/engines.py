@@ -62,7 +62,7 @@ def _engine_main(job: EngineJob, barrier, results) -> None:
         staged = dict(local_storages=[cache.storage], staging_bytes=job.staging_bytes) if cuda else {}
         reg = client.register(f"bench-many-{job.index}/{shape.name}", shape.shard, job.chunk_size,
                               cache.storage_specs(), cache.layer_specs(), cache.group_specs(),
-                              device=cache.register_device, **staged)
+                              device=cache.register_device, storage_fds=cache.storage_fds(), **staged)
         if cuda and reg.staging is None:
             raise RuntimeError("engine-side staging is off (no kernel library here or in the daemon)")
         blocks = Blocks(shape, max_tokens, num_blocks)

@@ -99,9 +99,10 @@ class ShmKVCache:
         name: shared-memory name (default: a fresh unique name). The segment is unlinked by
             `close` (or, failing that, when the object is collected or the interpreter exits).
         device: ``"cuda"`` for a CUDA cache (shared by IPC handle); default CPU shared memory.
-        sealed: CPU: an anonymous memfd sealed against any size change instead of a /dev/shm
-            segment (``fd``; pass `storage_fds` to ``KVDepotClient.register``): the daemon's
-            copies can never fault on a shrunk segment (`kvdepot.gpu.shm`).
+        sealed: CPU: an anonymous memfd sealed against any size change (``fd``; pass
+            `storage_fds` to ``KVDepotClient.register``), so the daemon's copies can never fault
+            on a shrunk segment (`kvdepot.gpu.shm`). False: a named /dev/shm segment, which a
+            daemon accepts only with ``--allow-shm-names``.
 
     Attributes:
         storage: uint8 tensor over the whole segment.
@@ -111,7 +112,7 @@ class ShmKVCache:
     """
 
     def __init__(self, groups: Sequence[KVGroupShape], num_blocks: int | Sequence[int], layout: str = "LBNHC",
-                 name: str | None = None, device: str | torch.device | None = None, sealed: bool = False) -> None:
+                 name: str | None = None, device: str | torch.device | None = None, sealed: bool = True) -> None:
         if layout not in ALL_LAYOUTS:
             raise ValueError(f"layout {layout!r} not in {ALL_LAYOUTS}")
         self.groups = sorted(groups, key=lambda g: g.gid)

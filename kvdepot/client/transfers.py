@@ -28,7 +28,7 @@ class TransferRequests:
         """`Store.deadline_ns` of a request sent now: ``copy_deadline_s`` from now for a CPU
         engine (the daemon's copy threads read and write its shared memory); 0 for a CUDA
         engine, whose blocks stay the request's until its reply or the daemon's restart."""
-        if reg.request.device != "cpu":
+        if reg.staging is not None or reg.request.device != "cpu":
             return 0
         return time.monotonic_ns() + int(self.copy_deadline_s * 1e9)
 

@@ -11,7 +11,8 @@ Two kinds:
 * **named segments** (`create_shm` / `open_shm`): files under /dev/shm the daemon maps by
   name. A segment shrunk while the daemon copies from it would fault the copy (SIGBUS): the
   daemon checks sizes before each transfer (`Registration.check_memory`), which narrows but
-  cannot close that window. Kept for clients that cannot pass descriptors. Mappings are torch tensors made by ``torch.from_file(...,
+  cannot close that window. Kept for clients that cannot pass descriptors; the daemon accepts
+  them only with ``--allow-shm-names``. Mappings are torch tensors made by ``torch.from_file(...,
 shared=True)``: the mapping lives exactly as long as the tensor, so the daemon unmaps an
 engine's memory by dropping its last reference (no ``BufferError`` from an open export).
 Python's ``multiprocessing.shared_memory`` is not used: on Python < 3.13 its resource

@@ -74,6 +74,9 @@ class DaemonConfig:
     peer_grace_s: float = 0.25
     watchdog_s: float = 30.0  # (--watchdog-s) floor of a copy's deadline (kvdepot.server.watchdog); 0 = off
     transfer_threads: int = 2  # (--transfer-threads) copy worker threads
+    # (--allow-shm-names) CPU engines may register named /dev/shm segments, which they could
+    # shrink under a copy (SIGBUS kills the daemon); else only sealed memfds
+    allow_shm_names: bool = False
     staging_batch_bytes: int = 64 << 20  # (--staging-batch-bytes) device staging per slot (2 per direction per GPU)
     pin_l1: bool | None = None  # (--pin-l1/--no-pin-l1) page-lock L1 for DMA; None = if a GPU is visible
     # (--busy-poll-us) after each request or reply the loop polls its sockets without sleeping
@@ -420,6 +423,11 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
                     files.append((fds[0], s.size_bytes))
                     storages.append(open_memfd(fds[0], s.size_bytes))
                 else:
+                    if not self.config.allow_shm_names:
+                        raise RequestError(ErrorCode.FORBIDDEN, f"named shared-memory segment {s.name!r} refused: an "
+                                           "engine could shrink it under a copy and kill the daemon (SIGBUS); pass a "
+                                           "sealed memfd (ShmKVCache's default), or start the daemon with "
+                                           "--allow-shm-names to accept the risk")
                     storages.append(open_shm(s.name, s.size_bytes))
                     files.append((os.open(shm_path(s.name), os.O_RDONLY | os.O_CLOEXEC), s.size_bytes))
             engine = CpuTransferEngine(layout, storages)

@@ -89,7 +89,7 @@ class EngineSpec:
     fill_seed: int  # seed of the bytes the cache starts with
     shard: str = "tp0of1"  # "replicated" for MLA
     model_id: str = ""  # registered model identity (default: model)
-    sealed: bool = False  # a sealed memfd passed to the daemon instead of a /dev/shm segment
+    sealed: bool = True  # a sealed memfd passed to the daemon; False: a named /dev/shm segment
 
     @property
     def model_name(self) -> str:

@@ -1,6 +1,7 @@
 """Bad input never crashes or silences the daemon: every bad frame and every bad request gets an
 `ErrorReply` with the right `ErrorCode`, and afterwards the same daemon still serves a new
-client bit-exact. All tests of this module share one daemon, and the last test checks it.
+client bit-exact. All tests of this module share one daemon, and the last test checks it. It
+accepts named /dev/shm segments (``--allow-shm-names``), so that their checks are covered too.
 """
 
 from __future__ import annotations
@@ -22,6 +23,18 @@ from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
 KEY = b"k" * 16
 _pack = msgspec.msgpack.encode
+
+
+@pytest.fixture(scope="module")
+def module_daemon(tmp_path_factory):
+    """The module's daemon, accepting named segments."""
+    from conftest import start_daemon
+
+    d = start_daemon(tmp_path_factory.mktemp("daemon"), "--allow-shm-names")
+    try:
+        yield d
+    finally:
+        d.stop()
 
 
 @pytest.fixture
@@ -135,7 +148,8 @@ def test_many_bad_frames_in_a_burst(raw, module_daemon):
 @pytest.fixture
 def engine(module_daemon):
     """A registered SmolLM2-135M engine (1 gid, 16 tokens per block, 16-token chunks, 8 blocks)."""
-    spec = ke.EngineSpec(module_daemon.endpoint, ke.SMOLLM2, "LBNHC", (16,), (8,), 16, 4000, model_id="bad-input")
+    spec = ke.EngineSpec(module_daemon.endpoint, ke.SMOLLM2, "LBNHC", (16,), (8,), 16, 4000, model_id="bad-input",
+                         sealed=False)
     with ke.Engine(spec) as eng:
         yield eng
     assert module_daemon.alive
@@ -272,7 +286,8 @@ def test_wrong_number_of_gids_for_hybrid_registration(module_daemon):
 
 def test_engine_that_shrinks_its_segment_gets_engine_memory_error(module_daemon):
     """Touching a mapping beyond the end of its file is SIGBUS: the daemon must check first."""
-    spec = ke.EngineSpec(module_daemon.endpoint, ke.SMOLLM2, "LBNHC", (16,), (8,), 16, 4050, model_id="shrink")
+    spec = ke.EngineSpec(module_daemon.endpoint, ke.SMOLLM2, "LBNHC", (16,), (8,), 16, 4050, model_id="shrink",
+                         sealed=False)
     with ke.Engine(spec) as eng:
         keys = eng.keys(ke.prompt_tokens(4050, 32))
         assert eng.client.store(eng.reg, keys[:1], [[0]]).stored == 1

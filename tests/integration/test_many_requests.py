@@ -25,7 +25,8 @@ BPC = [CHUNK // g.tokens_per_block for g in GROUPS]  # blocks per chunk per gid:
 
 
 def _register(client, cache, model="many-model"):
-    return client.register(model, "tp0of1", CHUNK, cache.storage_specs(), cache.layer_specs(), cache.group_specs())
+    return client.register(model, "tp0of1", CHUNK, cache.storage_specs(), cache.layer_specs(), cache.group_specs(),
+                           storage_fds=cache.storage_fds())
 
 
 def _blocks(free: list[list[int]], chunks: int) -> list[list[int]]:

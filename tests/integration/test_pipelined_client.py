@@ -20,7 +20,7 @@ GROUPS = [KVGroupShape(0, 3, 2, 64, 16, torch.bfloat16)]
 
 def _register(client, cache):
     return client.register("pipelined-model", "tp0of1", CHUNK, cache.storage_specs(), cache.layer_specs(),
-                           cache.group_specs())
+                           cache.group_specs(), storage_fds=cache.storage_fds())
 
 
 def test_outstanding_requests_complete_out_of_order(daemon):

@@ -62,6 +62,17 @@ def _register_memfd(endpoint: str, token: str, size: int) -> None:
                           groups=[m.KVGroupSpec(gid=0, tokens_per_block=16)]))
 
 
+def test_a_named_segment_is_refused_unless_the_operator_allows_it(module_daemon):
+    """A named /dev/shm segment can be shrunk under a copy (SIGBUS would kill the daemon for
+    every engine): refused with an error that names the flag (``--allow-shm-names``)."""
+    spec = ke.EngineSpec(module_daemon.endpoint, ke.SMOLLM2, "LBNHC", (16,), (8,), 16, 8250, model_id="named",
+                         sealed=False)
+    with pytest.raises(KVDepotError) as err:
+        ke.Engine(spec)
+    assert err.value.code is ErrorCode.FORBIDDEN and "--allow-shm-names" in str(err.value)
+    assert module_daemon.alive and not module_daemon.log().count("Traceback")
+
+
 def test_the_daemon_refuses_unsealed_memfds_and_unknown_tokens(module_daemon):
     spec = _spec(module_daemon.endpoint, 8300)
     with ke.ShmKVCache(spec.groups(), list(spec.num_blocks), spec.layout) as named:

@@ -130,7 +130,7 @@ def test_a_client_waits_for_its_landed_stores_replies_before_its_next_lookup(mon
     class Sock:
         closed = False
 
-        def send(self, frame):
+        def send(self, frame, flags=0):
             sent.append(frame)
 
         def close(self, linger=0):

@@ -1,4 +1,4 @@
-"""A CPU engine's KV-cache segment never outlives its `ShmKVCache` in /dev/shm."""
+"""A CPU engine's named KV-cache segment (``sealed=False``) never outlives its `ShmKVCache` in /dev/shm."""
 
 import gc
 import os
@@ -12,13 +12,13 @@ GROUP = KVGroupShape(0, 2, 1, 64, 16, torch.float16)
 
 
 def test_segment_unlinked_on_close_and_when_forgotten():
-    with ShmKVCache([GROUP], 4) as cache:
+    with ShmKVCache([GROUP], 4, sealed=False) as cache:
         path = shm_path(cache.name)
         assert os.path.exists(path)
     assert not os.path.exists(path)
     cache.close()  # twice is fine
 
-    forgotten = ShmKVCache([GROUP], 4)
+    forgotten = ShmKVCache([GROUP], 4, sealed=False)
     path = shm_path(forgotten.name)
     assert os.path.exists(path)
     del forgotten
