@@ -405,6 +405,18 @@ class Drain(Msg, tag="drain"):
     through_seq: PosInt
 
 
+class Settle(Msg, tag="settle"):
+    """Settle this client's Stores and Retrieves of a registration that were lost with a
+    connection (it timed out or closed): from now on the daemon refuses any Store or Retrieve of
+    this client (its routing identity) on this registration whose ``rid`` is <= ``through_rid``
+    (one still on its way on the old connection copies nothing), and it replies once every such
+    request it accepted has finished its copies. The engine may then reuse their blocks.
+    Reply: `OkReply` (UNKNOWN_REGISTRATION from a restarted daemon: nothing of the old one runs)."""
+
+    registration: Name
+    through_rid: PosInt
+
+
 class EndRequest(Msg, tag="end"):
     """The engine is done with a request: release its pins. Reply: `OkReply`."""
 
@@ -432,7 +444,7 @@ class Ping(Msg, tag="ping"):
     """Reply: `Pong`."""
 
 
-Request = Union[Hello, Register, Unregister, Lookup, Store, Retrieve, EndRequest, Describe, Flush, Ping, Drain]
+Request = Union[Hello, Register, Unregister, Lookup, Store, Retrieve, EndRequest, Describe, Flush, Ping, Drain, Settle]
 
 # --------------------------------------------------------------------------- replies
 

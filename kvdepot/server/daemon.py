@@ -322,10 +322,17 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
             reg.retrieved_chunks += num_chunks
             self.stats["retrieved_chunks"] += num_chunks
 
-    def _finish_transfer(self, reg: Registration, staging_seq: int = 0) -> None:
+    def _begin_transfer(self, reg: Registration, identity: bytes, rid: int) -> None:
+        """A Store / Retrieve starts copies (ended by `_finish_transfer`)."""
+        reg.active += 1
+        reg.busy_rids[(identity, rid)] += 1
+
+    def _finish_transfer(self, reg: Registration, staging_seq: int = 0, identity: bytes = b"", rid: int = 0) -> None:
         reg.active -= 1
         if staging_seq:
             self._staged_end(reg, staging_seq)
+        if rid:
+            self._settle_end(reg, identity, rid)
         if reg.closed and reg.active == 0:
             reg.release_memory()
 
@@ -507,6 +514,7 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
         m.Hello: _on_hello, m.Ping: _on_ping, m.Register: _on_register, m.Unregister: _on_unregister,
         m.Lookup: Tiering._on_lookup, m.EndRequest: _on_end, m.Store: TransferHandlers._on_store,
         m.Retrieve: TransferHandlers._on_retrieve, m.Drain: TransferHandlers._on_drain,
+        m.Settle: TransferHandlers._on_settle,
         m.Flush: Tiering._on_flush, m.Describe: _on_describe,
     }
 

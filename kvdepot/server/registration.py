@@ -44,6 +44,12 @@ class Registration:
     staged_busy: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     refuse_through: int = 0
     drains: list = dataclasses.field(default_factory=list)
+    # Stores / Retrieves accepted and not finished, by (client identity, rid); a client's
+    # requests with a rid up to settled[identity] are refused; Settles waiting:
+    # (through_rid, identity, rid) (`m.Settle`)
+    busy_rids: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    settled: dict = dataclasses.field(default_factory=dict)
+    settles: list = dataclasses.field(default_factory=list)
     # the engine's staging buffer (`Register.staging`), IPC-opened: device pointer and bytes (0: none)
     staging_ptr: int = 0
     staging_bytes: int = 0

@@ -42,6 +42,8 @@ class TransferHandlers:
         keys = req.keys
         n = len(keys)
         self._check_block_ids(reg, req.block_ids, n)
+        if reg.settled:
+            _check_settled(reg, identity, req.rid)
         if req.deadline_ns:
             _check_deadline(req.deadline_ns, "store")
         runs = _store_runs(req, n) if req.chains else ((0, n, req.parent),)
@@ -128,7 +130,7 @@ class TransferHandlers:
         if not new:
             self._store_release(held, keys)
             return reply
-        reg.active += 1
+        self._begin_transfer(reg, identity, req.rid)
         self._staged_begin(reg, seq)
         t0 = time.monotonic()
         token = self.watch("store", reg.id, identity, req.rid, len(new) * ob, True, t0)
@@ -161,7 +163,7 @@ class TransferHandlers:
         or drop them and answer the error."""
         if _TRACE is not None:
             trace_point(req.rid, "gpu_done")
-        self._finish_transfer(reg, seq)
+        self._finish_transfer(reg, seq, identity, req.rid)
         stuck = self.unwatch(token)  # answered TIMEOUT by the watchdog: publish nothing, reply nothing
         if err is None and req.deadline_ns and time.monotonic_ns() > req.deadline_ns:
             # the engine may have reused the blocks while they were read: commit nothing
@@ -224,6 +226,8 @@ class TransferHandlers:
         keys = req.keys
         n = len(keys)
         self._check_block_ids(reg, req.block_ids, n)
+        if reg.settled:
+            _check_settled(reg, identity, req.rid)
         if req.deadline_ns:
             _check_deadline(req.deadline_ns, "retrieve")
         if reg.files:
@@ -276,13 +280,13 @@ class TransferHandlers:
                                        at, skips, counts)
         if not entries:
             return m.RetrieveReply(rid=req.rid, retrieved=0, chains=counts or [])
-        reg.active += 1
+        self._begin_transfer(reg, identity, req.rid)
         t0 = time.perf_counter()
         token = self.watch("retrieve", reg.id, identity, req.rid, len(entries) * lay.object_bytes, reply_pending=True)
 
         def finish(err: BaseException | None) -> None:
             trace_point(req.rid, "gpu_done")  # (the CPU copy's end, seen by the loop)
-            self._finish_transfer(reg)
+            self._finish_transfer(reg, 0, identity, req.rid)
             stuck = self.unwatch(token)  # answered TIMEOUT by the watchdog
             for e in entries:
                 self.index.release(e)
@@ -323,7 +327,7 @@ class TransferHandlers:
         entry's chunk position and tokens left alone, ``counts`` each run's chunks found."""
         if not entries:
             return m.RetrieveReply(rid=req.rid, retrieved=0, chains=counts or [])
-        reg.active += 1
+        self._begin_transfer(reg, identity, req.rid)
         seq = req.staging_seq if staged_base is not None else 0
         self._staged_begin(reg, seq)
         ob = reg.layout.object_bytes
@@ -375,7 +379,7 @@ class TransferHandlers:
         ``counts``: each run's chunks found (``Retrieve.chains``), else None."""
         if _TRACE is not None:
             trace_point(rid, "gpu_done")
-        self._finish_transfer(reg, seq)
+        self._finish_transfer(reg, seq, identity, rid)
         stuck = self.unwatch(token)
         release = self.index.release
         for e in entries:
@@ -436,6 +440,36 @@ class TransferHandlers:
         reg.refuse_through = max(reg.refuse_through, req.through_seq)
         if any(seq <= req.through_seq for seq in reg.staged_busy):
             reg.drains.append((req.through_seq, identity, req.rid))
+            return None
+        return m.OkReply(rid=req.rid)
+
+    # ------------------------------------------------------------------ Settle (lost requests)
+
+    def _settle_end(self, reg: Registration, identity: bytes, rid: int) -> None:
+        """A Store / Retrieve's copies ended: answer the Settles it held."""
+        busy, key = reg.busy_rids, (identity, rid)
+        left = busy[key] - 1
+        if left > 0:
+            busy[key] = left
+        else:
+            del busy[key]
+        if reg.settles:
+            still = []
+            for through, who, settle_rid in reg.settles:
+                if any(i == who and r <= through for i, r in busy):
+                    still.append((through, who, settle_rid))
+                else:
+                    self._reply(who, m.OkReply(rid=settle_rid))
+            reg.settles = still
+
+    def _on_settle(self, identity: bytes, req: m.Settle) -> m.Msg | None:
+        """`m.Settle`: refuse this client's requests up to ``through_rid`` from now on; reply
+        once the accepted ones finished their copies."""
+        reg = self._registration(req.registration)
+        if req.through_rid > reg.settled.get(identity, 0):
+            reg.settled[identity] = req.through_rid
+        if any(i == identity and r <= req.through_rid for i, r in reg.busy_rids):
+            reg.settles.append((req.through_rid, identity, req.rid))
             return None
         return m.OkReply(rid=req.rid)
 
@@ -529,6 +563,13 @@ def _retrieve_runs(req: m.Retrieve, n: int, lay) -> list[tuple[int, int, m.Chain
         if c.skip_tokens:
             _check_skip(c.skip_tokens, e - s, lay)
     return runs
+
+
+def _check_settled(reg: Registration, identity: bytes, rid: int) -> None:
+    """Raise INVALID_ARGUMENT for a request its client settled already (`m.Settle`)."""
+    if rid <= reg.settled.get(identity, 0):
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"request {rid} was settled as lost by its client "
+                                                       "(`Settle`): nothing copied")
 
 
 def _check_deadline(deadline_ns: int, op: str) -> None:

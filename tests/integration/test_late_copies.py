@@ -12,6 +12,7 @@ import pytest
 
 import kv_engine as ke
 from daemon_proc import metric, scrape
+from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 from test_watchdog import _seed_first_copy_runs_second_stalls
 
@@ -56,4 +57,29 @@ def test_a_late_cpu_copy_never_touches_reused_blocks(daemon_factory, monkeypatch
             got = eng.cache.token_view(layer, as_bytes=True)[[3]]
             assert bool((got == 0x55).all()), f"layer {layer}: the late {op} wrote into a reused block"
         assert metric(scrape(d.metrics_port), "kvdepot_errors_total", code="DEADLINE") == 1
+    assert d.alive
+
+
+def test_settle_answers_once_lost_copies_ended_and_refuses_late_arrivals(daemon_factory, monkeypatch):
+    """`Settle`: the daemon answers once the client's accepted requests up to ``through_rid``
+    finished their copies (a stalled one: after its stall), and refuses one that arrives later."""
+    seed = _seed_first_copy_runs_second_stalls()
+    monkeypatch.setenv("KVDEPOT_INJECT_FAULTS", f"stall=0.5,stall_s=2,seed={seed}")
+    d = daemon_factory()
+    spec = ke.EngineSpec(d.endpoint, ke.SMOLLM2, "LBNHC", (16,), (24,), 16, 7500, model_id="settle")
+    with ke.Engine(spec) as eng:
+        c = eng.client
+        keys = eng.keys(ke.prompt_tokens(7500, 48))
+        assert c.store(eng.reg, keys[:1], [[0]]).stored == 1
+        stalled = c.submit_store(eng.reg, keys[1:2], [[1]], parent=keys[0])  # its copy stalls 2 s
+        t0 = time.monotonic()
+        c.call(m.Settle(rid=0, registration=eng.reg.id, through_rid=stalled.rid))
+        assert time.monotonic() - t0 > 1.0, "Settle answered while the settled store's copy ran"
+        assert stalled.result().stored == 1  # (its reply came before the Settle's)
+        rid = c.call(m.Settle(rid=0, registration=eng.reg.id, through_rid=stalled.rid + 100)).rid
+        assert time.monotonic() - t0 < 2.5  # nothing runs: answered at once
+        with pytest.raises(KVDepotError) as err:  # a request up to through_rid arriving now copies nothing
+            c.store(eng.reg, keys[2:], [[2]], parent=keys[1])
+        assert err.value.code is ErrorCode.INVALID_ARGUMENT and "settled" in str(err.value)
+        assert rid < stalled.rid + 100
     assert d.alive

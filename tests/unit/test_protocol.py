@@ -17,7 +17,7 @@ from kvdepot.protocol.errors import ErrorCode, KVDepotError, RequestError
 from kvdepot.protocol.messages import (
     PROTOCOL_VERSION, REQUEST_TAGS, DaemonInfo, Describe, DescribeReply, EndRequest, EngineInfo, ErrorReply,
     Flush, FlushReply, Hello, HelloReply, KVGroupSpec, LayerGroupInfo, LayerSpec, Lookup, LookupReply, OkReply,
-    Drain, Ping, Pong, Register, RegisterReply, Reply, Request, Retrieve, RetrieveReply, StorageSpec, Store,
+    Drain, Ping, Pong, Register, RegisterReply, Reply, Request, Retrieve, RetrieveReply, Settle, StorageSpec, Store,
     StoreReply, TierInfo, Unregister,
 )
 
@@ -85,6 +85,7 @@ ROUND_TRIP = [
     Flush(rid=9, model="m", cache_salt="tenant", tier="l1"),
     Ping(rid=10),
     Drain(rid=11, registration="r1", through_seq=7),
+    Settle(rid=12, registration="r1", through_rid=4294967299),
     Store(rid=12, registration="r1", keys=[b"k" * 32], block_ids=[[1]], staging_offset=256, fence=9,
           staging_seq=9),
     # replies

@@ -159,3 +159,35 @@ def test_scheduler_never_blocks_on_a_hung_daemon(daemon, cfg, engines):
         sched.request_finished_all_groups(req2, ([],))
     finally:
         daemon.resume()
+
+
+def test_blocks_of_requests_lost_with_a_connection_return_at_once(tmp_path, monkeypatch, cfg, engines):
+    """The connection to a healthy daemon breaks while stores run (each CPU copy takes 0.3 s):
+    the worker asks the daemon which of them still run (`Settle`) and gives their request's
+    blocks back as soon as their copies ended, not after its deadline (rpc_timeout_s + 1 s) or
+    hold_max_s."""
+    import socket
+
+    from conftest import Daemon
+
+    monkeypatch.setenv("KVDEPOT_INJECT_FAULTS", "stall=1,stall_s=0.3")
+    d = Daemon(tmp_path).start()
+    try:
+        e = engines(cfg(d.endpoint, extra={"rpc_timeout_s": 5.0, "hold_max_s": 30.0}))
+        w = e.worker_conn.worker
+        r = e.add(H.tokens(31, 200), max_tokens=1)
+        for _ in range(500):
+            e.step()
+            if w.mover._ops:
+                break
+            time.sleep(0.002)
+        assert w.mover._ops, "a store is in flight"
+        t_loss = time.monotonic()
+        w.client._sock._sock.shutdown(socket.SHUT_RDWR)  # the connection breaks under it
+        e.run(r, timeout_s=10)
+        took_s = time.monotonic() - t_loss
+        assert w.stats["late_ops"] >= 1, "the store was lost with the connection"
+        assert took_s < 1.0, f"the request's blocks came back after {took_s:.2f} s"
+        assert not w.mover._ops
+    finally:
+        d.close()

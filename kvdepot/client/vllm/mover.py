@@ -33,8 +33,10 @@ parent first) and goes out once the ring has room; stores of sliding-window mode
 (skipped and counted). A load or store larger than a quarter of the ring goes in pieces. Daemon
 down, hung or restarted: see `kvdepot.client.client` (fail fast, `available` probes, a new boot
 -> register again). A store or retrieve without an answer after ``rpc_timeout_s`` marks the
-daemon down; its request keeps its blocks until the answer, the daemon's restart or
-``hold_max_s``, so a late copy never touches blocks vLLM gave to another request.
+daemon down; its request keeps its blocks until the answer, the daemon's restart, its deadline
+passed with margin (CPU engines: `kvdepot.client.pending.DEADLINE_MARGIN_S`) or ``hold_max_s``,
+so a late copy never touches blocks vLLM gave to another request. One lost with its connection
+is settled on the next (`m.Settle`): its blocks come back once the daemon says its copies ended.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from kvdepot import trace
 from kvdepot.client.client import KVDepotClient
 from kvdepot.client.vllm.jobs import DOWN, JobPieces
 from kvdepot.client.vllm.pieces import LoadOutcomes, Op, Piece, PinnedSaves, PostedSave, Preemption, Results, Wake
+from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
 log = logging.getLogger("kvdepot.vllm")
@@ -97,6 +100,11 @@ class TransferThread(JobPieces):
         self._loads = LoadOutcomes(side)  # loads that ended since the last publish
         self._pinned = PinnedSaves()  # pinned saves (`KVDepotMetadata.pin_seq`) not reported yet
         self._wake = Wake()  # a load, preemption or stop ends the thread's wait for replies
+        # requests lost with a connection (`m.Settle`): the highest rid a Settle asked for, the
+        # highest the daemon answered (their copies ended: their blocks are free), the Settle in flight
+        self._settle_asked = 0
+        self._settled_through = 0
+        self._settle_rid: int | None = None
         # `post` of a command that wakes nobody ("save", "release"), as one C call: the engine
         # thread's most common post, every store step
         self.post_quiet = self._inbox.put
@@ -435,6 +443,7 @@ class TransferThread(JobPieces):
         now = time.monotonic()
         c, side = self.client, self.side
         left = []
+        lost_rid = 0  # the highest rid of the ops lost with a connection and not settled yet
         for op in self._ops:
             p = op.piece
             age_s = now - op.sent_at
@@ -456,13 +465,16 @@ class TransferThread(JobPieces):
                         self._loads.piece_ended(p, got)
                 except KVDepotError as exc:
                     if (exc.code in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED) and op.generation == c.generation
-                            and age_s <= self.cfg.hold_max_s and not _blocks_free(op, now)):
+                            and age_s <= self.cfg.hold_max_s and not _blocks_free(op, now)
+                            and op.pending.rid > self._settled_through):
                         # lost with the connection, not refused: the daemon may still run it, so its
-                        # blocks stay the request's until the daemon restarted or hold_max_s passed
+                        # blocks stay the request's until a Settle says its copies ended, the daemon
+                        # restarted, its deadline passed (CPU) or hold_max_s passed
                         if not op.late:
                             op.late = True
                             side.stats["late_ops"] += 1
                             c.mark_down()
+                        lost_rid = max(lost_rid, op.pending.rid)
                         left.append(op)
                         continue
                     self._failed_op(op, exc)
@@ -481,6 +493,29 @@ class TransferThread(JobPieces):
                 c.mark_down()
             left.append(op)
         self._ops = left
+        if lost_rid > self._settle_asked and self._settle_rid is None:
+            self._settle(lost_rid)
+
+    def _settle(self, through_rid: int) -> None:
+        """Ask the daemon (`m.Settle`) to refuse this worker's lost requests up to ``through_rid``
+        and to answer once the ones it accepted ended: their blocks are then free (`_collect`)."""
+        kvreg = self.side.kvreg
+        if kvreg is None:
+            return
+
+        def answered(reply: m.Msg) -> None:
+            self._settle_rid = None
+            if isinstance(reply, m.ErrorReply):
+                self._settle_asked = self._settled_through  # asked again by a later pass
+            else:
+                self._settled_through = max(self._settled_through, through_rid)
+
+        try:
+            self._settle_rid = self.client.submit(m.Settle(rid=0, registration=kvreg.id, through_rid=through_rid),
+                                                  on_reply=answered)
+        except KVDepotError:
+            return
+        self._settle_asked = through_rid
 
     def _failed_op(self, op: Op, exc: KVDepotError | None) -> None:
         p = op.piece
