@@ -49,7 +49,7 @@ def cmd_serve(args) -> int:
         staging_batch_bytes=v["staging_batch_bytes"], pin_l1=v["pin_l1"], busy_poll_us=v["busy_poll_us"],
         busy_poll_max_inflight=v["busy_poll_max_inflight"],
         curve=curve, l2_path=v["l2_path"], l2_capacity_bytes=v["l2_bytes"], l2_queue_bytes=v["l2_queue_bytes"],
-        l2_io_threads=v["l2_io_threads"], l2_direct_io=v["l2_direct_io"], l3_url=v["l3_url"],
+        l2_io_threads=v["l2_io_threads"], l2_direct_io=v["l2_direct_io"], shutdown_drain_s=v["shutdown_drain_s"], l3_url=v["l3_url"],
         l3_cluster=v["l3_cluster"], l3_prefix=v["l3_prefix"], l3_ttl_s=v["l3_ttl_s"], l3_timeout_s=v["l3_timeout_s"],
         l3_queue_bytes=v["l3_queue_bytes"], watchdog_s=v["watchdog_s"], allow_shm_names=v["allow_shm_names"])
     run_daemon(cfg)

@@ -131,7 +131,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("l1_bytes", "--l1-bytes", parse_bytes, 4 << 30,
             "pinned host memory for cached KV (L1), e.g. 512m, 64g", env="KVDEPOT_L1_BYTES", metavar="BYTES"),
     Setting("l2_path", "--l2-path", _str, None,
-            "directory of the L2 disk tier (objects evicted from L1 are written there and found again after a "
+            "directory of the L2 disk tier (stored objects are written through to it and found again after a "
             "restart); unset = no L2", env="KVDEPOT_L2_PATH", metavar="DIR"),
     Setting("l2_bytes", "--l2-bytes", parse_bytes, 64 << 30,
             "capacity of the L2 disk tier (object files, headers included), e.g. 500g", env="KVDEPOT_L2_BYTES",
@@ -140,6 +140,10 @@ SETTINGS: tuple[Setting, ...] = (
             "most bytes of L2 writes queued or in progress (their L1 memory stays in use until written; a write "
             "beyond it is dropped and counted); default min(2g, l1_bytes / 8)", metavar="BYTES"),
     Setting("l2_io_threads", "--l2-io-threads", _int, 4, "threads doing L2 file I/O", metavar="N"),
+    Setting("shutdown_drain_s", "--shutdown-drain-s", _float, 30.0,
+            "on SIGTERM / SIGINT, write L1's chunks that L2 lacks to L2 for at most this long before exiting "
+            "(with L2 configured; stores are also written through as they commit); 0 = exit at once",
+            metavar="SECONDS"),
     Setting("l2_direct_io", "--l2-direct-io", _bool, None,
             "O_DIRECT file I/O for L2 (no page cache); default: where the filesystem supports it", metavar=""),
     Setting("l3_url", "--l3-url", _str, None,

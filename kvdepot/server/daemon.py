@@ -98,6 +98,7 @@ class DaemonConfig:
     l2_queue_bytes: int | None = None
     l2_io_threads: int = 4
     l2_direct_io: bool | None = None
+    shutdown_drain_s: float = 30.0  # (--shutdown-drain-s) a clean stop writes L1 to L2 for at most this long
     # (--l3-url, --l3-cluster, --l3-prefix, --l3-ttl-s, --l3-timeout-s, --l3-queue-bytes) the L3
     # tier on Redis / Valkey (kvdepot.server.remote); no URL = none. queue None = min(1 GiB, L1 / 8)
     l3_url: str | None = None
@@ -238,6 +239,7 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
                 loop.remove_reader(sock.getsockopt(zmq.FD))
             self._streams.close()
             self.fd_inbox.close()
+            await self._drain_to_l2(self.config.shutdown_drain_s)
             sweeper.cancel()
             ticker.cancel()
             await asyncio.gather(sweeper, ticker, return_exceptions=True)

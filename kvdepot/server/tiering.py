@@ -2,9 +2,12 @@
 eviction, promotion on a hit), lookups and their pins across tiers, flush and the tiers' part
 of describe and /metrics. A mixin of `kvdepot.server.daemon.Daemon`.
 
-Objects move down only by eviction: an L1 victim is written to L2 (write-behind; its L1 extent
-stays allocated until written, at most ``l2_queue_bytes`` of them, beyond which the write is
-dropped and counted) unless L2 already holds its key. They move up by promotion: a retrieve
+Objects are written through to L2 as they are committed (`_write_through_l2`; held in L1 as
+readers until written, at most ``l2_queue_bytes`` of writes in flight, beyond which a write is
+dropped and counted), so a restart finds the hot cache on disk; what was dropped is written
+ahead of its eviction while the disk keeps up (`_spill_ahead`), when evicted (write-behind: its
+L1 extent stays allocated until written) unless L2 already holds its key, and by a clean stop
+(`_drain_to_l2`). They move up by promotion: a retrieve
 (or a lookup that pins its hits, as vLLM's scheduler does, ahead of the retrieve) that finds
 chunks in L2 but not in L1 reads them into new L1 entries, WRITING until the read is verified,
 and the retrieve goes on once they are READY. A chunk is served only from L1, so every
@@ -15,6 +18,7 @@ either tier: a chunk counts when L1 or L2 holds it READY.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Sequence
 
@@ -29,6 +33,7 @@ log = logging.getLogger("kvdepot.daemon")
 
 # L1 bytes kept free or already in L2 (so evictable at once) while the disk keeps up
 _CLEAN_FRACTION = 0.25
+_BEHIND_MAX = 1 << 16  # committed entries at most waiting to be written through to L2
 
 
 class Tiering:
@@ -49,6 +54,7 @@ class Tiering:
         self._promoting: dict[bytes, asyncio.Future] = {}  # key -> resolves True once READY in L1
         self._tasks: set[asyncio.Task] = set()
         self._spill_pending = False
+        self._l2_behind: collections.deque[Entry] = collections.deque()  # committed, waiting to be written through
 
     def _bind_tier_metrics(self) -> None:
         """Tier gauges and lower tiers' counters are read at scrape time (nothing to update per
@@ -152,6 +158,66 @@ class Tiering:
                     return
             need -= padded(e.size_bytes)
 
+    def _write_through_l2(self, entries: Sequence[Entry]) -> None:
+        """Write just-committed ``entries`` to L2, in commit order (parents first), as fast as
+        the write queue takes them (`_catch_up_l2`)."""
+        behind = self._l2_behind
+        behind.extend(entries)
+        while len(behind) > _BEHIND_MAX:  # a disk that stopped: give the oldest up (counted)
+            behind.popleft()
+            self.l2.counters.dropped_writes += 1
+        self._catch_up_l2()
+
+    def _catch_up_l2(self) -> None:
+        """Start the writes of committed entries waiting for queue room (held in L1 as readers
+        until written; ones evicted, flushed or in L2 meanwhile are skipped: an evicted one was
+        written when it left L1)."""
+        l2, pool, index, behind = self.l2, self.pool, self.index, self._l2_behind
+        while behind:
+            e = behind[0]
+            if index.get(e.key) is not e or e.state is not EntryState.READY or l2.get(e.key) is not None:
+                behind.popleft()
+                continue
+            if l2.queued_bytes + padded(e.size_bytes) > l2.queue_limit_bytes:
+                return  # resumed when a write ends (`_spill_continue`)
+            behind.popleft()
+            index.acquire(e)
+            if not l2.write(e.key, e.parent, e.model, e.cache_salt, e.fingerprint,
+                            pool.view(e.offset, padded(e.size_bytes)), e.size_bytes,
+                            lambda e=e: self._spilled_ahead(e)):
+                index.release(e)  # no room on disk (counted)
+
+    async def _drain_to_l2(self, drain_s: float) -> None:
+        """At a clean stop: write every READY L1 entry L2 does not hold, most recently used
+        first, as fast as the queue takes them, for at most ``drain_s`` seconds; then wait
+        for the writes in flight (within the same time)."""
+        l2 = self.l2
+        if l2 is None or drain_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        deadline = t0 + drain_s
+        todo = [e for e in self.index.entries() if e.state is EntryState.READY and l2.get(e.key) is None]
+        total = len(todo)
+        while (todo or l2.queued_writes) and loop.time() < deadline:
+            while todo:
+                e = todo[-1]
+                if e.state is not EntryState.READY or l2.get(e.key) is not None:
+                    todo.pop()  # flushed, or written meanwhile
+                    continue
+                if l2.queued_bytes + padded(e.size_bytes) > l2.queue_limit_bytes:
+                    break
+                todo.pop()
+                self.index.acquire(e)
+                if not l2.write(e.key, e.parent, e.model, e.cache_salt, e.fingerprint,
+                                self.pool.view(e.offset, padded(e.size_bytes)), e.size_bytes,
+                                lambda e=e: self.index.release(e)):
+                    self.index.release(e)
+            await asyncio.sleep(0.005)
+        if total or todo:
+            log.info("stop: wrote %d of %d L1 chunks not yet in L2 in %.1f s%s", total - len(todo), total,
+                     loop.time() - t0, f" ({len(todo)} not written: --shutdown-drain-s)" if todo else "")
+
     def _spilled_ahead(self, e: Entry) -> None:
         self.index.release(e)
         if not self._spill_pending:  # one continuation per loop turn, however many writes ended
@@ -160,6 +226,7 @@ class Tiering:
 
     def _spill_continue(self) -> None:
         self._spill_pending = False
+        self._catch_up_l2()
         self._spill_ahead()
 
     # ------------------------------------------------------------------ lookups and pins

@@ -182,7 +182,7 @@ class TransferHandlers:
             for _, e in new:
                 index.commit(e)
             if self.l2 is not None:
-                self._spill_ahead()
+                self._write_through_l2([e for _, e in new])
             if self.l3 is not None:
                 self._write_through([e for _, e in new])
             elapsed_s = time.monotonic() - t0
