@@ -22,9 +22,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvdepot.client")
 LANDED_GRACE_S = 0.05  # how long a gated retrieve's landed word may lag behind its reply
-# an unstaged request's blocks are the engine's again this long after its deadline
-# (`Store.deadline_ns`): the daemon begins no copy after the deadline, and one chunk's copy begun
-# just before it ends well within this (milliseconds) unless the daemon's process is stopped
+# an unstaged store's blocks are the engine's again this long after its deadline
+# (`Store.deadline_ns`): the daemon begins no copy after it and commits no store whose copies
+# ended after it, so a copy still reading the blocks then can never publish what it read
 DEADLINE_MARGIN_S = 1.0
 
 
@@ -221,9 +221,13 @@ def gate_scatter(reg: Registration, region, block_ids, num_chunks: int, skip_tok
 class PendingRetrieve:
     """A submitted RETRIEVE (`KVDepotClient.submit_retrieve`)."""
 
-    def __init__(self, client: KVDepotClient, rid: int, deadline_ns: int = 0) -> None:
+    def __init__(self, client: KVDepotClient, rid: int) -> None:
         self.client, self.rid = client, rid
-        self.blocks_free_at_s = deadline_ns / 1e9 + DEADLINE_MARGIN_S if deadline_ns else None  # as `PendingStore`'s
+        # never set: a retrieve's deadline (`Retrieve.deadline_ns`) keeps the daemon from
+        # beginning late copies, but a copy begun before it may still be writing the blocks if
+        # the daemon's process was stopped in the middle of it; only the reply, a `Settle`, the
+        # daemon's restart or a long hold free them
+        self.blocks_free_at_s: float | None = None
         self._sent_at = time.monotonic()
         self._region = None
         self._retrieved: int | None = None

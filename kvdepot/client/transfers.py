@@ -193,7 +193,7 @@ class TransferRequests:
             if region is not None:
                 region.release()
             raise
-        pending = PendingRetrieve(self, rid, deadline_ns)
+        pending = PendingRetrieve(self, rid)
         if region is not None:
             pending._staged(reg, region, block_ids, len(keys), skip_tokens, chains)
             # enqueued after the send: its launch (tens of microseconds) runs while the daemon copies

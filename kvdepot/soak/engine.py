@@ -132,11 +132,14 @@ class _Engine:
             out.append(self.rng.sample(free, min(len(free), num_chunks * self.fam.blocks_per_chunk(g))))
         return out
 
-    def quarantine_blocks(self, ids: list[list[int]]) -> None:
+    def quarantine_blocks(self, ids: list[list[int]], free_at_s: float | None = None) -> None:
         """A copy that touches ``ids`` was lost (no answer): the daemon may still read or write
-        them, so they are neither reused nor checked for ``_QUARANTINE_S`` (what the vLLM
+        them, so they are neither reused nor checked until ``free_at_s`` (a CPU store's
+        ``blocks_free_at_s``: its deadline passed), else for ``_QUARANTINE_S`` (what the vLLM
         connector's ``hold_max_s`` does for a request's blocks)."""
-        until = time.monotonic() + _QUARANTINE_S
+        until = free_at_s if free_at_s is not None else time.monotonic() + _QUARANTINE_S
+        if free_at_s is not None:
+            self.counts["blocks_reused_after_deadline"] += sum(map(len, ids))
         self.forget(ids)
         for g, blocks in enumerate(ids):
             for b in blocks:
@@ -228,6 +231,7 @@ class _Engine:
                     write_chunk(self.cache, fam, keys[j], self.chunk_blocks(ids, j))
                 self.own(ids, keys, got, len(keys), ("written", self.counts["requests"]))
                 rest = [x[got * fam.blocks_per_chunk(g):] for g, x in enumerate(ids)]
+                ps = None
                 try:
                     ps = c.submit_store(self.reg, keys[got:], rest, parent=keys[got - 1] if got else b"",
                                         cache_salt=salt, request=req, after=self.stream)
@@ -237,7 +241,7 @@ class _Engine:
                     r = ps.result()
                 except KVDepotError as exc:
                     if exc.code in _LOST:
-                        self.quarantine_blocks(rest)
+                        self.quarantine_blocks(rest, getattr(ps, "blocks_free_at_s", None))
                     raise
                 self.counts["stores"] += 1
                 self.counts["stored_chunks"] += r.stored

@@ -6,10 +6,13 @@ Faults, one every ``fault_interval_s`` on average (exponential gaps), picked by 
 daemon dropped its registration and pins is a reclaim time), ``kill_daemon`` (SIGKILL, restart
 on the same endpoint and L2 directory), ``corrupt_l2`` (flip bytes of a random L2 object file),
 ``kill_redis`` (SIGKILL the L3 Redis, restart it 1-3 s later), ``shrink_segment`` (CPU: truncate
-an engine's KV memory, which its memfd seal must refuse). All along, the daemon drops and
-delays a share of its replies and stalls a share of its CPU copies past its watchdog's deadline
-(`kvdepot.server.faults`, `kvdepot.server.watchdog`), and an L1 much smaller than the engines'
-working set keeps eviction busy.
+an engine's KV memory, which its memfd seal must refuse), ``freeze`` (SIGSTOP the daemon for 1-4
+s, longer than the engines' timeouts, then SIGCONT). All along, the daemon drops and delays a
+share of its replies and stalls a share of its CPU copies past its watchdog's deadline and the
+engines' timeouts (late copies: a CPU engine reuses a lost store's blocks once its deadline
+passed, `Store.deadline_ns`, so a late copy that committed what it read would be a corrupt byte
+later; `kvdepot.server.faults`, `kvdepot.server.watchdog`), and an L1 much smaller than the
+engines' working set keeps eviction busy.
 
 Fails (exit status 1) on: a corrupt byte, a hang (an engine without a finished request for
 ``hang_s`` while the daemon was up), a daemon or engine that died by itself, a reclaim slower
@@ -117,7 +120,8 @@ class _Daemon:
     def __init__(self, cfg: SoakConfig, workdir: Path, l3_url: str) -> None:
         self.endpoint = f"ipc://{workdir}/kvdepot.sock"
         self.args = [sys.executable, "-m", "kvdepot", "serve", "--endpoint", self.endpoint,
-                     "--l1-bytes", str(cfg.l1_bytes), "--pin-ttl-s", "30", "--watchdog-s", str(cfg.watchdog_s)]
+                     "--l1-bytes", str(cfg.l1_bytes), "--pin-ttl-s", "30", "--watchdog-s", str(cfg.watchdog_s),
+                     "--shutdown-drain-s", "10"]
         if cfg.device == "cpu":
             self.args.append("--no-pin-l1")
         if cfg.l2:
@@ -237,7 +241,7 @@ class Soak:
     def _fault(self) -> None:
         """Inject one fault: the first ones go through every kind once (in a seeded order, so
         a run of a few faults covers them all), later ones are drawn by weight."""
-        kinds = ["kill_engine"] * 4 + ["kill_daemon"]
+        kinds = ["kill_engine"] * 4 + ["kill_daemon", "freeze"]
         if self.cfg.device == "cpu" or self.cfg.cpu_engines:
             kinds += ["shrink_segment"] * 2
         if self.cfg.l2:
@@ -301,6 +305,12 @@ class Soak:
                     f.write(os.urandom(8))
             except OSError:
                 return False  # evicted meanwhile
+        elif kind == "freeze":
+            # the daemon stuck (in the kernel, swapped out, paused): engines time out, never hang
+            self.daemon.proc.send_signal(signal.SIGSTOP)
+            time.sleep(self.rng.uniform(1.0, 4.0))
+            self.daemon.proc.send_signal(signal.SIGCONT)
+            self.daemon.up_since = time.monotonic()
         elif kind == "kill_redis":
             self.redis.kill()
             self.redis_down_until = time.monotonic() + self.rng.uniform(1.0, 3.0)
@@ -468,6 +478,7 @@ class Soak:
             "verified_bytes": t["verified_bytes"], "cache_checks": t["cache_checks"],
             "corrupt_bytes": t["corrupt_bytes"], "wrong_hits": t["corrupt_checks"],
             "quarantined_blocks": t["quarantined_blocks"], "registrations": t["registrations"],
+            "blocks_reused_after_deadline": t["blocks_reused_after_deadline"],
             "errors": dict(self.errors), "faults": faults, "faults_total": sum(faults.values()),
             "daemon_starts": self.daemon.incarnation, "tiers": tiers,
             "reclaims": len(rs), "reclaim_p50_s": round(statistics.median(rs), 3) if rs else None,
@@ -508,7 +519,7 @@ def format_report(r: dict) -> str:
         f"retrieved {r['retrieved_chunks']} / stored {r['stored_chunks']}, short retrieves {r['short_retrieves']}",
         f"  verified {r['verified_bytes'] / mib:.1f} MiB ({r['cache_checks']} whole-cache checks): corrupt bytes "
         f"{r['corrupt_bytes']}, wrong hits {r['wrong_hits']}; blocks quarantined after lost copies "
-        f"{r['quarantined_blocks']}",
+        f"{r['quarantined_blocks']} (reused once a lost store's deadline passed: {r.get('blocks_reused_after_deadline', 0)})",
         f"  faults {r['faults_total']}: " + ", ".join(f"{k} {v}" for k, v in sorted(r["faults"].items())),
         "  tiers: " + (", ".join(f"{k} {v}" for k, v in r["tiers"].items() if v) or "nothing counted"),
         "  errors by code: " + (", ".join(f"{k} {v}" for k, v in sorted(r["errors"].items())) or "none"),

@@ -1,14 +1,14 @@
 """A CPU engine's copies never touch blocks the engine may have reused (`Store.deadline_ns`):
 the daemon's copies are stalled longer than the client's timeout ($KVDEPOT_INJECT_FAULTS stall),
-the engine writes another request's KV into the blocks once the handle's ``blocks_free_at_s``
-passed, and neither a late store (its key keeps missing) nor a late retrieve (the blocks keep
-the new bytes) lets the daemon's late copy through."""
+a store's blocks are reused once its handle's ``blocks_free_at_s`` passed and its late copy is
+never committed; a late retrieve copies nothing, and its blocks wait for a `Settle`."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+import torch
 
 import kv_engine as ke
 from daemon_proc import metric, scrape
@@ -26,22 +26,17 @@ def _overwrite(eng: ke.Engine, block_ids: list[int], value: int) -> None:
         eng.cache.token_view(layer, as_bytes=True)[block_ids] = value
 
 
-@pytest.mark.parametrize("op", ["store", "retrieve"])
-def test_a_late_cpu_copy_never_touches_reused_blocks(daemon_factory, monkeypatch, op):
+def test_a_late_cpu_store_is_never_committed_from_reused_blocks(daemon_factory, monkeypatch):
     seed = _seed_first_copy_runs_second_stalls()
     monkeypatch.setenv("KVDEPOT_INJECT_FAULTS", f"stall=0.5,stall_s={STALL_S},seed={seed}")
     d = daemon_factory()
-    spec = ke.EngineSpec(d.endpoint, ke.SMOLLM2, "LBNHC", (16,), (24,), 16, 7400, model_id=f"late-{op}",
-                         sealed=True)
+    spec = ke.EngineSpec(d.endpoint, ke.SMOLLM2, "LBNHC", (16,), (24,), 16, 7400, model_id="late-store")
     with ke.Engine(spec) as eng:
         c = eng.client
         c.timeout_s = c.copy_deadline_s = TIMEOUT_S
         keys = eng.keys(ke.prompt_tokens(7400, 32))
         assert c.store(eng.reg, keys[:1], [[0]]).stored == 1  # the first copy runs at once
-        if op == "store":  # the second copy stalls STALL_S
-            pending = c.submit_store(eng.reg, keys[1:], [[3]], parent=keys[0])
-        else:
-            pending = c.submit_retrieve(eng.reg, keys[:1], [[3]])
+        pending = c.submit_store(eng.reg, keys[1:], [[3]], parent=keys[0])  # its copy stalls STALL_S
         sent_s = time.monotonic()
         with pytest.raises(KVDepotError) as err:
             pending.result()
@@ -53,9 +48,35 @@ def test_a_late_cpu_copy_never_touches_reused_blocks(daemon_factory, monkeypatch
         time.sleep(max(0.0, sent_s + STALL_S + 1.0 - time.monotonic()))  # the stalled copy's thread ran
         assert c.describe().injected_faults["stalled_copies"] == 1  # (a new connection: the old one timed out)
         assert c.lookup(keys, 16) == 1, "a late store must not be committed"
-        for layer in range(len(eng.cache.layer_names)):
-            got = eng.cache.token_view(layer, as_bytes=True)[[3]]
-            assert bool((got == 0x55).all()), f"layer {layer}: the late {op} wrote into a reused block"
+        assert metric(scrape(d.metrics_port), "kvdepot_errors_total", code="DEADLINE") == 1
+    assert d.alive
+
+
+def test_a_late_cpu_retrieve_writes_nothing_and_its_blocks_wait_for_settle(daemon_factory, monkeypatch):
+    """A retrieve's blocks are not freed by its deadline (a copy begun before it could still be
+    writing if the daemon was stopped mid-chunk): the engine settles it (`Settle`), and the
+    deadline kept the stalled copy from writing at all."""
+    seed = _seed_first_copy_runs_second_stalls()
+    monkeypatch.setenv("KVDEPOT_INJECT_FAULTS", f"stall=0.5,stall_s={STALL_S},seed={seed}")
+    d = daemon_factory()
+    spec = ke.EngineSpec(d.endpoint, ke.SMOLLM2, "LBNHC", (16,), (24,), 16, 7450, model_id="late-retrieve")
+    with ke.Engine(spec) as eng:
+        c = eng.client
+        c.timeout_s = c.copy_deadline_s = TIMEOUT_S
+        keys = eng.keys(ke.prompt_tokens(7450, 16))
+        assert c.store(eng.reg, keys, [[0]]).stored == 1  # the first copy runs at once
+        before = [eng.cache.token_view(layer, as_bytes=True)[[3]].clone() for layer in range(len(eng.cache.layer_names))]
+        pending = c.submit_retrieve(eng.reg, keys, [[3]])  # its copy stalls STALL_S
+        sent_s = time.monotonic()
+        with pytest.raises(KVDepotError) as err:
+            pending.result()
+        assert err.value.code is ErrorCode.TIMEOUT and pending.blocks_free_at_s is None
+        c.timeout_s = STALL_S + 5
+        c.call(m.Settle(rid=0, registration=eng.reg.id, through_rid=pending.rid))
+        assert time.monotonic() - sent_s > STALL_S - 0.5, "Settle waited for the stalled copy"
+        for layer, was in enumerate(before):
+            assert torch.equal(eng.cache.token_view(layer, as_bytes=True)[[3]], was), \
+                f"layer {layer}: the retrieve wrote after its deadline"
         assert metric(scrape(d.metrics_port), "kvdepot_errors_total", code="DEADLINE") == 1
     assert d.alive
 

@@ -31,8 +31,8 @@ def test_one_minute_soak_with_every_fault_kind_passes(tmp_path):
     assert r.returncode == 0 and report["ok"], (report["failures"], r.stdout, r.stderr[-4000:])
     assert report["corrupt_bytes"] == 0 and report["wrong_hits"] == 0
     faults = report["faults"]
-    for kind in ("kill_engine", "kill_daemon", "corrupt_l2", "kill_redis", "shrink_segment", "dropped_replies",
-                 "delayed_replies", "stalled_copies"):
+    for kind in ("kill_engine", "kill_daemon", "corrupt_l2", "kill_redis", "shrink_segment", "freeze",
+                 "dropped_replies", "delayed_replies", "stalled_copies"):
         assert faults.get(kind, 0) >= 1, (kind, faults)
     assert report["reclaims"] >= 1 and report["reclaim_max_s"] <= 1.5
     assert report["daemon_starts"] == faults["kill_daemon"] + 1
