@@ -15,6 +15,7 @@ import torch
 import zmq
 
 import kv_engine as ke
+from conftest import start_daemon
 from kvdepot.client import KVDepotClient
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
@@ -28,8 +29,6 @@ _pack = msgspec.msgpack.encode
 @pytest.fixture(scope="module")
 def module_daemon(tmp_path_factory):
     """The module's daemon, accepting named segments."""
-    from conftest import start_daemon
-
     d = start_daemon(tmp_path_factory.mktemp("daemon"), "--allow-shm-names")
     try:
         yield d

@@ -79,7 +79,7 @@ def test_loopback_tcp_without_keys_refuses_admin_and_shm(daemon_factory, tmp_pat
             c.flush()
         assert ei.value.code is ErrorCode.FORBIDDEN and "flush" in str(ei.value)
     with pytest.raises(KVDepotError) as ei:
-        ke.Engine(ke.EngineSpec(tcp, ke.SMOLLM2, "LBNHC", (16,), (8,), 16, 7100))
+        ke.Engine(ke.EngineSpec(tcp, ke.SMOLLM2, "LBNHC", (16,), (8,), 16, 7100, sealed=False))
     assert ei.value.code is ErrorCode.FORBIDDEN and "shared memory" in str(ei.value)
     with KVDepotClient(d.endpoint) as c:  # the same over ipc:// is fine
         c.flush()

@@ -57,12 +57,12 @@ class _Client:
             self.abandon_region(kvreg, staged)
             raise KVDepotError(ErrorCode.UNAVAILABLE, "daemon gone")
         self.sent.append(dict(keys=list(keys), block_ids=block_ids, parent=parent, request=request, staged=staged))
-        return types.SimpleNamespace(done=lambda: False)
+        return types.SimpleNamespace(done=lambda: False, rid=1, blocks_free_at_s=None)
 
     def submit_store_many(self, kvreg, items, cache_salt="", request="", after=None, wait_for_room=True,
                           staged=None):
         self.sent.append(dict(items=list(items), cache_salt=cache_salt, staged=staged))
-        return types.SimpleNamespace(done=lambda: False)
+        return types.SimpleNamespace(done=lambda: False, rid=1, blocks_free_at_s=None)
 
     def mark_down(self):
         self.up = False

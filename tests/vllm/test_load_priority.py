@@ -70,7 +70,7 @@ class _RingClient:
         if region is None:
             return None
         self.sent.append((kind, request))
-        return types.SimpleNamespace(done=lambda: False)
+        return types.SimpleNamespace(done=lambda: False, rid=1, blocks_free_at_s=None)
 
     def submit_store(self, kvreg, keys, block_ids, parent=b"", cache_salt="", request="", after=None,
                      wait_for_room=True):

@@ -5,9 +5,11 @@ on the daemon, and no block is written after vLLM gave it to another request."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
+from conftest import Daemon
 
 pytest.importorskip("vllm")
 
@@ -166,10 +168,6 @@ def test_blocks_of_requests_lost_with_a_connection_return_at_once(tmp_path, monk
     the worker asks the daemon which of them still run (`Settle`) and gives their request's
     blocks back as soon as their copies ended, not after its deadline (rpc_timeout_s + 1 s) or
     hold_max_s."""
-    import socket
-
-    from conftest import Daemon
-
     monkeypatch.setenv("KVDEPOT_INJECT_FAULTS", "stall=1,stall_s=0.3")
     d = Daemon(tmp_path).start()
     try:
