@@ -26,59 +26,61 @@ def _overwrite(eng: ke.Engine, block_ids: list[int], value: int) -> None:
         eng.cache.token_view(layer, as_bytes=True)[block_ids] = value
 
 
-def test_a_late_cpu_store_is_never_committed_from_reused_blocks(daemon_factory, monkeypatch):
+@pytest.fixture
+def stalled_engine(daemon_factory, monkeypatch, request):
+    """(daemon, engine): the daemon's first CPU copy runs at once and its second stalls STALL_S;
+    the engine's client times out (and sets its copies' deadline) after TIMEOUT_S."""
     seed = _seed_first_copy_runs_second_stalls()
     monkeypatch.setenv("KVDEPOT_INJECT_FAULTS", f"stall=0.5,stall_s={STALL_S},seed={seed}")
     d = daemon_factory()
-    spec = ke.EngineSpec(d.endpoint, ke.SMOLLM2, "LBNHC", (16,), (24,), 16, 7400, model_id="late-store")
+    spec = ke.EngineSpec(d.endpoint, ke.SMOLLM2, "LBNHC", (16,), (24,), 16, 7400, model_id=request.node.name[:60])
     with ke.Engine(spec) as eng:
-        c = eng.client
-        c.timeout_s = c.copy_deadline_s = TIMEOUT_S
-        keys = eng.keys(ke.prompt_tokens(7400, 32))
-        assert c.store(eng.reg, keys[:1], [[0]]).stored == 1  # the first copy runs at once
-        pending = c.submit_store(eng.reg, keys[1:], [[3]], parent=keys[0])  # its copy stalls STALL_S
-        sent_s = time.monotonic()
-        with pytest.raises(KVDepotError) as err:
-            pending.result()
-        assert err.value.code is ErrorCode.TIMEOUT
-        free_at = pending.blocks_free_at_s
-        assert free_at is not None and sent_s + TIMEOUT_S < free_at < sent_s + TIMEOUT_S + 2.0
-        time.sleep(max(0.0, free_at - time.monotonic()))
-        _overwrite(eng, [3], 0x55)  # block 3 now holds another request's KV
-        time.sleep(max(0.0, sent_s + STALL_S + 1.0 - time.monotonic()))  # the stalled copy's thread ran
-        assert c.describe().injected_faults["stalled_copies"] == 1  # (a new connection: the old one timed out)
-        assert c.lookup(keys, 16) == 1, "a late store must not be committed"
-        assert metric(scrape(d.metrics_port), "kvdepot_errors_total", code="DEADLINE") == 1
+        eng.client.timeout_s = eng.client.copy_deadline_s = TIMEOUT_S
+        yield d, eng
     assert d.alive
 
 
-def test_a_late_cpu_retrieve_writes_nothing_and_its_blocks_wait_for_settle(daemon_factory, monkeypatch):
+def test_a_late_cpu_store_is_never_committed_from_reused_blocks(stalled_engine):
+    d, eng = stalled_engine
+    c = eng.client
+    keys = eng.keys(ke.prompt_tokens(7400, 32))
+    assert c.store(eng.reg, keys[:1], [[0]]).stored == 1  # the first copy runs at once
+    pending = c.submit_store(eng.reg, keys[1:], [[3]], parent=keys[0])  # its copy stalls STALL_S
+    sent_s = time.monotonic()
+    with pytest.raises(KVDepotError) as err:
+        pending.result()
+    assert err.value.code is ErrorCode.TIMEOUT
+    free_at = pending.blocks_free_at_s
+    assert free_at is not None and sent_s + TIMEOUT_S < free_at < sent_s + TIMEOUT_S + 2.0
+    time.sleep(max(0.0, free_at - time.monotonic()))
+    _overwrite(eng, [3], 0x55)  # block 3 now holds another request's KV
+    time.sleep(max(0.0, sent_s + STALL_S + 1.0 - time.monotonic()))  # the stalled copy's thread ran
+    assert c.describe().injected_faults["stalled_copies"] == 1  # (a new connection: the old one timed out)
+    assert c.lookup(keys, 16) == 1, "a late store must not be committed"
+    assert metric(scrape(d.metrics_port), "kvdepot_errors_total", code="DEADLINE") == 1
+
+
+def test_a_late_cpu_retrieve_writes_nothing_and_its_blocks_wait_for_settle(stalled_engine):
     """A retrieve's blocks are not freed by its deadline (a copy begun before it could still be
     writing if the daemon was stopped mid-chunk): the engine settles it (`Settle`), and the
     deadline kept the stalled copy from writing at all."""
-    seed = _seed_first_copy_runs_second_stalls()
-    monkeypatch.setenv("KVDEPOT_INJECT_FAULTS", f"stall=0.5,stall_s={STALL_S},seed={seed}")
-    d = daemon_factory()
-    spec = ke.EngineSpec(d.endpoint, ke.SMOLLM2, "LBNHC", (16,), (24,), 16, 7450, model_id="late-retrieve")
-    with ke.Engine(spec) as eng:
-        c = eng.client
-        c.timeout_s = c.copy_deadline_s = TIMEOUT_S
-        keys = eng.keys(ke.prompt_tokens(7450, 16))
-        assert c.store(eng.reg, keys, [[0]]).stored == 1  # the first copy runs at once
-        before = [eng.cache.token_view(layer, as_bytes=True)[[3]].clone() for layer in range(len(eng.cache.layer_names))]
-        pending = c.submit_retrieve(eng.reg, keys, [[3]])  # its copy stalls STALL_S
-        sent_s = time.monotonic()
-        with pytest.raises(KVDepotError) as err:
-            pending.result()
-        assert err.value.code is ErrorCode.TIMEOUT and pending.blocks_free_at_s is None
-        c.timeout_s = STALL_S + 5
-        c.call(m.Settle(rid=0, registration=eng.reg.id, through_rid=pending.rid))
-        assert time.monotonic() - sent_s > STALL_S - 0.5, "Settle waited for the stalled copy"
-        for layer, was in enumerate(before):
-            assert torch.equal(eng.cache.token_view(layer, as_bytes=True)[[3]], was), \
-                f"layer {layer}: the retrieve wrote after its deadline"
-        assert metric(scrape(d.metrics_port), "kvdepot_errors_total", code="DEADLINE") == 1
-    assert d.alive
+    d, eng = stalled_engine
+    c = eng.client
+    keys = eng.keys(ke.prompt_tokens(7450, 16))
+    assert c.store(eng.reg, keys, [[0]]).stored == 1  # the first copy runs at once
+    before = [eng.cache.token_view(layer, as_bytes=True)[[3]].clone() for layer in range(len(eng.cache.layer_names))]
+    pending = c.submit_retrieve(eng.reg, keys, [[3]])  # its copy stalls STALL_S
+    sent_s = time.monotonic()
+    with pytest.raises(KVDepotError) as err:
+        pending.result()
+    assert err.value.code is ErrorCode.TIMEOUT and pending.blocks_free_at_s is None
+    c.timeout_s = STALL_S + 5
+    c.call(m.Settle(rid=0, registration=eng.reg.id, through_rid=pending.rid))
+    assert time.monotonic() - sent_s > STALL_S - 0.5, "Settle waited for the stalled copy"
+    for layer, was in enumerate(before):
+        assert torch.equal(eng.cache.token_view(layer, as_bytes=True)[[3]], was), \
+            f"layer {layer}: the retrieve wrote after its deadline"
+    assert metric(scrape(d.metrics_port), "kvdepot_errors_total", code="DEADLINE") == 1
 
 
 def test_settle_answers_once_lost_copies_ended_and_refuses_late_arrivals(daemon_factory, monkeypatch):
