@@ -166,6 +166,21 @@ class _Daemon:
             return -1
 
 
+_LOOK_GAP_S = 0.3  # the orchestrator looks every 0.1 s; a longer gap between looks is its own
+
+
+@dataclasses.dataclass
+class _PendingReclaim:
+    """A killed engine's registration that the daemon has not reclaimed yet (times: monotonic s)."""
+
+    registration: str
+    killed_at: float
+    incarnation: int  # of the daemon it was registered with
+    frozen_then_s: float  # the orchestrator's frozen_s at the kill
+    live_at: float  # send time of the latest look that saw it still registered
+    live_frozen_s: float  # the orchestrator's frozen_s then
+
+
 class Soak:
     """One run: ``Soak(cfg).run()`` returns the report (a dict; ``report["ok"]`` says pass)."""
 
@@ -189,7 +204,9 @@ class Soak:
         self.faults = collections.Counter()
         self.daemon_counts: dict[str, collections.Counter] = {}  # boot id -> injected faults, tier counters
         self.reclaim_s: list[float] = []
-        self.pending_reclaims: list[tuple[str, float, int]] = []  # (registration, killed at, incarnation)
+        self.pending_reclaims: list[_PendingReclaim] = []
+        self.reclaims_seen_late = 0  # reclaims whose end fell in a gap of the orchestrator's looks
+        self.frozen_s = 0.0  # total time the daemon spent SIGSTOPped by the freeze fault
         self.failures: list[str] = []
         self.rss: list[tuple[float, int]] = []  # (seconds since start, daemon RssAnon bytes)
         self.max_rss_over_base = 0
@@ -267,7 +284,9 @@ class Soak:
             rep = self.last[i]
             os.kill(self.engines[i].pid, signal.SIGKILL)
             self.engines[i].join(10)
-            self.pending_reclaims.append((rep["registration"], time.monotonic(), self.daemon.incarnation))
+            now = time.monotonic()
+            self.pending_reclaims.append(_PendingReclaim(rep["registration"], now, self.daemon.incarnation,
+                                                         self.frozen_s, now, self.frozen_s))
             self._retire(i)
             self._spawn(i)
         elif kind == "kill_daemon":
@@ -308,8 +327,10 @@ class Soak:
         elif kind == "freeze":
             # the daemon stuck (in the kernel, swapped out, paused): engines time out, never hang
             self.daemon.proc.send_signal(signal.SIGSTOP)
+            stopped_at = time.monotonic()
             time.sleep(self.rng.uniform(1.0, 4.0))
             self.daemon.proc.send_signal(signal.SIGCONT)
+            self.frozen_s += time.monotonic() - stopped_at
             self.daemon.up_since = time.monotonic()
         elif kind == "kill_redis":
             self.redis.kill()
@@ -340,13 +361,12 @@ class Soak:
             return  # e.g. an injected dropped reply: the next look (0.1 s on) asks again
         live = {e.registration for e in info.engines}
         for item in list(self.pending_reclaims):
-            reg, killed_at, incarnation = item
-            if incarnation != d.incarnation:
+            if item.incarnation != d.incarnation:
                 self.pending_reclaims.remove(item)
-            elif reg not in live:
-                # reclaimed before the describe that saw it gone was sent, or up to ~0.1 s
-                # later: its send time is the bound, whatever delay the reply had
-                self.reclaim_s.append(max(0.0, asked_at - killed_at))
+            elif item.registration in live:
+                item.live_at, item.live_frozen_s = asked_at, self.frozen_s
+            else:
+                self.reclaim_s.append(self._reclaim_time_s(item, asked_at))
                 self.pending_reclaims.remove(item)
         seen = collections.Counter(info.injected_faults)
         for tier in info.tiers:
@@ -362,6 +382,19 @@ class Soak:
                     msg = f"engine {i} made no progress for {self.cfg.hang_s:g} s while the daemon was up"
                     if msg not in self.failures:
                         self.failures.append(msg)
+
+    def _reclaim_time_s(self, item: _PendingReclaim, gone_at: float) -> float:
+        """How long the daemon took to reclaim ``item``'s registration, from the engine's kill to
+        the send time of the first look that saw it gone (``gone_at``), less the time the daemon
+        was frozen meanwhile (it cannot reclaim while stopped). A reply a few ms late changes
+        nothing: the send time is the bound. If a look failed or came late (an injected dropped
+        or delayed reply of the orchestrator's own, a fault injected meanwhile), the reclaim
+        ended somewhere in that gap; only the part before the gap is known, and that is what
+        counts (``reclaims_seen_late``)."""
+        if gone_at - item.live_at > _LOOK_GAP_S:
+            self.reclaims_seen_late += 1
+            return max(0.0, item.live_at - item.killed_at - (item.live_frozen_s - item.frozen_then_s))
+        return max(0.0, gone_at - item.killed_at - (self.frozen_s - item.frozen_then_s))
 
     # ------------------------------------------------------------------ run
 
@@ -482,7 +515,7 @@ class Soak:
             "errors": dict(self.errors), "faults": faults, "faults_total": sum(faults.values()),
             "daemon_starts": self.daemon.incarnation, "tiers": tiers,
             "reclaims": len(rs), "reclaim_p50_s": round(statistics.median(rs), 3) if rs else None,
-            "reclaim_max_s": round(rs[-1], 3) if rs else None,
+            "reclaim_max_s": round(rs[-1], 3) if rs else None, "reclaims_seen_late": self.reclaims_seen_late,
             "daemon_rss_anon_over_start_max_bytes": self.max_rss_over_base, "daemon_rss_limit_bytes": rss_limit,
             "daemon_rss_anon_bytes": [(round(s, 1), b) for s, b in self.rss[::10]],
             "workdir": str(self.workdir),
@@ -524,7 +557,8 @@ def format_report(r: dict) -> str:
         "  tiers: " + (", ".join(f"{k} {v}" for k, v in r["tiers"].items() if v) or "nothing counted"),
         "  errors by code: " + (", ".join(f"{k} {v}" for k, v in sorted(r["errors"].items())) or "none"),
         f"  daemon starts {r['daemon_starts']}; engine deaths reclaimed {r['reclaims']} "
-        f"(p50 {r['reclaim_p50_s']} s, max {r['reclaim_max_s']} s)",
+        f"(p50 {r['reclaim_p50_s']} s, max {r['reclaim_max_s']} s; {r.get('reclaims_seen_late', 0)} seen after a gap "
+        "in the orchestrator's looks, timed to the last look that saw them live)",
         f"  daemon anonymous memory over its start: max {r['daemon_rss_anon_over_start_max_bytes'] / mib:.0f} MiB "
         f"(limit {r['daemon_rss_limit_bytes'] / mib:.0f}); over time (s, MiB): "
         + " ".join(f"{s:g}:{b / mib:.0f}" for s, b in r["daemon_rss_anon_bytes"][:40]),
