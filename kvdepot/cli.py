@@ -46,7 +46,7 @@ def cmd_serve(args) -> int:
     cfg = DaemonConfig(
         endpoints=v["endpoint"], l1_capacity_bytes=v["l1_bytes"], metrics_port=v["metrics_port"],
         metrics_addr=v["metrics_addr"], pin_ttl_s=v["pin_ttl_s"], transfer_threads=v["transfer_threads"],
-        staging_batch_bytes=v["staging_batch_bytes"], pin_l1=v["pin_l1"], busy_poll_us=v["busy_poll_us"],
+        staging_batch_bytes=v["staging_batch_bytes"], copy_piece_bytes=v["copy_piece_bytes"], pin_l1=v["pin_l1"], busy_poll_us=v["busy_poll_us"],
         busy_poll_max_inflight=v["busy_poll_max_inflight"],
         curve=curve, l2_path=v["l2_path"], l2_capacity_bytes=v["l2_bytes"], l2_queue_bytes=v["l2_queue_bytes"],
         l2_io_threads=v["l2_io_threads"], l2_direct_io=v["l2_direct_io"], shutdown_drain_s=v["shutdown_drain_s"], l3_url=v["l3_url"],

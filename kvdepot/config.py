@@ -182,6 +182,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("staging_batch_bytes", "--staging-batch-bytes", parse_bytes, 64 << 20,
             "daemon-side GPU staging per slot, 2 slots per direction per GPU (for engines that do not stage "
             "themselves)", metavar="BYTES"),
+    Setting("copy_piece_bytes", "--copy-piece-bytes", parse_bytes, 8 << 20,
+            "daemon-side GPU copies move a chunk object larger than this in pieces of about this size (whole "
+            "blocks, at most 64 pieces) through the staging slots; 0 = whole chunks",
+            metavar="BYTES"),
     Setting("busy_poll_us", "--busy-poll-us", _int, 2000,
             "after each request or reply, poll without sleeping this many microseconds (one core busy while "
             "few requests flow; lower latency); 0 = sleep at once", metavar="US"),

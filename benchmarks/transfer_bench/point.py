@@ -228,7 +228,6 @@ def bench_point(ctx: Ctx, shape: Shape, cache: ShmKVCache, specs: tuple, blocks:
             j = i % n
             t0 = time.perf_counter_ns()
             # as c.retrieve(..., before=s): the scatter enqueued on s now, behind the landed word
-            # ($KVDEPOT_NO_GATED_SCATTER: after the reply)
             pending = c.submit_retrieve(reg, [keys[j]], dst[j], scatter_on=s)
             got = pending.result(s)  # staged: after the daemon's copies (gated: the scatter is running)
             t1 = time.perf_counter_ns()

@@ -144,14 +144,10 @@ class KVDepotClient(Registrations, TransferRequests, StagedStores, ManyRequests)
         self.replies_read = 0  # replies read so far (a change says `poll` brought something)
         # staged registrations' stores / retrieves that went the daemon-gathers way (no ring room)
         self.unstaged_requests = 0
-        # staged retrieves may enqueue their scatter before the reply (`submit_retrieve`'s
-        # ``scatter_on``); $KVDEPOT_NO_GATED_SCATTER: never (comparisons)
-        self._gated_scatters = not os.environ.get("KVDEPOT_NO_GATED_SCATTER")
-        # staged stores may end on their landed word (`Store.landed`, `PendingStore.result`);
-        # $KVDEPOT_NO_LANDED_STORES: never (comparisons). Such stores' replies (after the
-        # daemon's commit) are still due: a later request other than a store waits for them
-        # first (`_confirm_stores`), so this client's lookups see its own stores
-        self._landed_stores = not os.environ.get("KVDEPOT_NO_LANDED_STORES")
+        # staged stores may end on their landed word (`Store.landed`, `PendingStore.result`).
+        # Such stores' replies (after the daemon's commit) are still due: a later request other
+        # than a store waits for them first (`_confirm_stores`), so this client's lookups see
+        # its own stores
         self._unconfirmed: set[int] = set()
         self.stores_landed = 0  # stores whose result came from their landed word
         self._greeted = not connect  # greet every connection but the one hello() below greets

@@ -16,13 +16,10 @@ from kvdepot.protocol import messages as m
 
 class TransferRequests:
     """Mixed into `KVDepotClient` (its ``submit``, ``forget``, ``_fence``, ``stage_store``,
-    ``_gather``, ``abandon_region``, ``unstaged_requests``, ``_gated_scatters`` and
-    ``_landed_stores``)."""
+    ``_gather``, ``abandon_region`` and ``unstaged_requests``)."""
 
     unstaged_requests: int
     copy_deadline_s: float
-    _gated_scatters: bool
-    _landed_stores: bool
 
     def _deadline_ns(self, reg: Registration) -> int:
         """`Store.deadline_ns` of a request sent now: ``copy_deadline_s`` from now for a CPU
@@ -94,7 +91,7 @@ class TransferRequests:
             offset = region.offset
             fence = region.seq if region.fenced else 0
         # the daemon's DMA stream may end the store in the region's fence word (`Store.landed`)
-        landed = bool(fence and not chains and self._landed_stores and staging.landed_active
+        landed = bool(fence and not chains and staging.landed_active
                       and fence <= m.LANDED_MAX_SEQ and len(keys) <= m.LANDED_MAX_CHUNKS)
         gathered_ns = trace.now_ns()
         deadline_ns = self._deadline_ns(reg)
@@ -179,7 +176,7 @@ class TransferRequests:
                     return None
                 self.unstaged_requests += 1
         gated = (scatter_on is not None and region is not None and not chains and reg.staging.landed_active
-                 and self._gated_scatters and region.seq <= m.LANDED_MAX_SEQ and len(keys) <= m.LANDED_MAX_CHUNKS)
+                 and region.seq <= m.LANDED_MAX_SEQ and len(keys) <= m.LANDED_MAX_CHUNKS)
         if gated:  # before sending: the daemon's word may come before this thread's next line
             reg.staging.fence.close_gate(region.seq)
         deadline_ns = self._deadline_ns(reg)

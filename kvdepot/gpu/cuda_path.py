@@ -43,9 +43,7 @@ from kvdepot.protocol.messages import StorageSpec
 log = logging.getLogger("kvdepot.cuda")
 
 DEFAULT_BATCH_BYTES = 64 << 20  # staging bytes per slot (2 slots per direction per GPU)
-# a chunk object larger than this moves in pieces inside the library (see kvd_engine_set_piece_bytes);
-# the environment variable exists for tests, which use small pieces to exercise the piece path
-PIECE_BYTES = int(os.environ.get("KVDEPOT_PIECE_BYTES", str(8 << 20)))
+DEFAULT_PIECE_BYTES = 8 << 20  # a chunk object larger than this moves in pieces (kvd_engine_set_piece_bytes)
 _GPU_ERROR_BIT = 1 << 63  # set in a completion token when the GPU reported an error
 _NOT_COPIED_BIT = 1 << 62  # set when a deferred copy was cancelled or timed out before it began
 
@@ -190,9 +188,12 @@ class NativeEngine:
         device: CUDA ordinal of the engine's GPU.
         layout: the registration's `EngineLayout`.
         storage_ptrs: device pointer of each storage (index = `LayerSpec.storage`), as opened.
+        piece_bytes: a chunk object larger than this moves in ceil(object_bytes / piece_bytes)
+            pieces (token ranges of whole blocks, at most the library's KVD_MAX_PIECES = 64); 0 = whole.
     """
 
-    def __init__(self, kernels: Kernels, device: int, layout: EngineLayout, storage_ptrs: Sequence[int]) -> None:
+    def __init__(self, kernels: Kernels, device: int, layout: EngineLayout, storage_ptrs: Sequence[int],
+                 piece_bytes: int = DEFAULT_PIECE_BYTES) -> None:
         self.kernels = kernels
         self.device = device
         self.layout = layout
@@ -202,7 +203,7 @@ class NativeEngine:
             self.handle = kernels.engine_create(device, descs, layer_ptrs, layout.chunk_size, layout.object_bytes)
         except KernelError as exc:
             raise RequestError(ErrorCode.LAYOUT, f"the kernels cannot use this layout: {exc}") from None
-        self.pieces = kernels.engine_set_piece_bytes(self.handle, PIECE_BYTES)
+        self.pieces = kernels.engine_set_piece_bytes(self.handle, piece_bytes)
         # block ids go to the library flat, one list per layer group in layout order (several
         # layer groups may share a KV-cache group's ids)
         self._gids = [g.gid for g in layout.groups]
@@ -359,11 +360,13 @@ class CudaRuntime:
     `kvdepot.gpu.torch_path` instead: correct, slower, and logged once as a warning.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, batch_bytes: int = DEFAULT_BATCH_BYTES,
+                 piece_bytes: int = DEFAULT_PIECE_BYTES) -> None:
         if not torch.cuda.is_available():
             raise RequestError(ErrorCode.UNSUPPORTED, "CUDA engine registered but the daemon sees no GPU")
         self.loop = loop
         self.batch_bytes = batch_bytes
+        self.piece_bytes = piece_bytes  # see NativeEngine
         self.kernels = load_kernels()
         self.completions = CompletionPipe(loop)
         self.paths: dict[int, object] = {}  # CudaDevicePath, or TorchDevicePath without the library
@@ -451,7 +454,7 @@ class CudaRuntime:
 
             return CudaTransferEngine(layout, [o.ptr for o in opened], [o.size_bytes for o in opened],
                                       torch.device("cuda", device), use_kernels=False)
-        engine = NativeEngine(self.kernels, device, layout, [o.ptr for o in opened])
+        engine = NativeEngine(self.kernels, device, layout, [o.ptr for o in opened], self.piece_bytes)
         try:
             path.reserve(layout.object_bytes)
         except BaseException as exc:

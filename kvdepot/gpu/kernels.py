@@ -39,7 +39,7 @@ ENV_SO = "KVDEPOT_KERNELS_SO"
 ENV_NO_JIT = "KVDEPOT_NO_JIT"
 # built at install (setup.py) for `build.INSTALL_ARCHS` when nvcc was there
 PACKAGED_SO = Path(__file__).parent / "_lib" / "libkvdepot_kernels.so"
-ABI_VERSION = 13
+ABI_VERSION = 14
 
 KVD_OK, KVD_EINVAL, KVD_EALIGN, KVD_ECUDA = 0, 1, 2, 3
 
@@ -128,6 +128,7 @@ class Kernels:
         lib.kvd_stream_memops.argtypes = []
         set_copy_argtypes(lib)
         lib.kvd_engine_signal.argtypes = [vp, ctypes.c_uint64, vp]
+        lib.kvd_engine_signal_by_kernel.argtypes = [vp, ctypes.c_uint64, vp]
         lib.kvd_host_register_mapped.argtypes = [vp, ctypes.c_size_t, ctypes.POINTER(vp)]
         lib.kvd_lane_cancel.argtypes = [vp, vp, vp]
         lib.kvd_event_create_ipc.argtypes = [i32, ctypes.POINTER(vp), ctypes.c_char_p]
@@ -244,8 +245,8 @@ class Kernels:
         at ``dst_ptr`` (256-byte aligned; chunk j at ``dst_ptr + j * object_bytes``, canonical
         object format) on ``stream`` (a ``cudaStream_t`` as int); then, if ``fence_word_ptr``
         is not 0, the GPU's write of ``fence_value`` into that fence word (`engine_signal`),
-        in the same call. Every layer group in one launch (up to 800 block slots per launch,
-        4 groups; ``$KVDEPOT_NO_FUSED_GROUPS`` set: one launch per group, for comparisons).
+        in the same call. Layer groups share launches (up to 800 block slots and 4 groups per
+        launch; more groups: one launch per group).
 
         Raises:
             KernelError: bad arguments, misaligned ``dst_ptr`` or word, or the CUDA launch error
@@ -334,17 +335,18 @@ class Kernels:
     def event_destroy(self, event: int) -> None:
         self._check(self.lib.kvd_event_destroy(event), "cudaEventDestroy")
 
-    def engine_signal(self, word_dev_ptr: int, value: int, stream: int) -> None:
+    def engine_signal(self, word_dev_ptr: int, value: int, stream: int, by_kernel: bool = False) -> None:
         """Engine side: enqueue on ``stream`` the GPU's write of ``value`` (uint64) into the fence
         word at ``word_dev_ptr`` (the device address of host memory mapped by
         `host_register_mapped`, 8-byte aligned), after the work enqueued there so far: the
-        driver's ``cuStreamWriteValue64`` (memory barrier first) where it is available, else a
-        one-thread kernel (``$KVDEPOT_FENCE_KERNEL`` set: always the kernel).
+        driver's ``cuStreamWriteValue64`` (memory barrier first) where it is available, else (or
+        with ``by_kernel``) a one-thread kernel.
 
         Raises:
             KernelError: misaligned pointer, or the launch failed.
         """
-        self._check(self.lib.kvd_engine_signal(word_dev_ptr, value, stream), "kvd_engine_signal")
+        fn = self.lib.kvd_engine_signal_by_kernel if by_kernel else self.lib.kvd_engine_signal
+        self._check(fn(word_dev_ptr, value, stream), "kvd_engine_signal")
 
     def host_register_mapped(self, ptr: int, size_bytes: int) -> int:
         """Page-lock ``[ptr, ptr + size_bytes)`` of host memory and map it for the GPU to write

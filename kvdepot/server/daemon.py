@@ -78,6 +78,7 @@ class DaemonConfig:
     # shrink under a copy (SIGBUS kills the daemon); else only sealed memfds
     allow_shm_names: bool = False
     staging_batch_bytes: int = 64 << 20  # (--staging-batch-bytes) device staging per slot (2 per direction per GPU)
+    copy_piece_bytes: int = 8 << 20  # (--copy-piece-bytes) a larger chunk object moves in pieces; 0 = whole
     pin_l1: bool | None = None  # (--pin-l1/--no-pin-l1) page-lock L1 for DMA; None = if a GPU is visible
     # (--busy-poll-us) after each request or reply the loop polls its sockets without sleeping
     # for this long (one core busy while requests flow), so the next request is seen at once
@@ -358,7 +359,8 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
         if self._cuda is None:
             from kvdepot.gpu.cuda_path import CudaRuntime
 
-            self._cuda = CudaRuntime(asyncio.get_running_loop(), self.config.staging_batch_bytes)
+            self._cuda = CudaRuntime(asyncio.get_running_loop(), self.config.staging_batch_bytes,
+                                     self.config.copy_piece_bytes)
             self.transfer_engine_name = f"cpu-torch + {'cuda-kernels' if self._cuda.kernels else 'cuda-torch'}"
         return self._cuda
 

@@ -1,6 +1,6 @@
 """One fresh process's first gather and first scatter of the kernel library while another
 stream runs a long kernel (tests/gpu/test_first_launch.py runs it; by hand:
-``python tests/gpu/first_launch_proc.py`` and again with ``KVDEPOT_LAZY_KERNELS=1``).
+``python tests/gpu/first_launch_proc.py``).
 
 CUDA loads a kernel at its first launch (lazy loading) and the load may wait for the context's
 running work. The kernel library loads all of its kernels when an engine is created

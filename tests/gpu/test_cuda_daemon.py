@@ -25,13 +25,12 @@ def cuda_daemon(request, tmp_path_factory):
     d = tmp_path_factory.mktemp("cuda-daemon")
     ep = f"ipc://{d / 'kvdepot.sock'}"
     log = open(d / "daemon.log", "w")
-    env = dict(os.environ, KVDEPOT_PIECE_BYTES="0")
-    if request.param == "kernels-pieces":
-        env.update(KVDEPOT_PIECE_BYTES="1")
+    env = dict(os.environ)
+    piece_bytes = "1" if request.param == "kernels-pieces" else "0"
     if request.param == "torch-fallback":
         env.update(KVDEPOT_KERNELS_SO=str(d / "no-such-library.so"), KVDEPOT_NO_JIT="1")
     proc = subprocess.Popen([sys.executable, "-m", "kvdepot", "serve", "--endpoint", ep, "--l1-bytes", "2g",
-                             "--pin-l1"], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+                             "--pin-l1", "--copy-piece-bytes", piece_bytes], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     line = proc.stdout.readline()
     assert "ready" in line, (d / "daemon.log").read_text()
     yield ep

@@ -416,7 +416,9 @@ def test_regions_of_lost_replies_are_drained_and_the_ring_keeps_working(lossy_da
         rng = random.Random(11)
         s = torch.cuda.current_stream()
         stored, lost = [], 0
-        c._landed_stores = False  # stores that end on their reply: a lost reply loses the store (Drain)
+        # stores that end on their reply (as where the daemon writes no landed words): a lost
+        # reply loses the store (Drain)
+        reg.staging.landed_active = False
         for _ in range(40):
             keys = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
             ids = _ids(rng, groups, 1)
@@ -433,7 +435,7 @@ def test_regions_of_lost_replies_are_drained_and_the_ring_keeps_working(lossy_da
         assert lost > 0 and stored and c.drains_answered > 0
         # stores that end on their landed word (`Store.landed`): a lost reply loses nothing, and
         # the next lookup or retrieve waits for the replies still due at most the client's timeout
-        c._landed_stores = True
+        reg.staging.landed_active = True
         landed = c.stores_landed
         for _ in range(10):
             keys = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
@@ -470,21 +472,24 @@ def test_regions_of_lost_replies_are_drained_and_the_ring_keeps_working(lossy_da
 
 
 _FENCE_CHECK = """
+import sys
+
 import torch
 from kvdepot.client.staging import FenceWords
 from kvdepot.gpu.kernels import load_kernels
 
 k = load_kernels()
+by_kernel = sys.argv[1] == "kernel"
 fence = FenceWords(k, 16)
 s = torch.cuda.Stream()
 # the first launch of a kernel of the library loads it (CUDA's lazy loading), which may wait for
 # the device: done once before the check
-k.engine_signal(fence.word_ptr(3), 3, s.cuda_stream)
+k.engine_signal(fence.word_ptr(3), 3, s.cuda_stream, by_kernel)
 s.synchronize()
 assert fence.holds(3)
 with torch.cuda.stream(s):
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the write
-k.engine_signal(fence.word_ptr(21), 21, s.cuda_stream)
+k.engine_signal(fence.word_ptr(21), 21, s.cuda_stream, by_kernel)
 early = fence.holds(21)
 s.synchronize()
 print("early", early, "after", fence.holds(21), "other", fence.holds(22))
@@ -494,19 +499,14 @@ fence.close()
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["stream-memop", "kernel"])
 def test_a_fence_word_is_written_only_after_the_work_before_it(kernel):
-    """The fence word's write (the driver's stream memory operation, or with
-    $KVDEPOT_FENCE_KERNEL the one-thread kernel) waits for the work enqueued before it on the
-    stream, and writes exactly its word; each in a process of its own (the library picks its
-    way once per process)."""
-    import os
+    """The fence word's write (the driver's stream memory operation, or the one-thread kernel
+    that replaces it where the driver lacks it) waits for the work enqueued before it on the
+    stream, and writes exactly its word; each in a process of its own (a fresh CUDA context)."""
     import subprocess
     import sys
 
-    env = dict(os.environ)
-    env.pop("KVDEPOT_FENCE_KERNEL", None)
-    if kernel:
-        env["KVDEPOT_FENCE_KERNEL"] = "1"
-    out = subprocess.run([sys.executable, "-c", _FENCE_CHECK], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", _FENCE_CHECK, "kernel" if kernel else "memop"], capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "early False after True other False" in out.stdout
 

@@ -54,9 +54,8 @@ def test_engine_a_stores_engine_b_in_another_process_loads_every_byte(tmp_path, 
     it; both sample the same tokens. ``hybrid``: two KV-cache groups (full attention, 16 tokens
     per block; sliding window, 32 tokens per block). ``hybrid-pieces``: a 1000-token prompt
     and a 1 MiB staging ring (21 chunks of 48 KiB, pieces of 5): the step's store goes in three
-    pieces (with store pins, the default, the transfer thread gathers them; with
-    ``$KVDEPOT_NO_STORE_PINS`` the engine thread gathers them with one call,
-    `KVDepotClient.stage_store_pieces`)."""
+    pieces (with store pins, vLLM >= 0.33, the transfer thread gathers them; without, the
+    engine thread gathers them with one call, `KVDepotClient.stage_store_pieces`)."""
     ep, _ = daemon
     extra = {"staging_bytes": ring} if ring else {}
     name = f"gpu-{specs}-{tokens}"
@@ -76,13 +75,13 @@ def test_sliding_window_blocks_reused_while_stores_run_load_back_bit_exact(tmp_p
     sliding-window group's blocks that leave the window while their request runs and would give
     them to other requests at once. ``pinned``: the scheduler pins the blocks a store reads
     until the workers report its save ended, and the transfer thread gathers when it likes;
-    ``ordered`` (``$KVDEPOT_NO_STORE_PINS``): a forward that may write such a block waits for
+    ``ordered`` (as with vLLM < 0.33, no worker-metadata channel): a forward that may write such a block waits for
     the gathers of the stores that read it (`WorkerSide.bind`). B then loads every chunk and
     its forward finds every KV byte as A computed it."""
     ep, _ = daemon
     prompts = [[60 + i, 320] for i in range(6)]
     sc = dict(specs="hybrid", prompt=prompts[0], more_prompts=prompts[1:], max_tokens=2, num_blocks=96, budget=128,
-              max_model_len=512, env=None if pins else {"KVDEPOT_NO_STORE_PINS": "1"})
+              max_model_len=512, without_worker_meta=not pins)
     a = engine(tmp_path, ep, f"gpu-sliding-{pins}", **sc)
     st = a["stats"][0]
     assert st["stored_chunks"] == 6 * (320 // CHUNK) and st["store_failures"] == 0, st

@@ -10,7 +10,8 @@ that the prompt gets other block ids), ``prompt`` ([seed, tokens]), ``max_tokens
 ``more_prompts`` (more [seed, tokens] added with it), ``extra`` (connector settings),
 ``kill_daemon_pid`` (SIGKILL that pid once the scheduler's lookup was answered, then run on),
 ``num_blocks`` (KV-cache blocks per group), ``budget`` (max_num_batched_tokens: chunked prefill),
-``max_model_len``.
+``max_model_len``, ``without_worker_meta`` (the connector sees no worker-metadata channel, as
+with vLLM before 0.33: sliding-window stores are not pinned, forwards wait for their gathers).
 Prints one JSON line: ``outputs``, ``computed`` (tokens the toy forward computed), per-rank
 ``stats``, ``run_s``, ``stubbed`` (compiled vLLM modules that were absent), ``stores_pinned`` (the
 scheduler pins sliding-window stores' blocks), ``pinned_blocks_left`` (pins not dropped at the end).
@@ -32,6 +33,10 @@ import vllm_stubs  # noqa: E402
 
 
 def main(sc: dict) -> dict:
+    if sc.get("without_worker_meta"):
+        from kvdepot.client.vllm import scheduler
+
+        scheduler.KVConnectorWorkerMetadata = None
     specs = {"hybrid": lambda: H.hybrid_specs(sliding_window=16),
              "dense-wide": lambda: H.dense_specs(heads=8, head_size=64),  # 512 KiB per 64-token chunk
              "dense": H.dense_specs}[sc.get("specs", "dense")]()

@@ -187,15 +187,14 @@ def test_wait_for_save_of_a_sliding_window_model_posts_its_stream_and_gathers_no
     assert [(s.seq, s.posted) for s in w._sliding_saves] == [(1, cmd[2])]
 
 
-def test_wait_for_save_gathers_on_the_engine_thread_where_asked(monkeypatch):
-    """``$KVDEPOT_GATHER_IN_WAIT_FOR_SAVE`` (comparisons): the engine thread gathers in
-    wait_for_save as before; without fence words the thread gathers after its event."""
-    from kvdepot.client.vllm import worker as worker_mod
-
-    monkeypatch.setattr(worker_mod, "GATHER_IN_WAIT_FOR_SAVE", True)
+def test_wait_for_save_gathers_on_the_engine_thread_after_bind_had_to():
+    """After `bind` gathered a save the thread had not taken (``_gather_in_wait`` saves to go),
+    the engine thread gathers in wait_for_save; without fence words the thread gathers after
+    its event."""
     posted = []
     w, stream = _sliding_worker(types.SimpleNamespace(started=True, post=posted.append,
                                                       stage_saves=lambda jobs, s: ("staged", jobs, s)))
+    w._gather_in_wait = 2
     jobs = [_job("a", 2, 0)]
     w._meta = KVDepotMetadata(stores=jobs)
     w.wait_for_save()
@@ -442,13 +441,10 @@ def test_one_piece_stores_of_several_requests_share_one_gather_and_one_request()
                                                                    ("c", 2)]
 
 
-def test_a_job_of_several_pieces_is_gathered_by_one_call_wherever_its_pieces_fit(monkeypatch):
+def test_a_job_of_several_pieces_is_gathered_by_one_call_wherever_its_pieces_fit():
     """All of a job's pieces are placed as they would be one by one (end to end, or the later
     ones wrapped to the ring's start) and gathered by one call; where not all fit, each piece
-    is staged alone as before (the rest of the job skipped). ``$KVDEPOT_NO_JOB_GATHER`` (for
-    comparisons) stages them one by one always."""
-    from kvdepot.client.vllm import jobs as jobs_mod
-
+    is staged alone as before (the rest of the job skipped)."""
     mv, client, side = _thread(ring_objects=12)  # pieces of 3 chunks
     first = client.ring.alloc(4 * OBJECT_BYTES, object())  # [0, 4)
     client.ring.alloc(5 * OBJECT_BYTES, object())  # [4, 9)
@@ -463,11 +459,6 @@ def test_a_job_of_several_pieces_is_gathered_by_one_call_wherever_its_pieces_fit
     staged = mv.stage_saves([_job("b", 5, 0)], object())
     assert client.runs == [] and [n for _, n, _ in client.staged] == [3]  # the first piece alone fits
     assert staged[2][0][1][3] is None  # the second found no room: the rest of b is skipped
-
-    monkeypatch.setattr(jobs_mod, "ONE_GATHER", False)
-    mv, client, side = _thread()
-    mv.stage_saves([_job("c", 6, 0)], object())
-    assert client.runs == [] and [n for _, n, _ in client.staged] == [4, 2]
 
 
 def test_get_transfer_results_returns_what_the_thread_published_merged_and_nothing_else():

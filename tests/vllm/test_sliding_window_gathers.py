@@ -25,9 +25,11 @@ CHUNK = 64
 @pytest.fixture(autouse=True)
 def _without_store_pins(monkeypatch):
     """These tests are of the ordering used where the scheduler does not pin the stores' blocks
-    (vLLM without the worker-metadata channel, or $KVDEPOT_NO_STORE_PINS): `test_store_pins.py`
-    has the pinned way."""
-    monkeypatch.setenv("KVDEPOT_NO_STORE_PINS", "1")
+    (vLLM before 0.33, without the worker-metadata channel): `test_store_pins.py` has the
+    pinned way."""
+    from kvdepot.client.vllm import scheduler
+
+    monkeypatch.setattr(scheduler, "KVConnectorWorkerMetadata", None)
 
 
 def test_written_block_ids_cover_every_block_a_step_gives_a_request(daemon, tmp_path):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
 import time
 
 from kvdepot.client.hashing import shard_keys, shard_mask
@@ -26,9 +25,6 @@ log = logging.getLogger("kvdepot.vllm")
 # having refused one request
 DOWN = (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE, ErrorCode.DISCONNECTED, ErrorCode.INTERNAL, ErrorCode.BACKPRESSURE)
 TOGETHER = "together"  # `JobPieces.stage_saves`: this job's chunks are in the step's shared region
-# `stage_saves`: a job of several pieces gathered by one call (`_stage_pieces`); off
-# ($KVDEPOT_NO_JOB_GATHER set): one call per piece, for comparisons
-ONE_GATHER = not os.environ.get("KVDEPOT_NO_JOB_GATHER")
 _MAX_RUNS = 64  # queued pieces sent in one request at most (`JobPieces._batch`)
 
 
@@ -209,7 +205,7 @@ class JobPieces:
                 continue
             ids = self._job_ids(job)
             parts = self._store_pieces(job, ids)
-            pieces = self._stage_pieces(kvreg, job, ids, parts, stream) if len(parts) > 1 and ONE_GATHER else None
+            pieces = self._stage_pieces(kvreg, job, ids, parts, stream) if len(parts) > 1 else None
             if pieces is not None:
                 out.append(pieces)
                 continue

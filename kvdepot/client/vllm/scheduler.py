@@ -48,7 +48,6 @@ from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
 log = logging.getLogger("kvdepot.vllm")
-NO_STORE_PINS_ENV = "KVDEPOT_NO_STORE_PINS"  # set: sliding-window stores are not pinned (the way before, for A/Bs)
 _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 # `request_finished`'s answers (delay_free_blocks, kv_transfer_params), made once
 _KEEP_BLOCKS: tuple[bool, None] = (True, None)
@@ -132,11 +131,10 @@ class SchedulerSide:
         reported its save ended (`KVDepotWorkerMeta`), so vLLM cannot give them to another
         request while a gather may still read them (a pinned block stays in use for vLLM: its
         ``reset_prefix_cache`` fails until the pins dropped). Needs vLLM's worker metadata
-        channel (``build_connector_worker_meta``, vLLM >= 0.33); without it, or with
-        ``$KVDEPOT_NO_STORE_PINS`` set, the workers order each forward after the gathers of the
+        channel (``build_connector_worker_meta``, vLLM >= 0.33); without it the workers order each forward after the gathers of the
         stores whose blocks it may write (``written_block_ids``)."""
         if (self.sliding and self.enabled and KVConnectorWorkerMetadata is not None
-                and hasattr(pool, "touch") and hasattr(pool, "blocks") and not os.environ.get(NO_STORE_PINS_ENV)):
+                and hasattr(pool, "touch") and hasattr(pool, "blocks")):
             self._pins = StorePins(pool, self._sliding_gids, self._workers, self.stats)
             self._written_each_step = False
             self._idle_meta = None

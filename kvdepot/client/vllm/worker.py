@@ -51,9 +51,6 @@ from kvdepot.protocol.errors import KVDepotError
 
 log = logging.getLogger("kvdepot.vllm")
 
-# $KVDEPOT_GATHER_IN_WAIT_FOR_SAVE set: a sliding-window model's stores are gathered by the engine
-# thread in wait_for_save (the way before `PostedSave`), for comparisons
-GATHER_IN_WAIT_FOR_SAVE = bool(os.environ.get("KVDEPOT_GATHER_IN_WAIT_FOR_SAVE"))
 # after `bind` gathered a save the thread had not taken: this many saves are gathered in
 # wait_for_save before the thread is tried again, twice as many after each further miss (up to
 # GATHER_IN_WAIT_RETRY_MAX), GATHER_IN_WAIT_RETRY again once the thread made it in time
@@ -366,9 +363,9 @@ class WorkerSide:
             return
         take = self._take_release
         if self._cuda:
-            if GATHER_IN_WAIT_FOR_SAVE or self._gather_in_wait > 0:
+            if self._gather_in_wait > 0:
                 # gathered now on the engine's stream where the ring's fence words are in use:
-                # nothing for `bind` to wait for (after `bind` had to gather one itself, or set)
+                # nothing for `bind` to wait for (after `bind` had to gather one itself)
                 self._gather_in_wait -= 1
                 staged = self.mover.stage_saves(meta.stores, self._current_stream())
                 if staged is not None:

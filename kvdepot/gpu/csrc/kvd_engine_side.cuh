@@ -13,6 +13,7 @@
 // ring's bytes over PCIe on a lane's DMA stream.
 
 int kvd_engine_signal(void* word, uint64_t value, cudaStream_t stream);
+int kvd_engine_signal_by_kernel(void* word, uint64_t value, cudaStream_t stream);
 
 }  // extern "C"
 
@@ -106,16 +107,12 @@ static cudaError_t launch_fused_n(const KvdEngine* eng, const KvdPart* parts, in
   return cudaGetLastError();
 }
 
-static std::once_flag g_fused_once;
-static bool g_fused_off = false;  // $KVDEPOT_NO_FUSED_GROUPS: one launch per group (A/B runs)
-
 // Copy the parts' slots between engine memory and staging (256-byte aligned): one launch per
 // group for a one-group engine (its smaller parameter block) or one of more than
 // KVD_FUSED_PARTS groups, else fused launches of up to KVD_FUSED_IDS slots of any groups.
 static int engine_copy(const KvdEngine* eng, const KvdPart* parts, int nparts, uint8_t* st, int to_staging,
                        cudaStream_t stream, const unsigned long long* gate = nullptr) {
-  std::call_once(g_fused_once, [] { g_fused_off = getenv("KVDEPOT_NO_FUSED_GROUPS") != nullptr; });
-  if (nparts == 1 || nparts > KVD_FUSED_PARTS || g_fused_off) {
+  if (nparts == 1 || nparts > KVD_FUSED_PARTS) {
     int rc = KVD_OK;
     for (int q = 0; !rc && q < nparts; ++q) {
       const KvdPart& part = parts[q];
@@ -349,23 +346,26 @@ __global__ void kvd_signal_kernel(unsigned long long* word, unsigned long long v
 // work) where the driver has it: no kernel to launch, which costs the calling thread 10-13 us of
 // CPU per call on an H100 host (measured in the vLLM connector's runs) against a few for the
 // memory operation. Else, or if the operation is refused (CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_
-// STREAM_MEM_OPS), a one-thread kernel writes it; a refused call enqueues nothing.
-static std::once_flag g_fence_kernel_once;
-static bool g_fence_kernel = false;  // $KVDEPOT_FENCE_KERNEL (diagnosis): always the kernel
+// STREAM_MEM_OPS), a one-thread kernel writes it (kvd_engine_signal_by_kernel, exported so that
+// tests check the fallback on hosts that have the operation); a refused call enqueues nothing.
 static bool g_write64_refused = false;
+
+int kvd_engine_signal_by_kernel(void* word, uint64_t value, cudaStream_t stream) {
+  if (word == nullptr || (uintptr_t)word % 8) return KVD_EINVAL;
+  kvd_signal_kernel<<<1, 1, 0, stream>>>(static_cast<unsigned long long*>(word), (unsigned long long)value);
+  return kvd_check(cudaGetLastError());
+}
 
 int kvd_engine_signal(void* word, uint64_t value, cudaStream_t stream) {
   if (word == nullptr || (uintptr_t)word % 8) return KVD_EINVAL;
   std::call_once(g_memops_once, resolve_memops);
-  std::call_once(g_fence_kernel_once, [] { g_fence_kernel = getenv("KVDEPOT_FENCE_KERNEL") != nullptr; });
-  if (g_write64 != nullptr && !g_fence_kernel && !__atomic_load_n(&g_write64_refused, __ATOMIC_RELAXED)) {
+  if (g_write64 != nullptr && !__atomic_load_n(&g_write64_refused, __ATOMIC_RELAXED)) {
     if (g_write64(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
                   CU_STREAM_WRITE_VALUE_DEFAULT) == CUDA_SUCCESS)
       return KVD_OK;
     __atomic_store_n(&g_write64_refused, true, __ATOMIC_RELAXED);
   }
-  kvd_signal_kernel<<<1, 1, 0, stream>>>(static_cast<unsigned long long*>(word), (unsigned long long)value);
-  return kvd_check(cudaGetLastError());
+  return kvd_engine_signal_by_kernel(word, value, stream);
 }
 
 // Page-lock a host range for the GPU to write (fence words): *out_dev = its device address.

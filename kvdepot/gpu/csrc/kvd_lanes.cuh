@@ -115,35 +115,25 @@ static int64_t now_ns() {
 // 40 us before the request's expected end (bytes at the lane's observed rate), spins on the
 // event from there, and after 300 us past the expected end polls every 5 us (timer slack 1 us).
 // A completion is so seen within microseconds without a core spinning through every copy.
-// With more requests queued behind it, it polls every KVD_WATCH_QUEUED_NAP_NS instead of
-// spinning: the queued copies keep the link busy, and a reply up to that much later costs
-// nothing but the spin's core ($KVDEPOT_WATCH_SPIN_QUEUED: spin anyway, for comparisons).
-// The nap is an eighth of the next request's expected time, between KVD_WATCH_QUEUED_NAP_NS and
-// KVD_WATCH_QUEUED_NAP_MAX_NS (a 32 MiB request at 55 GB/s: ~75 us): 8 engines of 32 MiB
-// requests against one H200, half storing and half retrieving, took the daemon from 1.00-1.02
-// cores with fixed 20 us naps to 0.64-0.67 (its watchers from 0.50 to 0.18-0.19), GB/s within
-// the runs' spread (benchmarks/transfer.py --engines 8, docs/benchmarks.md); requests of 10 MiB
-// and less keep naps of 20-24 us ($KVDEPOT_WATCH_QUEUED_NAP_US: a fixed nap, for comparisons).
+// With more requests queued behind it, it naps instead of spinning: the queued copies keep the
+// link busy, so a completion seen a nap later delays nothing but its reply. The nap is an eighth
+// of the next request's expected time, between KVD_WATCH_QUEUED_NAP_NS and
+// KVD_WATCH_QUEUED_NAP_MAX_NS (a 32 MiB request at 55 GB/s: ~75 us).
 #define KVD_WATCH_QUEUED_NAP_NS 20000LL
 #define KVD_WATCH_QUEUED_NAP_MAX_NS 100000LL
 static void watcher_main(KvdLane* lane) {
   cudaSetDevice(lane->device);
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   prctl(PR_SET_NAME, "kvd-watch", 0, 0, 0);  // per-thread CPU in top / benchmarks/transfer.py
-  const bool spin_queued = getenv("KVDEPOT_WATCH_SPIN_QUEUED") != nullptr;
-  const char* nap_env = getenv("KVDEPOT_WATCH_QUEUED_NAP_US");
-  const int64_t fixed_nap_ns = nap_env != nullptr && atoll(nap_env) > 0 ? atoll(nap_env) * 1000LL : 0;
   std::unique_lock<std::mutex> lk(lane->mu);
   int64_t prev_done_ns = 0;
   for (;;) {
     lane->cv.wait(lk, [lane] { return lane->stop || !lane->pending.empty(); });
     if (lane->pending.empty()) return;  // stopping, and everything reported
     KvdWatch w = lane->pending.front();
-    const bool queued = !spin_queued && lane->pending.size() > 1;
+    const bool queued = lane->pending.size() > 1;
     int64_t queued_nap_ns = KVD_WATCH_QUEUED_NAP_NS;
-    if (fixed_nap_ns > 0) {
-      queued_nap_ns = fixed_nap_ns;
-    } else if (queued) {
+    if (queued) {
       const KvdWatch& next = lane->pending[1];
       const int64_t eighth = (next.expect_ns - next.start_ns) / 8;
       if (eighth > queued_nap_ns) queued_nap_ns = eighth < KVD_WATCH_QUEUED_NAP_MAX_NS ? eighth : KVD_WATCH_QUEUED_NAP_MAX_NS;
@@ -221,16 +211,13 @@ static int dma_issue(KvdLane* lane, const uint64_t* srcs, const uint64_t* dsts, 
   int rc = KVD_OK;
   // Copies that continue the one before on both sides (a batched request's chunks: one staging
   // region, and L1 extents the first-fit allocator handed out back to back) go as one: each
-  // cudaMemcpyAsync leaves the copy engine idle a few us between copies (H200: 97.9% of the link
-  // with 8 MiB copies, 93-94% with 2.5 MiB ones). L1 keeps a free page at the end of each
-  // page-locked segment, so a merged copy never spans two registrations ($KVDEPOT_NO_MERGED_COPIES:
-  // one copy each, for comparisons).
-  static const bool merge = getenv("KVDEPOT_NO_MERGED_COPIES") == nullptr;
+  // cudaMemcpyAsync leaves the copy engine idle a few us between copies. L1 keeps a free page at
+  // the end of each page-locked segment, so a merged copy never spans two registrations.
   for (int64_t k = 0; !rc && k < n;) {
     const uint64_t s = srcs[k], d = dsts[k];
     uint64_t len = bytes;
     int64_t j = k + 1;
-    while (merge && j < n && srcs[j] == s + len && dsts[j] == d + len) {
+    while (j < n && srcs[j] == s + len && dsts[j] == d + len) {
       len += bytes;
       ++j;
     }

@@ -486,13 +486,11 @@ int kvd_ipc_handle_bytes(void) { return (int)sizeof(cudaIpcMemHandle_t); }
 
 // CUDA loads a kernel at its first launch by default (lazy loading, CUDA_MODULE_LOADING=LAZY
 // since CUDA 12.2), and loading one may wait for the whole context to be idle: the first
-// gather or scatter of each kind (word width x id count) in a vLLM worker then blocked the
+// gather or scatter of each kind (word width x id count) in a vLLM worker would block the
 // engine thread until the forward on another stream, or a gated scatter's wait for its landed
-// word, was over: a fresh process's first gather, launched while another stream ran a 2-s
-// kernel, blocked its caller 2.02 s on an H200 (tests/gpu/first_launch_proc.py), 74 us with
-// the kernels loaded here. cudaFuncGetAttributes loads a kernel, so every instantiation is
-// loaded here, at registration, before any of them runs. Once per device per process;
-// $KVDEPOT_LAZY_KERNELS (diagnosis) skips it.
+// word, was over (tests/gpu/test_first_launch.py). cudaFuncGetAttributes loads a kernel, so
+// every instantiation is loaded here, at registration, before any of them runs. Once per
+// device per process.
 template <typename Word>
 static cudaError_t preload_word() {
   const void* fns[] = {
@@ -512,8 +510,7 @@ static std::mutex g_preload_mutex;
 static uint64_t g_preloaded = 0;  // bit d: device d's kernels are loaded
 
 static int preload_kernels(int device) {
-  static const bool lazy = getenv("KVDEPOT_LAZY_KERNELS") != nullptr;
-  if (lazy || device < 0 || device >= 64) return KVD_OK;
+  if (device < 0 || device >= 64) return KVD_OK;
   std::lock_guard<std::mutex> hold(g_preload_mutex);
   if (g_preloaded >> device & 1) return KVD_OK;
   cudaFuncAttributes attr;
@@ -534,7 +531,7 @@ static int preload_kernels(int device) {
 
 extern "C" {
 
-int kvd_abi_version(void) { return 13; }
+int kvd_abi_version(void) { return 14; }
 
 // First 16 hex digits of the SHA-256 of this file, passed by the build (-DKVD_SOURCE_HASH=...);
 // the loader refuses a library built from other source (a stale build would misread arguments).
