@@ -4,8 +4,7 @@ stay? (GPU.)
 An engine that leaves makes the daemon release what it mapped of it: the CUDA IPC mappings of
 its KV caches and staging ring (``cudaIpcCloseMemHandle``) and its fence words
 (``cudaHostUnregister``). Engine side, an unregister of page-locked memory waited until the
-device was idle and held other threads' launches meanwhile (`benchmarks/host_unregister_wait.py`);
-this measures what the daemon's releases cost the engines that stay.
+device was idle and held other threads' launches meanwhile; this measures what the daemon's releases cost the engines that stay.
 
 A steady engine (this process, Llama-3.1-8B's KV shape, engine-side staging) retrieves the same
 ``--chunks`` cached chunks again and again, each retrieve waited for on the CPU, and records

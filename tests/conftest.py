@@ -7,12 +7,17 @@
 * ``model_groups``: `KVGroupShape` lists built from those real shapes.
 * ``shm_kv_cache``: a factory of `ShmKVCache` segments that are unlinked at teardown.
 * hypothesis: derandomized under ``CI`` (profile ``ci``), random elsewhere.
+* the run ends with pytest's summary: once it is printed, the exit handlers run and the
+  process exits without the interpreter's teardown, where triton's nanobind bindings (imported
+  by torch._dynamo under vLLM) print hundreds of lines of leak warnings.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import sys
 import pathlib
 import random
 
@@ -102,3 +107,24 @@ def shm_kv_cache():
     yield make
     for cache in made:
         cache.close()
+
+
+_exit_status: list[int] = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    _exit_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """After pytest's own teardown (its summary is out): exit handlers, then exit with the
+    run's status, skipping the interpreter's teardown (see the module). Not inside a pytest
+    run of pytest (``pytester``), whose outer run goes on."""
+    if not _exit_status or config.pluginmanager.has_plugin("pytester"):
+        return
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_exit_status[-1])

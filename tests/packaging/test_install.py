@@ -5,10 +5,11 @@ what each artifact carries (the CUDA source always, a kernel library only in a w
 nvcc, tagged for its platform), and that an installed wheel without the library builds the
 kernels from its own copy of the source.
 
-The virtual environments see the system's site-packages (torch and the other dependencies are
-installed there; pulling a CUDA torch wheel into each venv would take gigabytes), but kvdepot
-itself must come from the venv: every command runs outside the source tree and checks where
-``kvdepot`` was imported from.
+The virtual environments see the site-packages of the interpreter running the tests, through a
+``.pth`` file (torch and the other dependencies are installed there, in a virtualenv or not;
+pulling a CUDA torch wheel into each venv would take gigabytes), but kvdepot itself must come
+from the venv: its own site-packages comes first, every command runs outside the source tree
+and checks where ``kvdepot`` was imported from.
 """
 
 from __future__ import annotations
@@ -52,8 +53,13 @@ def _build(outdir: Path, *args: str, env: dict | None = None) -> None:
 
 
 def _venv(path: Path, wheel: Path) -> Path:
-    """A fresh venv (system site-packages visible) with ``wheel`` installed; its bin dir."""
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(path)
+    """A fresh venv with ``wheel`` installed, the running interpreter's site-packages after its
+    own (`venv`'s system_site_packages would give the base interpreter's, which lack torch when
+    the tests run in a virtualenv); its bin dir."""
+    venv.EnvBuilder(with_pip=False).create(path)
+    outer = [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and Path(p).is_dir()]
+    own = next((path / "lib").glob("python*/site-packages"))
+    (own / "_outer_site_packages.pth").write_text("".join(f"{p}\n" for p in outer))
     _run([sys.executable, "-m", "pip", "--python", str(path / "bin" / "python"), "install", "--no-deps", "--no-index",
           "--no-cache-dir", "-q", str(wheel)], path)
     return path / "bin"

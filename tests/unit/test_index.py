@@ -355,7 +355,7 @@ def test_free_fn_tells_eviction_from_flush(index, freed):
 
 def test_index_entries_are_never_tracked_by_the_garbage_collector():
     """One entry per cached chunk in L1 and in L2: tracked, a daemon with a million chunks spent
-    ~0.28 s per full collection on its event loop (benchmarks/gc_pause.py)."""
+    ~0.28 s per full collection on its event loop."""
     import gc
 
     from kvdepot.server.disk import DiskEntry

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -120,101 +119,3 @@ def test_connector_benchmark_times_hits_alone_and_while_stores_stream(tmp_path):
         assert all(v is not None and v >= 0 for v in parts), parts
         assert r[f"{mode}_post_to_first_sent_ms_median"] <= r[f"{mode}_post_to_last_sent_ms_median"]
         assert r[f"{mode}_step_ms_median"] > 0
-
-
-_VARIANT = '''
-import json, os
-
-def on(engine):
-    conn = engine.sched_conn
-    build = conn.build_connector_meta
-
-    def counted(so):
-        with open(os.environ["AB_LOG"], "a") as f:
-            f.write("built\\n")
-        return build(so)
-
-    conn.build_connector_meta = counted
-    with open(os.environ["AB_LOG"], "a") as f:
-        f.write("on\\n")
-
-def off(engine):
-    engine.sched_conn.__dict__.pop("build_connector_meta", None)
-    with open(os.environ["AB_LOG"], "a") as f:
-        f.write("off\\n")
-'''
-
-
-def test_connector_ab_toggles_the_variant_in_abba_order_and_pairs_the_runs(tmp_path, monkeypatch):
-    """benchmarks/connector_ab.py: arm B runs with the variant switched on, arm A with it off,
-    in ABBA order on one engine; every run stores every chunk; each pair gives B - A."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import connector_ab as ab
-
-    variant, log, out = tmp_path / "v.py", tmp_path / "log", tmp_path / "ab.json"
-    variant.write_text(_VARIANT)
-    monkeypatch.setenv("AB_LOG", str(log))
-    assert ab.main([str(variant), "--device", "cpu", "--shape", "dense-2L (smoke)", "--runs", "4",
-                    "--requests", "2", "--l1-bytes", "1g", "--evict-bytes", "1m", "--out", str(out)]) == 0
-    r = json.loads(out.read_text())
-    assert [row["arm"] for row in r["rows"]] == list("ABBA")
-    assert r["evict_bytes"] == 1 << 20
-    assert set(r["per_call_us"]["build_connector_meta"]) == {"A", "B"}  # each arm's median per call
-    assert all(row["stored_chunks"] == 2 * ab.CHUNKS_PER_STEP for row in r["rows"])
-    events = log.read_text().split()
-    # off before each A run, on before each B run, off once more at the end; the variant's
-    # wrapper built metadata only while on
-    switches = [e for e in events if e != "built"]
-    assert switches == ["off", "on", "on", "off", "off"]
-    on_spans = "".join("b" if e == "built" else " " if e == "off" else "" for e in events).split()
-    assert len(on_spans) == 1 and len(on_spans[0]) > 0  # the B runs (runs 1 and 2 follow each other)
-    for key in ("store_step_us", "decode_step_us"):
-        assert len(r[key]["pairs_b_minus_a"]) == 2 and 0 <= r[key]["pairs_b_cheaper"] <= 2
-    with pytest.raises(ValueError):
-        ab.arms(6)
-
-
-def test_connector_ab_tree_swaps_exactly_the_functions_that_differ_and_rebinds_the_step_calls(tmp_path):
-    """benchmarks/connector_ab_tree.py: against an old tree in which one method differs, only
-    that method is swapped; `off` puts the old one on the live class (and binds the connectors'
-    per-step calls again, so they reach it), `on` the new one; an old method that calls super()
-    needs an entry of its own."""
-    import shutil
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import connector_ab_tree as abt
-
-    from kvdepot.client.vllm.scheduler import SchedulerSide
-
-    old = tmp_path / "old"
-    shutil.copytree(ROOT / "kvdepot", old / "kvdepot", ignore=shutil.ignore_patterns("__pycache__"))
-    path = old / "kvdepot" / "client" / "vllm" / "scheduler.py"
-    src = path.read_text()
-    marker = "    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:\n"
-    assert marker in src
-    path.write_text(src.replace(marker, marker + "        self.ab_old_ran = True\n"))
-    assert abt.load(old) == ["SchedulerSide.update_state_after_alloc"]
-    new_fn = SchedulerSide.update_state_after_alloc
-    bound = []
-    conn = types.SimpleNamespace(_bind_step_calls=lambda: bound.append(SchedulerSide.update_state_after_alloc))
-    engine = types.SimpleNamespace(sched_conn=conn, worker_conn=conn)
-    try:
-        abt.off(engine)
-        assert SchedulerSide.update_state_after_alloc is not new_fn
-        side = object.__new__(SchedulerSide)
-        SchedulerSide.update_state_after_alloc(side, None, None, 0)
-        assert side.ab_old_ran  # the old tree's code ran
-        assert bound == [SchedulerSide.update_state_after_alloc] * 2
-        abt.on(engine)
-        assert SchedulerSide.update_state_after_alloc is new_fn and bound[-1] is new_fn
-    finally:
-        abt.on(engine)
-    # an old method that calls super() is refused unless OLD_SUPER gives it
-    conn_path = old / "kvdepot" / "client" / "vllm" / "connector.py"
-    src = conn_path.read_text()
-    marker = "    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:\n"
-    assert marker in src
-    conn_path.write_text(src.replace(marker, marker + "        super().__init__\n"))
-    with pytest.raises(RuntimeError, match="super"):
-        abt.load(old)
-    abt.swaps.clear()

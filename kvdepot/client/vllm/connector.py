@@ -42,26 +42,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger("kvdepot.vllm")
-# vLLM's per-step calls -> the method of the side (`SchedulerSide`, `WorkerSide`) that does the
-# work, bound on the connector instance (`KVDepotConnector._bind_step_calls`)
-STEP_CALLS = {
-    "scheduler": {"get_num_new_matched_tokens": "get_num_new_matched_tokens",
-                  "update_state_after_alloc": "update_state_after_alloc",
-                  "build_connector_meta": "build_connector_meta", "update_connector_output": "update_connector_output",
-                  "request_finished": "request_finished", "request_finished_all_groups": "request_finished",
-                  "on_new_request": "on_new_request"},
-    "worker": {"handle_preemptions": "handle_preemptions", "bind_connector_metadata": "bind",
-               "start_load_kv": "start_load_kv", "wait_for_save": "wait_for_save",
-               "get_transfer_results": "get_transfer_results",
-               "get_block_ids_with_load_errors": "get_block_ids_with_load_errors",
-               "build_connector_worker_meta": "worker_meta"},
-}
-
-
-def _no_worker_meta() -> None:
-    """``build_connector_worker_meta`` of a model without sliding-window groups: its stores
-    are never pinned, so a worker has nothing to tell the scheduler side."""
-    return None
 
 
 def model_identity(vllm_config, cfg: ConnectorConfig) -> str:
@@ -145,22 +125,6 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self.worker = WorkerSide(*args)
             self._stats = StatsTaker(self.worker.stats)
-        self._bind_step_calls()
-
-    def _bind_step_calls(self) -> None:
-        """vLLM's calls of every step go straight to the side that does the work
-        (`STEP_CALLS`): its bound methods shadow this class's methods of the same name (which say
-        what each does and forward to the same side, for code that calls them through the
-        class). One Python call less per call: a paired A/B in one process on an H200 took 12.7
-        us off a Llama-3.1-8B store step with this and the worker's plain attributes
-        (``benchmarks/connector_ab.py``)."""
-        for side, calls in ((self.scheduler, STEP_CALLS["scheduler"]), (self.worker, STEP_CALLS["worker"])):
-            if side is not None:
-                for name, target in calls.items():
-                    setattr(self, name, getattr(side, target))
-        if self.worker is not None and not any(g.has_null_blocks for g in self.worker.groups):
-            self.build_connector_worker_meta = _no_worker_meta  # (no sliding-window group: nothing pinned)
-        self.get_kv_connector_stats = self._stats.take
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -185,9 +149,9 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Before the forward: the step's plan (`WorkerSide.bind`; vLLM's call is bound to it
-        directly, so the base class's ``_connector_metadata`` is not kept: nothing reads it, as
-        ``has_connector_metadata`` is always False)."""
+        """Before the forward: the step's plan (`WorkerSide.bind`). The base class's
+        ``_connector_metadata`` is not kept: nothing reads it, as ``has_connector_metadata`` is
+        always False."""
         if self.worker is not None:
             self.worker.bind(connector_metadata)
 
@@ -197,7 +161,6 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Nothing left to start, most steps: the loads went out in `bind_connector_metadata`."""
-        assert self.worker is not None
         self.worker.start_load_kv()
 
     def has_connector_metadata(self) -> bool:
@@ -214,7 +177,6 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         return  # whole chunks are gathered after the forward (wait_for_save)
 
     def wait_for_save(self) -> None:
-        assert self.worker is not None
         self.worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -275,32 +237,25 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         return tuple(g.vllm_gid for g in self.scheduler.groups) if self.scheduler is not None else ()
 
     def on_new_request(self, request) -> None:
-        assert self.scheduler is not None
         self.scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        assert self.scheduler is not None
         return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
-        assert self.scheduler is not None
         self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self.scheduler is not None
         return self.scheduler.request_finished(request)
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        assert self.scheduler is not None
         return self.scheduler.request_finished(request)
 
     def reset_cache(self) -> bool | None:
