@@ -28,21 +28,15 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from kvdepot.client.kvcache import KVGroupShape, ShmKVCache  # noqa: E402
-from kvdepot.gpu.layout import group_layers  # noqa: E402
-from kvdepot.protocol import codec  # noqa: E402
-from kvdepot.protocol import messages as m  # noqa: E402
-from kvdepot.server.daemon import Daemon, DaemonConfig  # noqa: E402
-from kvdepot.server.registration import Registration  # noqa: E402
+from kvdepot.client.kvcache import KVGroupShape, ShmKVCache
+from kvdepot.gpu.layout import group_layers
+from kvdepot.protocol import codec
+from kvdepot.protocol import messages as m
+from kvdepot.server.daemon import Daemon, DaemonConfig
+from kvdepot.server.registration import Registration
 
 BF16 = torch.bfloat16
 SHAPES = {  # name -> (group, chunk tokens): the shapes of transfer.py whose chunks are smallest / largest

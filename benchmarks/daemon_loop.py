@@ -44,12 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 OBJECT_TOKENS = 64
 L1_OBJECTS = 64  # L1 holds this many chunks: stores evict (the steady state)

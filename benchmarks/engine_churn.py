@@ -34,10 +34,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from connector_probes import pct  # noqa: E402
-from transfer_bench.engines import roofline_gbps  # noqa: E402
+from connector_bench.timers import pct
+from transfer_bench.engines import roofline_gbps
 from transfer_bench.procs import DaemonProc  # noqa: E402
 
 from kvdepot.client import KVDepotClient  # noqa: E402

@@ -15,15 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests" / "vllm"), str(REPO / "tests")]
+from connector_bench import harness
+from transfer_bench.procs import DaemonProc
 
-import vllm_harness as H  # noqa: E402
-from conftest import Daemon  # noqa: E402  (tests/vllm/conftest.py: a `kvdepot serve` subprocess)
+H = harness()
+
+
+def _daemon() -> DaemonProc:
+    d = DaemonProc("256m", [], None, pin=False)
+    d.wait_ready()
+    return d
 
 
 def _median_us(fn, calls: int) -> float:
@@ -37,8 +41,7 @@ def _median_us(fn, calls: int) -> float:
 
 
 def measure(n: int, root: pathlib.Path, calls: int) -> dict:
-    (root / "daemon").mkdir()
-    d = Daemon(root / "daemon").start()
+    d = _daemon()
     cfg = H.make_vllm_config(H.model_dir(root), d.endpoint, chunk_size=64, max_model_len=1024,
                              extra={"model_id": f"step-{n}"}, max_num_seqs=n, max_num_batched_tokens=max(2048, 80 * n))
     e = H.Engine(cfg, H.dense_specs(num_layers=1), num_blocks=8 * n + 64)
@@ -58,7 +61,7 @@ def measure(n: int, root: pathlib.Path, calls: int) -> dict:
                 "ratio": connector_us / schedule_us}
     finally:
         e.close()
-        d.close()
+        d.stop()
 
 
 def measure_store(n: int, root: pathlib.Path, calls: int, prompt_tokens: int = 4096, step_tokens: int = 1024) -> dict:
@@ -67,8 +70,7 @@ def measure_store(n: int, root: pathlib.Path, calls: int, prompt_tokens: int = 4
     requests are vLLM's "cached" ones; or ``prompt_tokens``, the whole prompt in the step of a
     new request, as in `benchmarks/vllm_connector.py`): ``build_connector_meta`` with each
     request's store job, its state put back before each call (outside the timer)."""
-    (root / "daemon").mkdir()
-    d = Daemon(root / "daemon").start()
+    d = _daemon()
     cfg = H.make_vllm_config(H.model_dir(root), d.endpoint, chunk_size=256, max_model_len=prompt_tokens + 64,
                              extra={"model_id": f"store-{n}"}, max_num_seqs=n,
                              max_num_batched_tokens=step_tokens * n)
@@ -114,7 +116,7 @@ def measure_store(n: int, root: pathlib.Path, calls: int, prompt_tokens: int = 4
                 "build_connector_meta_us": 1e6 * ts[len(ts) // 2]}
     finally:
         e.close()
-        d.close()
+        d.stop()
 
 
 def main() -> None:

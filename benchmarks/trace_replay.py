@@ -23,22 +23,18 @@ import gzip
 import heapq
 import json
 import shutil
-import sys
 import tempfile
 import time
 from collections import OrderedDict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # daemon_proc (stopping a daemon cleanly)
-sys.path.insert(0, str(REPO / "tests" / "integration"))  # conftest.start_daemon
+import torch
 
-import torch  # noqa: E402
+from kvdepot.client import KVDepotClient
+from kvdepot.client.kvcache import KVGroupShape, ShmKVCache
+from transfer_bench.procs import DaemonProc
 
-from kvdepot.client import KVDepotClient  # noqa: E402
-from kvdepot.client.kvcache import KVGroupShape, ShmKVCache  # noqa: E402
-
-TRACE = REPO / "benchmarks" / "data" / "mooncake_fast25_synthetic_trace.jsonl.gz"
+TRACE = Path(__file__).resolve().parent / "data" / "mooncake_fast25_synthetic_trace.jsonl.gz"
 BLOCK_TOKENS = 512  # the trace's block
 GROUP = KVGroupShape(0, 1, 1, 8, 16, torch.bfloat16)  # 32 bytes per token: 16 KiB per chunk
 
@@ -113,8 +109,6 @@ def simulate_belady(trace: list[dict], capacity: int) -> float:
 
 def replay(trace: list[dict], workdir: Path, l1_tokens: int, l2_tokens: int, pace: bool) -> dict:
     """Run the trace through a fresh daemon with these capacities; hit ratio and tier figures."""
-    from conftest import start_daemon
-
     max_blocks = max(len(r["hash_ids"]) for r in trace) * BLOCK_TOKENS // GROUP.tokens_per_block
     cache = ShmKVCache([GROUP], max_blocks, "LBNHC")
     chunk_bytes = GROUP.num_layers * GROUP.token_bytes * BLOCK_TOKENS
@@ -122,7 +116,8 @@ def replay(trace: list[dict], workdir: Path, l1_tokens: int, l2_tokens: int, pac
     args = []
     if l2_tokens:
         args = ["--l2-path", str(workdir / "l2"), "--l2-bytes", str((l2_tokens // BLOCK_TOKENS) * (chunk_bytes + 4096))]
-    d = start_daemon(workdir / "daemon", *args, l1_bytes=str(l1_bytes))
+    d = DaemonProc(str(l1_bytes), args, None, pin=False)
+    d.wait_ready()
     c = KVDepotClient(d.endpoint, timeout_s=60.0, name="trace-replay")
     try:
         reg = c.register("trace-model", "tp0of1", BLOCK_TOKENS, cache.storage_specs(), cache.layer_specs(),

@@ -40,16 +40,8 @@ benchmarks/transfer_bench/.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # transfer_bench, kernel_transfer
-try:
-    import kvdepot  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(HERE.parent))
-
-from transfer_bench import main as _main  # noqa: E402
+from transfer_bench import main as _main
 
 _main.DESCRIPTION = __doc__
 

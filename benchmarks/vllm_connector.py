@@ -82,10 +82,10 @@ on the current stream. Per shape:
   half while new prompts are prefilled and stored: how long each hit's load took from its post
   to its report, and from its arrival to its first token, next to its bytes' time on the link;
   the time before its load was posted split into vLLM's queue (until its scheduler first asked
-  the connector), the lookup's answer, and the rest (`connector_hits.py`).
+  the connector), the lookup's answer, and the rest (`connector_bench/hits.py`).
 
 * ``--floor``: each shape's prompts and decodes again on an engine whose connector does nothing
-  (`connector_floor.FloorConnector`: every call returns a constant), timed by the same calls:
+  (`connector_bench.floor.FloorConnector`: every call returns a constant), timed by the same calls:
   ``floor_step_us`` over the steps that prefill a new prompt (the steps in which kvdepot stores 16
   chunks), ``floor_decode_step_us``. The per-step figures' floor, measured in the same run:
   what vLLM's calls cost any Python connector, which no change to kvdepot's can take off.
@@ -116,31 +116,28 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+import torch
 
-import torch  # noqa: E402
-import vllm_harness as H  # noqa: E402
-from vllm.utils.gc_utils import freeze_gc_heap  # noqa: E402
+from connector_bench import floor as connector_floor
+from connector_bench import harness
+from connector_bench.hits import hit_latency
+from connector_bench.hits import report as hits_report
+from connector_bench.model import (CHUNKS_PER_STEP, FillEngine, FillForward, WaitingFillEngine, WaitingFillForward,
+                                   shapes)
+from connector_bench.refs import _sync, direct, roofline
+from connector_bench.report import report
+from connector_bench.timers import CallTimer, GcMeter, LayerProbe, StageTimers, Timeline, less_probe, pct
+from connector_bench.trace import report as trace_report
+from connector_bench.trace import summary as trace_summary
+from kvdepot import trace
+from kvdepot.client import KVDepotClient
+from kvdepot.client.vllm.config import load_ring_bytes
+from kvdepot.config import parse_bytes
+from transfer_bench import stages as trace_stages
+from transfer_bench.procs import FALLBACK_FLAG, DaemonProc, kernels_missing
+from vllm.utils.gc_utils import freeze_gc_heap  # (after connector_bench: the harness stubs vLLM's compiled modules)
 
-from kvdepot import trace  # noqa: E402
-from kvdepot.client import KVDepotClient  # noqa: E402
-from kvdepot.client.vllm.config import load_ring_bytes  # noqa: E402
-from kvdepot.config import parse_bytes  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from connector_model import (CHUNKS_PER_STEP, FillEngine, FillForward, WaitingFillEngine,  # noqa: E402
-                             WaitingFillForward, shapes)
-import connector_floor  # noqa: E402
-from connector_hits import hit_latency  # noqa: E402
-from connector_hits import report as hits_report  # noqa: E402
-from connector_trace import report as trace_report  # noqa: E402
-from connector_trace import summary as trace_summary  # noqa: E402
-from connector_refs import _sync, direct, roofline  # noqa: E402
-from connector_report import report  # noqa: E402
-from connector_probes import CallTimer, GcMeter, LayerProbe, StageTimers, Timeline, less_probe, pct  # noqa: E402
-from transfer_bench import stages as trace_stages  # noqa: E402
-from transfer_bench.procs import FALLBACK_FLAG, DaemonProc, kernels_missing  # noqa: E402
+H = harness()
 
 SCHED_CALLS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                "request_finished", "request_finished_all_groups", "update_connector_output",
@@ -162,7 +159,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
     work_t = CallTimer(engine.worker_conn, WORKER_CALLS)
     # vLLM's own scheduler calls, around the connector's scheduler-side calls made inside them
     vllm_t = CallTimer(engine.scheduler, VLLM_SCHED_CALLS)
-    ours = hasattr(engine.worker_conn, "worker")  # (not `connector_floor.FloorConnector`)
+    ours = hasattr(engine.worker_conn, "worker")  # (not `connector_bench.floor.FloorConnector`)
     before = dict(engine.worker_conn.worker.stats) if ours else {}
     stages = StageTimers(engine)
     for p in prompts:
@@ -261,7 +258,7 @@ def decode_steps(engine: H.Engine, requests: int = 8, steps: int = 48) -> dict:
 
 
 def floor_steps(engine: H.Engine, prompts: list[list[int]], chunk_bytes: int) -> dict:
-    """``--floor``: the same prefills and decodes with `connector_floor.FloorConnector` (every
+    """``--floor``: the same prefills and decodes with `connector_bench.floor.FloorConnector` (every
     call returns at once): ``floor_step_us_*`` over the steps that prefill a new prompt (kvdepot
     stores 16 chunks in those), ``floor_decode_step_us_*``, and the per-call medians."""
     timeline, stages = Timeline.enabled, StageTimers.enabled
@@ -460,7 +457,7 @@ def main(argv=None) -> int:
                         "tokens hashed by the connector (tokens, the way before; for comparisons)")
     p.add_argument("--hits", type=int, default=0,
                    help="also time N prefix hits' loads on a third engine, half alone, half while other prompts' "
-                        "stores stream (`connector_hits.py`); N <= --requests")
+                        "stores stream (`connector_bench/hits.py`); N <= --requests")
     p.add_argument("--evict-bytes", default="0",
                    help="each forward also writes this many bytes of host memory on the engine thread (e.g. 64m), "
                         "leaving the CPU caches as cold as a real model runner's host work would")
@@ -471,7 +468,7 @@ def main(argv=None) -> int:
                         "hit's pieces at the client and at the daemon")
     p.add_argument("--floor", action="store_true",
                    help="also run each shape's prefills and decodes on an engine whose connector does nothing "
-                        "(`connector_floor.py`): the per-step figures' floor, measured in the same run")
+                        "(`connector_bench/floor.py`): the per-step figures' floor, measured in the same run")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke run of the same steps with shared-memory KV caches (no roofline)")
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""The connector benchmark's `CallTimer` (benchmarks/connector_probes.py) takes off each call's
+"""The connector benchmark's `CallTimer` (benchmarks/connector_bench/timers.py) takes off each call's
 figure only the part of its own cost that lies inside the timed window: a call that spends a
 known time reads at least that time, with or without the thread-CPU clock around it."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from connector_probes import CallTimer  # noqa: E402
+from connector_bench.timers import CallTimer  # noqa: E402
 
 SPIN_S = 20e-6
 

@@ -47,7 +47,7 @@ def test_connector_benchmark_smoke_run_with_timeline_and_stages(tmp_path):
     # B's hits load asynchronously: vLLM admits them in a step without a forward, whose own
     # scheduler time is kept apart (`*_vs_bound_with_admission` on a GPU)
     assert r["load_no_forward_sched_s"] > 0 and r["store_no_forward_sched_s"] >= 0
-    import connector_report
+    from connector_bench import report as connector_report
     r2 = dict(r, load_vs_bound_with_admission=0.9)
     assert "counting vLLM's own scheduler in the steps without a forward" in connector_report._admission(r2, "load")
     assert connector_report._admission(dict(r2, load_no_forward_sched_s=0.0), "load") == ""

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from connector_model import CHUNKS_PER_STEP  # chunks per request here, as per measured step
+from connector_bench.model import CHUNKS_PER_STEP  # chunks per request here, as per measured step
 from kvdepot.client import KVDepotClient
 
 

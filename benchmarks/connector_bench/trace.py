@@ -1,7 +1,7 @@
 """`benchmarks/vllm_connector.py --hits N --trace DIR`: when the worker read the daemon's replies
 to a hit's load pieces, from the trace points (`kvdepot.trace`) of the daemon
 (``daemon-trace.jsonl``) and of the engine process (``engine-trace.jsonl``, every client's
-``c_sent`` / ``c_reply``), which share one clock with the hits' stamps (`connector_hits`).
+``c_sent`` / ``c_reply``), which share one clock with the hits' stamps (`connector_bench.hits`).
 
 Points carry only the request's number, which no two clients of one process share (each counts
 from its own base), so a piece is: a ``c_sent`` inside a hit's send window (its first piece sent
@@ -29,7 +29,7 @@ import json
 import statistics
 from pathlib import Path
 
-from connector_probes import pct
+from connector_bench.timers import pct
 
 from kvdepot.trace import ENGINE_THREAD, TRANSFER_THREAD
 

@@ -3,7 +3,7 @@ printed after each shape's run (the JSON holds every field)."""
 
 from __future__ import annotations
 
-from connector_model import CHUNKS_PER_STEP
+from connector_bench.model import CHUNKS_PER_STEP
 
 
 def _forwards_waiting(r: dict) -> str:
@@ -74,7 +74,7 @@ def report(r: dict) -> str:
 
 
 def _floor_line(r: dict) -> str:
-    """``--floor``: the same steps with a connector that does nothing (`connector_floor.py`)."""
+    """``--floor``: the same steps with a connector that does nothing (`connector_bench.floor`)."""
     if "floor_step_us_median" not in r:
         return ""
     calls = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["floor_per_call_us_median"].items(), key=lambda kv: -kv[1])

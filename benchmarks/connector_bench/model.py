@@ -6,20 +6,14 @@ connector lifecycle)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+from connector_bench import harness
+from connector_bench.timers import LayerProbe
+from kvdepot import trace
 
-import torch  # noqa: E402
-import vllm_harness as H  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
-
-from kvdepot import trace  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from connector_probes import LayerProbe  # noqa: E402
+H = harness()
 
 
 def shapes(smoke: bool = False) -> dict[str, dict]:

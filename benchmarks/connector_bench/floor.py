@@ -19,7 +19,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorTransferResults, SupportsHMA)
 
-MODULE = "connector_floor"  # this file's module name, as vLLM imports it (benchmarks/ on sys.path)
+MODULE = "connector_bench.floor"  # this module's name, as vLLM imports it (benchmarks/ on sys.path)
 NAME = "FloorConnector"
 
 
