@@ -66,7 +66,7 @@ def _strategy(t: mi.Type) -> st.SearchStrategy:
 _requests = st.one_of(*[_strategy(mi.type_info(cls)) for cls in REQUESTS])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_generated_requests_of_every_type_round_trip_through_the_codec(data):
     for cls in REQUESTS:
