@@ -11,6 +11,8 @@ import statistics
 import threading
 import time
 
+from kvdepot.client.vllm import commands as cmds
+
 
 def pct(xs, q: float) -> float:
     """The ``q`` quantile of ``xs`` (nearest rank, from below); NaN if empty."""
@@ -128,14 +130,14 @@ class Timeline:
         submit, on_reply, post, quiet = client.submit, client._on_reply, mover.post, worker._post_quiet
         self._undo = (client, submit, on_reply, mover, post)
         self._worker, self._quiet = worker, quiet
-        self.posted = []  # (perf_counter, command) the engine thread posted to the transfer thread
+        self.posted = []  # (perf_counter, is a load or save) of each command the engine thread posted
 
         def timed_post(cmd):
-            self.posted.append((time.perf_counter(), cmd[0]))
+            self.posted.append((time.perf_counter(), isinstance(cmd, (cmds.Load, cmds.Save))))
             return post(cmd)
 
         def timed_quiet(cmd):  # the worker's saves and releases (`TransferThread.post_quiet`)
-            self.posted.append((time.perf_counter(), cmd[0]))
+            self.posted.append((time.perf_counter(), isinstance(cmd, (cmds.Load, cmds.Save))))
             return quiet(cmd)
 
         def timed_submit(req):
@@ -197,7 +199,7 @@ class Timeline:
         reported = max([t for t in self.reported if t >= last] or [last])
         # the lead-in: steps before the one whose command led to the first send, that step until
         # it posted the command, the transfer thread until it sent
-        post_s = max((t for t, kind in self.posted if kind in ("load", "save") and t <= first), default=first)
+        post_s = max((t for t, moves in self.posted if moves and t <= first), default=first)
         step_s = max((a for a, _, _ in self.steps if a <= post_s), default=self.t0)
         depth = [sum(1 for a, b, _ in spans if a <= t < b) for t, _, _ in spans]
         return {"lead_in_ms": 1e3 * (first - self.t0), "lead_in_steps_before_ms": 1e3 * (step_s - self.t0),

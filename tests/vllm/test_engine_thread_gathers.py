@@ -15,6 +15,7 @@ pytest.importorskip("vllm")
 import vllm_harness  # noqa: E402,F401 - imports vLLM the way every test here does (stubs, warnings)
 from kvdepot.client.hashing import shard_keys, shard_mask  # noqa: E402
 from kvdepot.client.staging import StagingRing  # noqa: E402
+from kvdepot.client.vllm import commands as cmds  # noqa: E402
 from kvdepot.client.vllm.mover import TransferThread  # noqa: E402
 from kvdepot.client.vllm.pieces import PostedSave  # noqa: E402
 from kvdepot.client.vllm.plan import KVDepotMetadata, StoreJob  # noqa: E402
@@ -101,9 +102,9 @@ def test_staged_pieces_gather_on_the_given_stream_and_go_out_with_their_parents(
     # regions end to end; b: one piece
     assert [(n, s is stream) for _, n, s in client.staged] == [(6, True), (2, True)] and client.runs == [[4, 2]]
     assert client.staged[0][0] == [list(range(0, 24)), list(range(1000, 1024))]
-    a1, a2 = staged[2][0][0][3], staged[2][0][1][3]
+    a1, a2 = staged.per_job[0][0].region, staged.per_job[0][1].region
     assert (a2.offset, a2.seq) == (a1.offset + a1.size_bytes, a1.seq + 1)
-    assert staged[2][0][1][2] == [list(range(16, 24)), list(range(1016, 1024))]
+    assert staged.per_job[0][1].block_ids == [list(range(16, 24)), list(range(1016, 1024))]
     mv._send_staged(jobs, staged)
     mask = shard_mask(b"s" * 16, "tp0of1")
     keys_a = shard_keys(jobs[0].chain, [mask])[0]
@@ -119,8 +120,8 @@ def test_a_piece_without_ring_room_skips_the_rest_of_its_request():
     jobs = [_job("a", 6, 0), _job("b", 5, 100)]
     staged = mv.stage_saves(jobs, object())
     # b's second piece found no room: its third (1 chunk, it would fit) is not gathered
-    assert [len(p) for p in staged[2]] == [3, 2]
-    assert staged[2][1][1][3] is None
+    assert [len(p) for p in staged.per_job] == [3, 2]
+    assert staged.per_job[1][1].region is None
     mv._send_staged(jobs, staged)
     assert [s["request"] for s in client.sent] == ["a", "a", "a", "b"]
     assert side.stats["stores_skipped_ring_full"] == 1 and "b" in mv._stopped
@@ -138,7 +139,7 @@ def test_regions_of_a_restarted_daemon_or_a_stopped_request_are_given_up_not_sen
     assert staged is None  # the registration is not the live daemon's: the thread's way
     side.reg_generation = 1
     staged = mv.stage_saves([_job("c", 2, 0)], object())
-    assert staged[2] == [None]  # its earlier chunks were skipped: not gathered at all
+    assert staged.per_job == [None]  # its earlier chunks were skipped: not gathered at all
 
 
 def test_a_refused_send_gives_up_its_region_and_stops_the_request():
@@ -182,9 +183,9 @@ def test_wait_for_save_of_a_sliding_window_model_posts_its_stream_and_gathers_no
     w._meta = KVDepotMetadata(stores=jobs)
     w.wait_for_save()
     (cmd,) = posted
-    assert cmd[:2] == ("save", jobs) and isinstance(cmd[2], PostedSave) and cmd[3:] == (None, None)
-    assert cmd[2].stream is stream and cmd[2].owner is None
-    assert [(s.seq, s.posted) for s in w._sliding_saves] == [(1, cmd[2])]
+    assert type(cmd) is cmds.SavePosted and cmd.jobs == jobs and cmd.release is None
+    assert isinstance(cmd.posted, PostedSave) and cmd.posted.stream is stream and cmd.posted.owner is None
+    assert [(s.seq, s.posted) for s in w._sliding_saves] == [(1, cmd.posted)]
 
 
 def test_wait_for_save_gathers_on_the_engine_thread_after_bind_had_to():
@@ -198,11 +199,11 @@ def test_wait_for_save_gathers_on_the_engine_thread_after_bind_had_to():
     jobs = [_job("a", 2, 0)]
     w._meta = KVDepotMetadata(stores=jobs)
     w.wait_for_save()
-    assert posted == [("save", jobs, None, ("staged", jobs, stream), None)] and w._sliding_saves == []
+    assert posted == [cmds.SaveStaged(jobs, None, ("staged", jobs, stream))] and w._sliding_saves == []
     w.mover.stage_saves = lambda jobs, s: None  # no fence words: the thread's way, bind checks it
     w._engine_event = lambda: "event"
     w.wait_for_save()
-    assert posted[-1] == ("save", jobs, "event", None, None) and [s.seq for s in w._sliding_saves] == [2]
+    assert posted[-1] == cmds.SaveAfterEvent(jobs, None, "event") and [s.seq for s in w._sliding_saves] == [2]
 
 
 def test_the_transfer_thread_gathers_a_posted_save_on_the_engine_stream_and_bind_then_waits_for_nothing():
@@ -248,8 +249,8 @@ def test_bind_gathers_a_save_the_thread_has_not_taken_before_a_forward_that_writ
     for i in range(GATHER_IN_WAIT_RETRY + 1):
         w._meta = KVDepotMetadata(stores=[_job(f"c{i}", 1, 200 + 4 * i)])
         w.wait_for_save()
-    assert [len(cmd) == 5 and cmd[3] is not None for cmd in inbox[2:]] == [True] * GATHER_IN_WAIT_RETRY + [False]
-    assert isinstance(inbox[-1][2], PostedSave) and [s.seq for s in w._sliding_saves] == [3 + GATHER_IN_WAIT_RETRY]
+    assert [type(cmd) is cmds.SaveStaged for cmd in inbox[2:]] == [True] * GATHER_IN_WAIT_RETRY + [False]
+    assert type(inbox[-1]) is cmds.SavePosted and [s.seq for s in w._sliding_saves] == [3 + GATHER_IN_WAIT_RETRY]
 
 
 def test_each_further_miss_of_the_thread_doubles_the_saves_gathered_in_wait_for_save():
@@ -287,7 +288,7 @@ def test_bind_waits_for_a_save_the_thread_is_gathering():
     mv.post = inbox.append
     w._meta = KVDepotMetadata(stores=[_job("a", 2, 0)])
     w.wait_for_save()
-    posted = inbox[0][2]
+    posted = inbox[0].posted
     assert posted.claim("thread", blocking=True)  # the thread holds it (mid-gather)
     waited = []
 
@@ -329,13 +330,13 @@ def test_without_fence_words_a_posted_save_is_gathered_on_the_side_stream_after_
     w.wait_for_save()
     w.wait_for_save()
     mv._handle(inbox[0])  # the thread: no fence words -> an event on the engine's stream, then _save
-    assert recorded == [stream] and len(saved) == 1 and isinstance(saved[0], _Ev) and inbox[0][2].owner == "thread"
+    assert recorded == [stream] and len(saved) == 1 and isinstance(saved[0], _Ev) and inbox[0].posted.owner == "thread"
     waited = []
     mv.saves_gathered = lambda count, timeout_s: (waited.append(count), mv._handle(inbox[1]))[1]
     w._current_stream = lambda: types.SimpleNamespace(wait_event=lambda ev: None)
     w._order_after_gathers({1})  # save 2 not taken: bind claims it, records the event, waits
-    assert inbox[1][2].owner == "engine" and isinstance(inbox[1][2].event, _Ev) and waited == [2]
-    assert recorded == [stream, stream] and saved[-1] is inbox[1][2].event and w._sliding_saves == []
+    assert inbox[1].posted.owner == "engine" and isinstance(inbox[1].posted.event, _Ev) and waited == [2]
+    assert recorded == [stream, stream] and saved[-1] is inbox[1].posted.event and w._sliding_saves == []
     assert w.stats == {"forwards_waiting_for_gathers": 1, "saves_gathered_by_bind": 1}
 
 
@@ -355,10 +356,10 @@ def test_wait_for_save_of_a_dense_model_leaves_the_event_to_the_transfer_thread(
     jobs = [_job("a", 2, 0)]
     w._meta = KVDepotMetadata(stores=jobs)
     w.wait_for_save()
-    assert posted == [("save", jobs, stream, None, None, 0)] and w._sliding_saves == []
+    assert posted == [cmds.SaveOnStream(jobs, None, stream, 0)] and w._sliding_saves == []
     w.reg, w._cuda = types.SimpleNamespace(device="cpu"), False  # CPU engines: nothing to order on a stream
     w.wait_for_save()
-    assert posted[-1] == ("save", jobs, None, None, None, 0)
+    assert posted[-1] == cmds.SaveOnStream(jobs, None, None, 0)
 
 
 def test_a_steps_releases_go_with_its_save_once_and_alone_when_it_saves_nothing():
@@ -377,12 +378,12 @@ def test_a_steps_releases_go_with_its_save_once_and_alone_when_it_saves_nothing(
     w.wait_for_save()
     res = w.get_transfer_results(set())
     assert (res.finished_sending, res.finished_recving, res.failed_recving) == (set(), set(), set())
-    assert posted == [("save", jobs, None, None, ["r1"], 0)]
+    assert posted == [cmds.SaveOnStream(jobs, ["r1"], None, 0)]
     w._meta = KVDepotMetadata(release=["r2"])  # a step with nothing to store
     w.wait_for_save()
     w.get_transfer_results(set())
     w.get_transfer_results(set())
-    assert posted[1:] == [("release", ["r2"])]
+    assert posted[1:] == [cmds.Release(["r2"])]
 
 
 def test_a_wait_for_save_that_raises_before_posting_leaves_the_releases_to_get_transfer_results():
@@ -403,7 +404,7 @@ def test_a_wait_for_save_that_raises_before_posting_leaves_the_releases_to_get_t
     with pytest.raises(RuntimeError):
         w.wait_for_save()
     w.get_transfer_results(set())
-    assert posted == [("release", ["r1"])]
+    assert posted == [cmds.Release(["r1"])]
 
 
 def test_a_save_commands_releases_count_even_when_its_save_fails():
@@ -416,7 +417,7 @@ def test_a_save_commands_releases_count_even_when_its_save_fails():
 
     mv._handle_save = boom
     with pytest.raises(RuntimeError):
-        mv._handle(("save", [_job("a", 2, 0)], None, None, ["r1"]))
+        mv._handle(cmds.SaveAfterEvent([_job("a", 2, 0)], ["r1"], None))
     assert mv._release == {"r1"}
 
 
@@ -450,7 +451,7 @@ def test_a_job_of_several_pieces_is_gathered_by_one_call_wherever_its_pieces_fit
     client.ring.alloc(5 * OBJECT_BYTES, object())  # [4, 9)
     first.release()  # free: [9, 12) and [0, 4)
     staged = mv.stage_saves([_job("a", 6, 0)], object())
-    assert client.runs == [[3, 3]] and [p[3].offset for p in staged[2][0]] == [9 * OBJECT_BYTES, 0]
+    assert client.runs == [[3, 3]] and [p.region.offset for p in staged.per_job[0]] == [9 * OBJECT_BYTES, 0]
 
     mv, client, side = _thread(ring_objects=12)
     held = client.ring.alloc(4 * OBJECT_BYTES, object())  # [0, 4)
@@ -458,7 +459,7 @@ def test_a_job_of_several_pieces_is_gathered_by_one_call_wherever_its_pieces_fit
     held.release()  # free: [10, 12) and [0, 4): the 3 + 2 chunks of b do not both fit
     staged = mv.stage_saves([_job("b", 5, 0)], object())
     assert client.runs == [] and [n for _, n, _ in client.staged] == [3]  # the first piece alone fits
-    assert staged[2][0][1][3] is None  # the second found no room: the rest of b is skipped
+    assert staged.per_job[0][1].region is None  # the second found no room: the rest of b is skipped
 
 
 def test_get_transfer_results_returns_what_the_thread_published_merged_and_nothing_else():

@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm_harness as H  # noqa: E402
+from kvdepot.client.vllm import commands as cmds  # noqa: E402
 from kvdepot.client.vllm.plan import KVDepotMetadata, StoreJob  # noqa: E402
 from kvdepot.client.vllm.scheduler import written_blocks  # noqa: E402
 from kvdepot.client.vllm.worker import written_set  # noqa: E402
@@ -202,7 +203,7 @@ def test_cpu_sliding_window_save_counts_as_gathered_only_once_the_daemon_copied_
         def spy(cmd):
             before = {id(op) for op in mv._ops}
             handle(cmd)
-            if cmd[0] == "save":
+            if isinstance(cmd, cmds.Save):
                 new = [op for op in mv._ops if id(op) not in before and op.piece.kind == "store"]
                 checked.append(all(op.pending.done() for op in new))
 

@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm_harness  # noqa: E402,F401 - imports vLLM the way every test here does (stubs, warnings)
+from kvdepot.client.vllm import commands as cmds  # noqa: E402
 from kvdepot.client.vllm import mover as mover_mod  # noqa: E402
 from kvdepot.client.vllm.mover import TransferThread  # noqa: E402
 from kvdepot.client.vllm.pieces import Wake  # noqa: E402
@@ -83,13 +84,13 @@ def test_a_posted_load_ends_the_threads_wait_for_replies_a_save_does_not(monkeyp
         while not mv._wake.waiting and time.monotonic() < deadline:
             time.sleep(0.001)
         assert mv._wake.waiting
-        mv.post(("save", [], None, None, None))  # no signal: the wait goes on
+        mv.post(cmds.SaveAfterEvent([], None, None))  # no signal: the wait goes on
         waiter.join(0.3)
         assert waiter.is_alive() and not got
-        mv.post(("load", [], 0, None))
+        mv.post(cmds.Load([], 0, None))
         waiter.join(20.0)
         assert not waiter.is_alive(), "a posted load did not end the wait for replies"
-        assert got[0][0] == "save" and mv._next()[0] == "load"  # taken in the order posted
+        assert type(got[0]) is cmds.SaveAfterEvent and type(mv._next()) is cmds.Load  # taken in the order posted
         # the signal was reset, or its count is left for the next drain: `Wake.signal` writes,
         # then sets the flag, so a thread woken in between drains nothing this time (its next
         # wait ends at once and drains). Never a count without the flag (every wait would end

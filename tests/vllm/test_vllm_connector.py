@@ -112,7 +112,7 @@ def test_load_call_sequence(shared_daemon, cfg, engines):
     f = engines(cfg(shared_daemon.endpoint, connector="RecordingKVDepotConnector", module="recording_connector"))
     mover = f.worker_conn.worker.mover
     post = mover.post
-    mover.post = lambda cmd: (rc.CALLS.append(("WORKER", "post", cmd[0])), post(cmd))
+    mover.post = lambda cmd: (rc.CALLS.append(("WORKER", "post", type(cmd).__name__)), post(cmd))
     rc.CALLS.clear()
     r = f.add(prompt, max_tokens=1, cache_salt="seq", req_id="warm")
     f.run()
@@ -128,7 +128,7 @@ def test_load_call_sequence(shared_daemon, cfg, engines):
     # (before the forward; recorded as each call returns), not in start_load_kv after it, and
     # reports it finished in the first get_transfer_results after its answer came
     posted = names.index(("W", "post"), meta)
-    assert calls[posted][2] == "load" and names[posted + 1] == ("W", "bind_connector_metadata")
+    assert calls[posted][2] == "Load" and names[posted + 1] == ("W", "bind_connector_metadata")
     w = names.index(("W", "start_load_kv"), meta)
     assert ("W", "post") not in names[posted + 1:w + 1], "start_load_kv posted the load again"
     results = [i for i in range(w, len(calls)) if names[i] == ("W", "get_transfer_results")]

@@ -13,6 +13,7 @@ import time
 
 from kvdepot.client.hashing import shard_keys, shard_mask
 from kvdepot.client.many import RetrieveItem, StoreItem
+from kvdepot.client.vllm.commands import SharedRegion, StagedPiece, StagedSaves
 from kvdepot.client.vllm.layout import Registration
 from kvdepot.client.vllm.pieces import Load, Op, Piece
 from kvdepot.client.vllm.plan import LoadJob, StoreJob
@@ -24,7 +25,6 @@ log = logging.getLogger("kvdepot.vllm")
 # errors after which the daemon is treated as down (pinged until it answers) rather than as
 # having refused one request
 DOWN = (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE, ErrorCode.DISCONNECTED, ErrorCode.INTERNAL, ErrorCode.BACKPRESSURE)
-TOGETHER = "together"  # `JobPieces.stage_saves`: this job's chunks are in the step's shared region
 _MAX_RUNS = 64  # queued pieces sent in one request at most (`JobPieces._batch`)
 
 
@@ -171,7 +171,7 @@ class JobPieces:
         return [(s, min(n, s + per), [x[s * k:min(n, s + per) * k] for x, k in zip(ids, bpc)])
                 for s in range(0, n, per)]
 
-    def stage_saves(self, jobs: list[StoreJob], stream) -> tuple | None:
+    def stage_saves(self, jobs: list[StoreJob], stream) -> StagedSaves | None:
         """CUDA models with a sliding-window group, fence words in use: gather a step's
         stores into the staging ring now, on ``stream`` (the engine's), so that no forward
         enqueued later can overwrite their blocks first. Called by the transfer thread when it
@@ -185,20 +185,18 @@ class JobPieces:
         per request; the pieces of a job of several are gathered by one call into their regions
         (`_stage_pieces`): each gather call costs the engine thread ~30 us.
 
-        Returns (client generation, registration, per job: None (skipped), its pieces
-        [(first chunk, end chunk, block ids, region or None)], or ``TOGETHER`` (in the shared
-        region), and the shared region or None); None: the ring or its fence words are not in
-        use now (the thread gathers, after an event)."""
+        Returns what was gathered (`StagedSaves`), or None: the ring or its fence words are not
+        in use now (the thread gathers, after an event)."""
         side, c = self.side, self.client
         kvreg = side.kvreg
         if (kvreg is None or kvreg.staging is None or not kvreg.staging.fence_active
                 or side.reg_generation != c.generation):
             return None
-        out = []
-        together = self._stage_together(kvreg, jobs, stream) if kvreg.chains and len(jobs) > 1 else None
+        out: list[list[StagedPiece] | None] = []
+        shared = self._stage_together(kvreg, jobs, stream) if kvreg.chains and len(jobs) > 1 else None
         for job in jobs:
-            if together is not None and job.req_id in together[1]:
-                out.append(TOGETHER)
+            if shared is not None and job.req_id in shared.jobs:
+                out.append([])
                 continue
             if job.req_id in self._stopped or not job.chain:
                 out.append(None)
@@ -216,13 +214,14 @@ class JobPieces:
                 except KernelError as exc:
                     log.warning("kvdepot: gather of request %s's chunks failed: %s", job.req_id, exc)
                     region = None
-                pieces.append((s, e, piece_ids, region))
+                pieces.append(StagedPiece(s, e, piece_ids, region))
                 if region is None:
                     break  # the rest would have no parent
             out.append(pieces)
-        return c.generation, kvreg, out, together
+        return StagedSaves(c.generation, kvreg, out, shared)
 
-    def _stage_pieces(self, kvreg, job: StoreJob, ids: list[list[int]], parts: list, stream) -> list | None:
+    def _stage_pieces(self, kvreg, job: StoreJob, ids: list[list[int]], parts: list,
+                      stream) -> list[StagedPiece] | None:
         """`stage_saves` of a job of several pieces (``ids``: all its chunks' block ids): one
         gather call for all of them, each into its own region (`KVDepotClient.stage_store_pieces`);
         None: no room for all of them now (the caller stages them one by one)."""
@@ -233,13 +232,12 @@ class JobPieces:
             return None
         if regions is None:
             return None
-        return [(s, e, piece_ids, region) for (s, e, piece_ids), region in zip(parts, regions)]
+        return [StagedPiece(s, e, piece_ids, region) for (s, e, piece_ids), region in zip(parts, regions)]
 
-    def _stage_together(self, kvreg, jobs: list[StoreJob], stream):
+    def _stage_together(self, kvreg, jobs: list[StoreJob], stream) -> SharedRegion | None:
         """`stage_saves`'s shared gather: the jobs whose store is one piece, of the first such
-        job's cache salt, as many as fit in a piece, in one region by one gather call. Returns
-        (region, {request id: (job, its registered block ids)}) or None (fewer than two such jobs, or no room now: each job is
-        then staged alone)."""
+        job's cache salt, as many as fit in a piece, in one region by one gather call. None:
+        fewer than two such jobs, or no room now (each job is then staged alone)."""
         per = self._piece_chunks()
         picked, n = [], 0
         for job in jobs:
@@ -265,25 +263,26 @@ class JobPieces:
             return None
         if region is None:
             return None
-        return region, {job.req_id: (job, ids_of[job.req_id]) for job in picked}
+        return SharedRegion(region, {job.req_id: (job, ids_of[job.req_id]) for job in picked})
 
-    def _send_staged(self, jobs: list[StoreJob], staged: tuple) -> None:
+    def _send_staged(self, jobs: list[StoreJob], staged: StagedSaves) -> None:
         """Send the stores `stage_saves` gathered; give up the regions of those that cannot go
         (daemon restarted or down, request stopped): free once their gathers ran."""
         side, c = self.side, self.client
-        generation, kvreg, per_job, together = staged
-        ok = side.ready() and side.kvreg is kvreg and generation == c.generation and c.up
+        kvreg, shared = staged.registration, staged.shared
+        ok = side.ready() and side.kvreg is kvreg and staged.generation == c.generation and c.up
         now = time.monotonic()
-        if together is not None:
-            ok = self._send_together(kvreg, together, ok, now)
-        for job, pieces in zip(jobs, per_job):
-            if pieces is TOGETHER:
+        if shared is not None:
+            ok = self._send_together(kvreg, shared, ok, now)
+        for job, pieces in zip(jobs, staged.per_job):
+            if shared is not None and job.req_id in shared.jobs:
                 continue
             if pieces is None:
                 side.stats["store_failures"] += 1
                 continue
             keys: list[bytes] = []
-            for s, e, ids, region in pieces:
+            for piece in pieces:
+                s, e, ids, region = piece.first, piece.end, piece.block_ids, piece.region
                 if region is None:
                     side.stats["stores_skipped_ring_full"] += 1
                     self._stopped.add(job.req_id)
@@ -308,13 +307,13 @@ class JobPieces:
                     continue
                 self._ops.append(Op(p, pending, c.generation, time.monotonic()))
 
-    def _send_together(self, kvreg, together: tuple, ok: bool, now: float) -> bool:
+    def _send_together(self, kvreg, together: SharedRegion, ok: bool, now: float) -> bool:
         """Send the jobs `_stage_together` gathered into one region as one request (a run per
         job); returns False if the daemon turned out to be down (the caller's ``ok``)."""
         from kvdepot.client.many import StoreItem
 
         side, c = self.side, self.client
-        region, jobs = together
+        region, jobs = together.region, together.jobs
         live = list(jobs.values())  # (one stopped since its gather still stores what was gathered: its bytes are right)
         if not ok:
             c.abandon_region(kvreg, region)

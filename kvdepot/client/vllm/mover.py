@@ -52,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from kvdepot import trace
 from kvdepot.client.client import KVDepotClient
+from kvdepot.client.vllm import commands as cmds
 from kvdepot.client.vllm.jobs import DOWN, JobPieces
 from kvdepot.client.vllm.pieces import LoadOutcomes, Op, Piece, PinnedSaves, PostedSave, Preemption, Results, Wake
 from kvdepot.protocol import messages as m
@@ -105,8 +106,8 @@ class TransferThread(JobPieces):
         self._settle_asked = 0
         self._settled_through = 0
         self._settle_rid: int | None = None
-        # `post` of a command that wakes nobody ("save", "release"), as one C call: the engine
-        # thread's most common post, every store step
+        # `post` of a command that wakes nobody (a `cmds.Save`, a `cmds.Release`), as one C
+        # call: the engine thread's most common post, every store step
         self.post_quiet = self._inbox.put
 
     # ------------------------------------------------------------------ engine thread
@@ -119,22 +120,13 @@ class TransferThread(JobPieces):
         self._thread = threading.Thread(target=self._run, name=f"kvdepot-{self.side.shard}", daemon=True)
         self._thread.start()
 
-    def post(self, cmd: tuple) -> None:
-        """Queue one command: ("load", jobs, null_id, event), ("save", jobs, event, staged,
-        release[, pin_seq]) (``pin_seq``: the scheduler pinned the save's sliding-window blocks
-        until this worker reports it ended, `Results.saves_ended`; ``staged``: what `stage_saves` returned, or None: the thread gathers after
-        ``event``; ``event`` may be the engine's stream instead, on which the thread records one
-        when it takes the command: models whose blocks stay with their request until its stores
-        ended; or a `PostedSave`: sliding-window models, gathered on the engine's stream by
-        whoever claims it first; ``release``: the step's finished requests or None, released after the save as
-        by a "release" command), ("release", req_ids) (after the step's save: finished requests,
-        reported in ``sending`` once their transfers ended). A load cuts short the thread's wait
-        for replies (`_wait`): taken 100-170 us after its post instead of up to a millisecond;
-        saves and releases wait for the next reply or the end of that wait (a wake cost the
-        engine thread 5-9 us more per store step on an H200)."""
-        self._put(cmd, cmd[0] == "load")
+    def post(self, cmd: cmds.Command) -> None:
+        """Queue one command (`kvdepot.client.vllm.commands`). A `cmds.Load` cuts short the
+        thread's wait for replies (`_wait`); the others wait for the next reply or the end of
+        that wait."""
+        self._put(cmd, type(cmd) is cmds.Load)
 
-    def _put(self, cmd: tuple, wake: bool = True) -> None:
+    def _put(self, cmd: cmds.Command, wake: bool = True) -> None:
         self._inbox.put(cmd)
         if wake:
             self._wake.signal()
@@ -143,7 +135,7 @@ class TransferThread(JobPieces):
         """Drop the queued stores of ``req_ids`` (their blocks go to other requests in this
         step's forward); returns once the thread did (or after ``timeout_s``)."""
         p = Preemption(req_ids)
-        self._put(("preempt", p))
+        self._put(cmds.Preempt(p))
         if not p.done.wait(timeout_s):
             log.error("kvdepot: the transfer thread did not answer a preemption within %.1f s", timeout_s)
         return p
@@ -193,7 +185,7 @@ class TransferThread(JobPieces):
             self.client.close()
             self._wake.close()
             return
-        self._put(("stop",))
+        self._put(cmds.Stop())
         self._thread.join(timeout_s)
 
     # ------------------------------------------------------------------ the thread
@@ -215,7 +207,7 @@ class TransferThread(JobPieces):
             try:
                 changed = cmd is not None
                 while cmd is not None:
-                    if cmd[0] == "stop":
+                    if type(cmd) is cmds.Stop:
                         self._shutdown()
                         return
                     self._handle(cmd)
@@ -283,41 +275,46 @@ class TransferThread(JobPieces):
         except queue.Empty:
             return None
 
-    def _handle(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "release":
-            self._release.update(cmd[1])
-        elif kind == "load":
-            _, jobs, null_id, event = cmd
+    def _handle(self, cmd: cmds.Command) -> None:
+        if isinstance(cmd, cmds.Save):
+            try:
+                self._handle_save(cmd)
+            finally:  # after the save's stores were queued (each keeps its request busy until it ends)
+                if cmd.release:
+                    self._release.update(cmd.release)
+        elif type(cmd) is cmds.Release:
+            self._release.update(cmd.req_ids)
+        elif type(cmd) is cmds.Load:
             ready = self.side.ready()
             # the first job's pieces go out before the others are planned; the others' pieces
             # then go together (`_batch`: several requests' small pieces in one request)
+            jobs = cmd.jobs
             for i, job in enumerate(jobs):
-                self._load(job, ready, null_id, event)
+                self._load(job, ready, cmd.null_block_id, cmd.event)
                 if i == 0 or i == len(jobs) - 1:
                     self._pump()
-        elif kind == "save":
-            _, jobs, event, staged, release, *pin = cmd
-            try:
-                self._handle_save(jobs, event, staged, pin[0] if pin else 0)
-            finally:  # after the save's stores were queued (each keeps its request busy until it ends)
-                if release:
-                    self._release.update(release)
-        elif kind == "preempt":
-            self._preempt(cmd[1])
+        elif type(cmd) is cmds.Preempt:
+            self._preempt(cmd.preemption)
 
-    def _handle_save(self, jobs, event, staged, pin: int = 0) -> None:
-        """One step's "save" command (see `post`)."""
-        if isinstance(event, torch.cuda.Stream):  # blocks kept until stored: `WorkerSide.wait_for_save`
-            stream, event = event, torch.cuda.Event()
-            event.record(stream)
+    def _handle_save(self, cmd: cmds.Save) -> None:
+        """One step's save (the four kinds: `kvdepot.client.vllm.commands`)."""
+        jobs, staged, event, pin = cmd.jobs, None, None, 0
+        if type(cmd) is cmds.SaveOnStream:  # blocks kept until stored: `WorkerSide.wait_for_save`
+            pin = cmd.pin_seq
+            if cmd.stream is not None:
+                event = torch.cuda.Event()
+                event.record(cmd.stream)
+        elif type(cmd) is cmds.SaveAfterEvent:
+            event = cmd.event
+        elif type(cmd) is cmds.SaveStaged:
+            staged = cmd.staged
         seq = self._saves_gathered + 1
         if pin:  # every piece made for the save from here on keeps its pins (`PinnedSaves`)
             had = self._live_piece_ids()
         try:
             sliding = not self.side.stores_may_wait
-            if isinstance(event, PostedSave):
-                staged, event = self._claim_save(event, jobs)
+            if type(cmd) is cmds.SavePosted:
+                staged, event = self._claim_save(cmd.posted, jobs)
             if staged is not None:
                 self._send_staged(jobs, staged)
             else:
@@ -343,10 +340,10 @@ class TransferThread(JobPieces):
                 self._saves_gathered = seq
                 self._saves_cond.notify_all()
 
-    def _claim_save(self, posted: PostedSave, jobs) -> tuple:
+    def _claim_save(self, posted: PostedSave, jobs) -> tuple[cmds.StagedSaves | None, object]:
         """A sliding-window model's save posted with the engine's stream (`PostedSave`): gathered
         here on that stream, unless ``bind`` claimed it first (then what it staged is taken).
-        Returns (staged or None, the event the thread's own gathers follow or None)."""
+        Returns (what was staged or None, the event the thread's own gathers follow or None)."""
         if posted.claim("thread", blocking=True):
             try:
                 staged = self.stage_saves(jobs, posted.stream)

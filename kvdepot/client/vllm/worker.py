@@ -41,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from kvdepot.client.client import KVDepotClient
 from kvdepot.client.hashing import shard_name
+from kvdepot.client.vllm import commands as cmds
 from kvdepot.client.vllm.config import STAGING_MIN_BYTES, ConnectorConfig, auto_staging_bytes, load_ring_bytes
 from kvdepot.client.vllm.layout import Registration, TransferGroup, build_registration
 from kvdepot.client.vllm.mover import DOWN, TransferThread
@@ -333,7 +334,7 @@ class WorkerSide:
         hand the step's loads to the transfer thread (at once: a load wakes it)."""
         self._loads_started = meta
         if self._active:
-            self.mover.post(("load", meta.loads, meta.null_block_id, self._engine_event()))
+            self.mover.post(cmds.Load(meta.loads, meta.null_block_id, self._engine_event()))
 
     def wait_for_save(self) -> None:
         meta = self._meta
@@ -359,7 +360,7 @@ class WorkerSide:
                 self._released = meta
             else:
                 release = None
-            self._post_quiet(("save", meta.stores, stream, None, release, meta.pin_seq))
+            self._post_quiet(cmds.SaveOnStream(meta.stores, release, stream, meta.pin_seq))
             return
         take = self._take_release
         if self._cuda:
@@ -369,7 +370,7 @@ class WorkerSide:
                 self._gather_in_wait -= 1
                 staged = self.mover.stage_saves(meta.stores, self._current_stream())
                 if staged is not None:
-                    self.mover.post(("save", meta.stores, None, staged, take(meta)))
+                    self.mover.post(cmds.SaveStaged(meta.stores, take(meta), staged))
                     return
             else:
                 # sliding-window models: gathered on the engine's stream by the transfer thread
@@ -377,10 +378,11 @@ class WorkerSide:
                 # forward may write one of their blocks before then (`PostedSave`); the engine
                 # thread's gather call cost it 100-250 us per store step on the GPU hosts measured
                 posted = PostedSave(self._current_stream())
-                self.mover.post(("save", meta.stores, posted, None, take(meta)))
+                self.mover.post(cmds.SavePosted(meta.stores, take(meta), posted))
                 self._sliding_saves.append(_SlidingSave(self._saves_posted, meta.stores, posted))
                 return
-        self.mover.post(("save", meta.stores, self._engine_event(), None, take(meta)))
+        # the release taken last: a call that raises before it leaves them to `get_transfer_results`
+        self.mover.post(cmds.SaveAfterEvent(meta.stores, event=self._engine_event(), release=take(meta)))
         self._sliding_saves.append(_SlidingSave(self._saves_posted, meta.stores))
 
     def _take_release(self, meta: KVDepotMetadata):
@@ -405,7 +407,7 @@ class WorkerSide:
         # less on every step
         if meta is not None and meta.release and meta is not self._released:
             self._released = meta
-            self._post_quiet(("release", meta.release))
+            self._post_quiet(cmds.Release(meta.release))
         box = self._outbox
         if not box:  # most steps: nothing ended
             return NO_RESULTS
