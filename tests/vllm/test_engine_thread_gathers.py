@@ -138,8 +138,14 @@ def test_regions_of_a_restarted_daemon_or_a_stopped_request_are_given_up_not_sen
     staged = mv.stage_saves([_job("c", 2, 0)], object())
     assert staged is None  # the registration is not the live daemon's: the thread's way
     side.reg_generation = 1
+    # the transfer thread's gather skips what it stopped (its earlier chunks were skipped)
+    staged = mv.stage_saves([_job("c", 2, 0)], object(), mv._stopped)
+    assert staged.per_job == [None]
+    # the engine thread's reads none of the thread's state: it gathers, the send gives it up
     staged = mv.stage_saves([_job("c", 2, 0)], object())
-    assert staged.per_job == [None]  # its earlier chunks were skipped: not gathered at all
+    assert len(staged.per_job[0]) == 1 and staged.per_job[0][0].region is not None
+    mv._send_staged([_job("c", 2, 0)], staged)
+    assert not client.sent and len(client.abandoned) == 3
 
 
 def test_a_refused_send_gives_up_its_region_and_stops_the_request():

@@ -10,6 +10,7 @@ import collections
 import itertools
 import logging
 import time
+from collections.abc import Collection
 
 from kvdepot.client.hashing import shard_keys, shard_mask
 from kvdepot.client.many import RetrieveItem, StoreItem
@@ -171,7 +172,7 @@ class JobPieces:
         return [(s, min(n, s + per), [x[s * k:min(n, s + per) * k] for x, k in zip(ids, bpc)])
                 for s in range(0, n, per)]
 
-    def stage_saves(self, jobs: list[StoreJob], stream) -> StagedSaves | None:
+    def stage_saves(self, jobs: list[StoreJob], stream, stopped: Collection[str] = ()) -> StagedSaves | None:
         """CUDA models with a sliding-window group, fence words in use: gather a step's
         stores into the staging ring now, on ``stream`` (the engine's), so that no forward
         enqueued later can overwrite their blocks first. Called by the transfer thread when it
@@ -185,6 +186,11 @@ class JobPieces:
         per request; the pieces of a job of several are gathered by one call into their regions
         (`_stage_pieces`): each gather call costs the engine thread ~30 us.
 
+        ``stopped``: requests not to gather (the transfer thread passes its own set; the engine
+        thread passes none and reads no state of the transfer thread's: `_send_staged` gives up
+        the regions of requests stopped meanwhile). Reads the client's generation and the
+        worker's registration (one reference each) and allocates in the staging ring (locked).
+
         Returns what was gathered (`StagedSaves`), or None: the ring or its fence words are not
         in use now (the thread gathers, after an event)."""
         side, c = self.side, self.client
@@ -193,12 +199,12 @@ class JobPieces:
                 or side.reg_generation != c.generation):
             return None
         out: list[list[StagedPiece] | None] = []
-        shared = self._stage_together(kvreg, jobs, stream) if kvreg.chains and len(jobs) > 1 else None
+        shared = self._stage_together(kvreg, jobs, stream, stopped) if kvreg.chains and len(jobs) > 1 else None
         for job in jobs:
             if shared is not None and job.req_id in shared.jobs:
                 out.append([])
                 continue
-            if job.req_id in self._stopped or not job.chain:
+            if job.req_id in stopped or not job.chain:
                 out.append(None)
                 continue
             ids = self._job_ids(job)
@@ -234,7 +240,7 @@ class JobPieces:
             return None
         return [StagedPiece(s, e, piece_ids, region) for (s, e, piece_ids), region in zip(parts, regions)]
 
-    def _stage_together(self, kvreg, jobs: list[StoreJob], stream) -> SharedRegion | None:
+    def _stage_together(self, kvreg, jobs: list[StoreJob], stream, stopped: Collection[str]) -> SharedRegion | None:
         """`stage_saves`'s shared gather: the jobs whose store is one piece, of the first such
         job's cache salt, as many as fit in a piece, in one region by one gather call. None:
         fewer than two such jobs, or no room now (each job is then staged alone)."""
@@ -242,7 +248,7 @@ class JobPieces:
         picked, n = [], 0
         for job in jobs:
             k = len(job.chain)
-            if (job.req_id in self._stopped or not job.chain or k > per - n
+            if (job.req_id in stopped or not job.chain or k > per - n
                     or (picked and job.cache_salt != picked[0].cache_salt)):
                 continue
             picked.append(job)

@@ -346,7 +346,7 @@ class TransferThread(JobPieces):
         Returns (what was staged or None, the event the thread's own gathers follow or None)."""
         if posted.claim("thread", blocking=True):
             try:
-                staged = self.stage_saves(jobs, posted.stream)
+                staged = self.stage_saves(jobs, posted.stream, self._stopped)
                 # no fence words now: gathered on the side stream after this point
                 return staged, (posted.event_here() if staged is None else None)
             finally:

@@ -28,6 +28,26 @@ Per step (order of vLLM's ``KVConnectorModelRunnerMixin``): ``handle_preemptions
   is reported in finished_sending.
 * No per-layer calls: ``has_connector_metadata`` is False, so vLLM's attention layers never call
   ``wait_for_layer_load`` / ``save_kv_layer`` (the thread needs no pumping).
+
+Two threads: the engine thread (vLLM's calls) and the transfer thread. Who owns what, and the
+only channels between them (the last rows); nothing else crosses:
+
+| state | written by | read by |
+|---|---|---|
+| `WorkerSide`'s step state (``_meta``, ``_saves_posted``, ``_gather_in_wait``, ``_sliding_saves``, ``_released``, ``_loads_started``, ``_invalid_blocks``, ``_saves_ended``, ``_stream``) | engine | engine |
+| ``reg``, ``cfg``, ``groups``, the client object | engine, before the transfer thread starts | both, read-only after |
+| ``kvreg``, ``reg_generation``, ``disabled_reason`` | transfer thread (`ready`, `disable`), engine before it starts | engine, one reference each (`registration_id`, `stage_saves`); a stale one is refused where used (`StagedSaves.generation`) |
+| ``stores_may_wait`` | engine (`bind`: turns True once the scheduler pins stores, never back) | transfer thread |
+| ``stats`` | per key one thread: ``forwards_waiting_for_gathers``, ``saves_gathered_by_bind`` the engine, the rest the transfer thread | engine (``get_kv_connector_stats``) |
+| the `KVDepotClient`'s socket, requests and replies | transfer thread | transfer thread |
+| the staging ring (`kvdepot.client.staging.StagingRing`) | both, under its lock (the engine thread's gathers: `stage_saves`) | both |
+| `TransferThread`'s queue, ops, stopped / released requests, loads, pins | transfer thread | transfer thread |
+| channel: the inbox of `kvdepot.client.vllm.commands` | engine puts | transfer thread takes, in order |
+| channel: ``outbox`` (`Results`) | transfer thread appends | engine pops (``get_transfer_results``) |
+| channel: `PostedSave` | whichever side claims it first (its lock) | the other |
+| channel: `Preemption` | engine makes it, the transfer thread sets ``done`` | engine waits |
+| channel: saves gathered (``_saves_gathered``, ``_gather_events``, under ``_saves_cond``) | transfer thread; engine drops events it no longer needs (``forget_gathered``) | engine (``saves_gathered``, ``gathered``) |
+| channel: `Wake` (a pipe) | engine signals (a `Load`, `Preempt`, `Stop`) | transfer thread's wait for replies |
 """
 
 from __future__ import annotations
