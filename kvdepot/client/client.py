@@ -34,7 +34,7 @@ import zmq
 
 from kvdepot import trace
 from kvdepot.client.many import ManyRequests
-from kvdepot.client.pending import LinkPace
+from kvdepot.client.pending import Drains, LinkPace, ScatterNote
 from kvdepot.client.registration import Registrations
 from kvdepot.client.staged import StagedStores
 from kvdepot.client.transfers import TransferRequests
@@ -123,10 +123,9 @@ class KVDepotClient(Registrations, TransferRequests, StagedStores, ManyRequests)
         self.requests_dropped = 0  # requests given up with a connection the daemon took no bytes of
         self._identity = f"kvd-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
         self._fences: dict = {}  # cudaStream_t -> a local event (`_fence`)
-        self._last_scatter = (None, None)  # `last_retrieve_event`
-        self._drains: dict = {}  # id(staging ring) -> (rid, through_seq) of its Drain in flight
+        self.last_scatter = ScatterNote()  # `last_retrieve_event`
+        self.drains = Drains()  # Drains that settle staging regions lost in a timeout
         self._submit_thread = threading.get_ident()
-        self.drains_answered = 0  # Drains that settled lost staging regions (`kvdepot.client.pending.drain_settles`)
         # fastest staged store / retrieve seen: their waits sleep until shortly before such a
         # reply could come, then spin
         self.store_pace = LinkPace()
@@ -173,6 +172,11 @@ class KVDepotClient(Registrations, TransferRequests, StagedStores, ManyRequests)
                 self._hello_rid = hello.rid
                 self._unread += 1
         return self._sock
+
+    @property
+    def drains_answered(self) -> int:
+        """Drains that settled staging regions lost in a timeout (`kvdepot.client.pending.Drains`)."""
+        return self.drains.answered
 
     @property
     def transport(self) -> str:

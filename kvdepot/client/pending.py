@@ -1,13 +1,13 @@
 """Handles of submitted STORE / RETRIEVE requests (`KVDepotClient.submit_store`,
 `KVDepotClient.submit_retrieve`): ``done()`` never blocks, ``result()`` waits for the reply
 and, with engine-side staging, frees or scatters out of the request's staging-ring region; a
-region whose request was lost in a timeout is settled by a `Drain` (`drain_settles`)."""
+region whose request was lost in a timeout is settled by a `Drain` (`Drains`)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
@@ -17,7 +17,6 @@ from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
 if TYPE_CHECKING:
-    from kvdepot.client.client import KVDepotClient
     from kvdepot.client.registration import Registration
 
 log = logging.getLogger("kvdepot.client")
@@ -34,39 +33,105 @@ def region_reusable_after(error: KVDepotError) -> bool:
     return error.code not in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED)
 
 
-def drain_settles(client: KVDepotClient, reg: Registration, seq: int) -> bool:
-    """Whether staging region ``seq`` of ``reg``, whose request was lost in a timeout, may be
-    reused: a `Drain` through it was answered (the daemon finished every copy of it and refuses
-    the request should it still arrive). Never blocks: sends one Drain per ring at a time (only
-    from the thread that uses ``client``) and takes its reply in a later call. The Drain goes
-    through ``seq`` only, not through the ring's newest region: another client sharing the ring
-    may have regions after it whose requests are still on their way."""
-    ring = reg.staging.ring
-    if ring.drained_through >= seq:
-        return True
-    if not client.on_own_thread():
-        return False  # another client's thread asks: this client's socket is not its to use
-    got = client._drains.get(id(ring))
-    if got is not None:
-        rid, through = got
-        client.poll()
-        if not client.done(rid):
-            return False
-        del client._drains[id(ring)]
+class Drains:
+    """The `Drain` requests of one client that settle staging regions lost in a timeout: at
+    most one in flight per ring (``{id(ring): (rid, through_seq)}``), and how many were
+    answered. Used only from the client's own thread."""
+
+    __slots__ = ("_inflight", "answered")
+
+    def __init__(self) -> None:
+        self._inflight: dict[int, tuple[int, int]] = {}
+        self.answered = 0
+
+    def settles(self, client: RequestChannel, reg: Registration, seq: int) -> bool:
+        """Whether staging region ``seq`` of ``reg``, whose request was lost in a timeout, may
+        be reused: a `Drain` through it was answered (the daemon finished every copy of it and
+        refuses the request should it still arrive). Never blocks: sends one Drain per ring at a
+        time (only from ``client``'s own thread) and takes its reply in a later call. The Drain
+        goes through ``seq`` only, not through the ring's newest region: another client sharing
+        the ring may have regions after it whose requests are still on their way."""
+        ring = reg.staging.ring
+        if ring.drained_through >= seq:
+            return True
+        if not client.on_own_thread():
+            return False  # another client's thread asks: this client's socket is not its to use
+        got = self._inflight.get(id(ring))
+        if got is not None:
+            rid, through = got
+            client.poll()
+            if not client.done(rid):
+                return False
+            del self._inflight[id(ring)]
+            try:
+                client.wait(rid, 0)
+            except KVDepotError:
+                return False  # lost or refused: the next call asks again
+            ring.drained_through = max(ring.drained_through, through)
+            self.answered += 1
+            return ring.drained_through >= seq
         try:
-            client.wait(rid, 0)
-        except KVDepotError:
-            return False  # lost or refused: the next call asks again
-        ring.drained_through = max(ring.drained_through, through)
-        client.drains_answered += 1
-        return ring.drained_through >= seq
-    through = seq
-    try:
-        rid = client.submit(m.Drain(rid=0, registration=reg.id, through_seq=through))
-    except (KVDepotError, OSError, zmq.ZMQError):
+            rid = client.submit(m.Drain(rid=0, registration=reg.id, through_seq=seq))
+        except (KVDepotError, OSError, zmq.ZMQError):
+            return False
+        self._inflight[id(ring)] = (rid, seq)
         return False
-    client._drains[id(ring)] = (rid, through)
-    return False
+
+
+class ScatterNote:
+    """The last staged retrieve's scatter, whose ``result`` ran, of one client: a
+    ``torch.cuda.Event`` after it, or the stream it was enqueued on (fence words: no event is
+    recorded unless asked for, `event`), or neither (it wrote nothing)."""
+
+    __slots__ = ("_event", "_stream")
+
+    def __init__(self) -> None:
+        self._event = None
+        self._stream = None
+
+    def set(self, event, stream) -> None:
+        self._event, self._stream = event, stream
+
+    def event(self):
+        """The event after the last scatter (recorded now, on its stream, if none was: it
+        then covers whatever that stream had before this call too); None if it wrote nothing."""
+        if self._event is None and self._stream is not None:
+            import torch
+
+            self._event = torch.cuda.Event()
+            self._event.record(self._stream)
+            self._stream = None
+        return self._event
+
+    @property
+    def stream(self):
+        """The stream of the last scatter while no event was recorded for it, else None."""
+        return self._stream
+
+
+class RequestChannel(Protocol):
+    """What a pending handle uses of its client (`kvdepot.client.KVDepotClient` is one): the
+    reply of its request, the pace of earlier replies, and the client's drains and scatter note."""
+
+    timeout_s: float
+    store_pace: LinkPace
+    retrieve_pace: LinkPace
+    drains: Drains
+    last_scatter: ScatterNote
+
+    def done(self, rid: int) -> bool: ...
+
+    def wait(self, rid: int, timeout_s: float | None = None, spin_from: float = 0.0, until=None) -> m.Msg: ...
+
+    def poll(self, timeout_s: float = 0.0, wake_fd: int | None = None) -> None: ...
+
+    def submit(self, req: m.Msg, on_reply=None) -> int: ...
+
+    def forget(self, rid: int) -> None: ...
+
+    def on_own_thread(self) -> bool: ...
+
+    def confirm_later(self, rid: int) -> None: ...
 
 
 def _settle_lost(pending) -> bool:
@@ -115,7 +180,7 @@ class LinkPace:
 class PendingStore:
     """A submitted STORE (`KVDepotClient.submit_store`)."""
 
-    def __init__(self, client: KVDepotClient, rid: int, region=None, num_chunks: int = 0, fence=None,
+    def __init__(self, client: RequestChannel, rid: int, region=None, num_chunks: int = 0, fence=None,
                  reg: Registration | None = None, landed: bool = False, deadline_ns: int = 0) -> None:
         self.client, self.rid = client, rid
         # unstaged with a deadline: ``time.monotonic()`` after which the daemon never touches the
@@ -180,7 +245,7 @@ class PendingStore:
 
     def _settled(self, error: KVDepotError) -> bool:
         return (error.code == ErrorCode.TIMEOUT and self._reg is not None
-                and drain_settles(self.client, self._reg, self._region.seq))
+                and self.client.drains.settles(self.client, self._reg, self._region.seq))
 
     def _reclaim(self) -> bool:
         try:
@@ -221,7 +286,7 @@ def gate_scatter(reg: Registration, region, block_ids, num_chunks: int, skip_tok
 class PendingRetrieve:
     """A submitted RETRIEVE (`KVDepotClient.submit_retrieve`)."""
 
-    def __init__(self, client: KVDepotClient, rid: int) -> None:
+    def __init__(self, client: RequestChannel, rid: int) -> None:
         self.client, self.rid = client, rid
         # never set: a retrieve's deadline (`Retrieve.deadline_ns`) keeps the daemon from
         # beginning late copies, but a copy begun before it may still be writing the blocks if
@@ -283,7 +348,7 @@ class PendingRetrieve:
                 return False
         if self._error is not None:
             return region_reusable_after(self._error) or (
-                self._error.code == ErrorCode.TIMEOUT and drain_settles(self.client, self._reg, self._region.seq))
+                self._error.code == ErrorCode.TIMEOUT and self.client.drains.settles(self.client, self._reg, self._region.seq))
         if self._retrieved is None:
             return False
         if self._done_seq is not None:
@@ -363,7 +428,7 @@ class PendingRetrieve:
             raise self._error
         if before is not None and before is not self._scatter_stream:
             before.wait_event(self._event())
-        self.client._last_scatter = (self._done_event, self._scatter_stream)
+        self.client.last_scatter.set(self._done_event, self._scatter_stream)
         return self._retrieved
 
     def _event(self):
@@ -394,7 +459,7 @@ class PendingRetrieve:
                     raise
                 self.chains_retrieved = list(r.chains)
                 self._retrieved = r.retrieved
-            self.client._last_scatter = (None, None)  # the reply comes once the blocks are written
+            self.client.last_scatter.set(None, None)  # the reply comes once the blocks are written
             return self._retrieved
         if self._gated:
             return self._gated_result(before, timeout_s)
@@ -402,7 +467,7 @@ class PendingRetrieve:
             ev = self._event() if before is not None and before is not self._scatter_stream else None
             if ev is not None:
                 before.wait_event(ev)
-            self.client._last_scatter = (self._done_event, self._scatter_stream)
+            self.client.last_scatter.set(self._done_event, self._scatter_stream)
             return self._retrieved
         if self._error is not None:
             raise self._error
@@ -440,5 +505,5 @@ class PendingRetrieve:
                 done.record(stream)
                 self._done_event = done
         self._retrieved = r.retrieved
-        self.client._last_scatter = (self._done_event, self._scatter_stream)
+        self.client.last_scatter.set(self._done_event, self._scatter_stream)
         return r.retrieved

@@ -11,11 +11,10 @@ from kvdepot.client.registration import Registration
 
 
 class StagedStores:
-    """Mixed into `KVDepotClient` (which sets ``self._fences = {}`` and ``self._last_scatter =
-    (None, None)``)."""
+    """Mixed into `KVDepotClient` (which sets ``self._fences = {}`` and ``self.last_scatter``,
+    a `kvdepot.client.pending.ScatterNote`)."""
 
     _fences: dict
-    _last_scatter: tuple  # (event or None, stream or None) of the last staged retrieve's scatter
 
     @property
     def last_retrieve_event(self):
@@ -25,14 +24,7 @@ class StagedStores:
         With fence words the scatter records no event (its region frees by its fence word): the
         event is recorded here, when first read, on the stream the scatter was enqueued on, so
         it covers the scatter and whatever that stream had before this read."""
-        ev, stream = self._last_scatter
-        if ev is None and stream is not None:
-            import torch
-
-            ev = torch.cuda.Event()
-            ev.record(stream)
-            self._last_scatter = (ev, None)
-        return ev
+        return self.last_scatter.event()
 
     def stage_store(self, reg: Registration, block_ids: Sequence[Sequence[int]], num_chunks: int,
                     after=None, wait_for_room: bool = True):

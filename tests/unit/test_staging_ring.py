@@ -352,14 +352,14 @@ def test_a_staged_retrieve_waits_with_its_link_pace_and_teaches_it():
     from its store pace), and a whole reply teaches it."""
     import types
 
-    from kvdepot.client.pending import LinkPace, PendingRetrieve
+    from kvdepot.client.pending import LinkPace, PendingRetrieve, ScatterNote
     from kvdepot.protocol import messages as m
 
     seen = []
 
     class Client:
         retrieve_pace = LinkPace()
-        last_retrieve_event = None
+        last_scatter = ScatterNote()
 
         def wait(self, rid, timeout_s=None, spin_from=0.0, until=None):
             seen.append(spin_from)
@@ -406,7 +406,7 @@ def test_a_staged_retrieve_with_fence_words_frees_its_region_by_its_word_not_an_
         stream = object()
         assert pend.result(before=stream) == 2
         assert scatters == [(region.offset, 2, stream, region.seq)] and made == []
-        assert c._last_scatter == (None, stream)
+        assert c.last_scatter.stream is stream
         fence = reg.staging.fence
         assert region.fenced and not region.is_free()
         reg.staging.ring.reset(fence)
