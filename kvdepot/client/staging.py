@@ -353,8 +353,9 @@ def await_word(fence: FenceWords, seq: int, wait_s: float, ready: Callable[[int]
 # cudaHostUnregister would wait until the device is idle and hold every other thread's kernel
 # launches meanwhile (H200: with a 1-s kernel running, the unregister took 1010 ms, and a
 # launch on another stream by another thread waited 960 ms), at whatever point a garbage
-# collection ran the finalizer: inside an engine's step, or a transfer thread's. A registration's words are FENCE_WORDS * 8 bytes (32 KiB); an engine makes
-# one per registration with the daemon (again after each daemon restart).
+# collection ran the finalizer: inside an engine's step, or a transfer thread's. A
+# registration's words are FENCE_WORDS * 8 bytes (32 KiB); an engine makes one per
+# registration with the daemon (again after each daemon restart).
 _RETIRED_FENCES: list[torch.Tensor] = []
 
 
