@@ -1,7 +1,7 @@
 """A hung daemon never stalls vLLM: vLLM 0.33's real scheduler and worker call sequence (the CPU
 harness of `vllm_harness`) keeps serving requests with 32K-token prompts while the daemon is
 stopped (SIGSTOP) for 20 s with stores and loads in flight. Every connector call vLLM makes
-returns within 10 ms, the requests finish by recompute with every KV byte checked by the toy
+returns within 50 ms (a stalled one waits for the daemon or a timeout: seconds), the requests finish by recompute with every KV byte checked by the toy
 forward, and once the daemon runs again prefix hits resume."""
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 PROMPT_TOKENS = 32 * 1024 - 64  # (+ 2 generated: within the toy model's 32768 positions)
 PAUSE_S = 20.0
 BURST = 24
-CALL_BOUND_S = 0.010
+# far below any wait for the daemon (its 20 s stop, the connector's timeouts of seconds), above
+# what a loaded 2-core CI machine's scheduling and garbage collections gave (up to 6.6 ms); the
+# figure itself is printed and kept in docs/benchmarks.md
+CALL_BOUND_S = 0.050
 # the connector calls vLLM makes (its base class's public methods)
 VLLM_CALLS = sorted(n for n, f in inspect.getmembers(KVConnectorBase_V1, inspect.isfunction) if not n.startswith("_"))
 
