@@ -74,7 +74,9 @@ def test_connector_benchmark_times_hits_alone_and_while_stores_stream(tmp_path):
         os.environ.pop("KVDEPOT_TRACE_FILE", None)
     (r,) = json.loads(out.read_text())
     # --trace: the daemon's points and this process's, on the hits' clock: every hit's pieces
-    # reached the daemon (a retrieve's points) between its first piece sent and its load's end
+    # reached the daemon (a retrieve's points) between its load's post and its end (not "its
+    # first piece sent": that stamp is taken after the send returns, and on a loaded machine
+    # the daemon may start the retrieve milliseconds before the sending thread runs again)
     daemon = [json.loads(line) for line in (traced / "daemon-trace.jsonl").read_text().splitlines()]
     engine = [json.loads(line) for line in (traced / "engine-trace.jsonl").read_text().splitlines()]
     assert {"c_sent", "c_reply"} <= {stage for _, stage, _ in engine}
@@ -91,7 +93,7 @@ def test_connector_benchmark_times_hits_alone_and_while_stores_stream(tmp_path):
         for s in stamps:
             assert (s["added"] <= s["asked"] <= s["answered"] <= s["posted"] <= s["first_sent"] <= s["last_sent"]
                     <= s["ended"] <= s["loaded"]), s
-            assert any(s["first_sent"] - 1_000_000 <= t <= s["ended"] for t in retrieve_starts), s
+            assert any(s["posted"] <= t <= s["ended"] for t in retrieve_starts), s
         # the summary matched load pieces to the daemon's replies and the worker's reads of them
         # (hits whose loads are posted in one step may share one request: one piece at least)
         lag = r[f"{mode}_reply_read_lag_us"]
