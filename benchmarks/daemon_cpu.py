@@ -95,7 +95,7 @@ def measure(group: KVGroupShape, chunk_size: int, requests: int, l1_bytes: int, 
     """
     d, reg, lay = _daemon_with_registration(group, chunk_size, l1_bytes, sock_dir)
     sent: list[bytes] = []
-    d._send = lambda identity, frame: sent.append(frame)
+    d.front.send = lambda identity, frame: sent.append(frame)
     ids = [list(range(chunk_size // group.tokens_per_block))]
     keys = [os.urandom(16) for _ in range(requests)]
     stores = [codec.encode(m.Store(rid=i + 1, registration=reg.id, keys=[k], block_ids=ids, event=b"e" * 64,
@@ -107,7 +107,7 @@ def measure(group: KVGroupShape, chunk_size: int, requests: int, l1_bytes: int, 
     def run(frames: list[bytes]) -> float:
         t0 = time.perf_counter()
         for f in frames:
-            d._dispatch(b"id", f)
+            d.front._dispatch(b"id", f)
             for cb in path.done:
                 cb(None)
             path.done.clear()

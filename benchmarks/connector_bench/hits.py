@@ -49,7 +49,7 @@ class HitClock:
         conn = engine.worker_conn
         start, results = conn.worker._start_loads, conn.get_transfer_results
         mover = conn.worker.mover
-        submit, finish = mover._submit, mover._loads.finish
+        submit, finish = mover.sender._submit, mover.book.loads.finish
 
         def timed_submit(kvreg, batch, stream):
             got = submit(kvreg, batch, stream)
@@ -65,7 +65,7 @@ class HitClock:
             self.ended.setdefault(job.req_id, time.perf_counter())
             return finish(job, retrieved)
 
-        mover._submit, mover._loads.finish = timed_submit, timed_finish
+        mover.sender._submit, mover.book.loads.finish = timed_submit, timed_finish
 
         def start_loads(meta):
             now = time.perf_counter()

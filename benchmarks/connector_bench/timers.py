@@ -127,7 +127,7 @@ class Timeline:
             return
         worker = engine.worker_conn.worker
         client, mover = worker.client, worker.mover
-        submit, on_reply, post, quiet = client.submit, client._on_reply, mover.post, worker._post_quiet
+        submit, on_reply, post, quiet = client.conn.submit, client.conn._on_reply, mover.post, worker._post_quiet
         self._undo = (client, submit, on_reply, mover, post)
         self._worker, self._quiet = worker, quiet
         self.posted = []  # (perf_counter, is a load or save) of each command the engine thread posted
@@ -171,7 +171,7 @@ class Timeline:
         box.noted = self.reported
         self._box = box
 
-        client.submit, client._on_reply, mover.post, worker._post_quiet = timed_submit, timed_reply, timed_post, timed_quiet
+        client.conn.submit, client.conn._on_reply, mover.post, worker._post_quiet = timed_submit, timed_reply, timed_post, timed_quiet
         mover._handle = timed_handle
 
     def step(self, start_s: float, end_s: float, forward: bool) -> None:
@@ -182,7 +182,7 @@ class Timeline:
         if not self.enabled:
             return None
         client, submit, on_reply, mover, post, handle = self._undo
-        client.submit, client._on_reply, mover.post, mover._handle = submit, on_reply, post, handle
+        client.conn.submit, client.conn._on_reply, mover.post, mover._handle = submit, on_reply, post, handle
         self._worker._post_quiet, self._box.noted = self._quiet, None
         # each posted command until the thread took it (one queue, taken in order; the engine
         # posts every command through `post` but a preemption's)

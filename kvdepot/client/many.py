@@ -2,7 +2,8 @@
 staging region, one gather or scatter launch, one message, one copy call in the daemon and one
 reply for all of them. An engine that moves many small requests at once (one chunk of each of
 many prompts in a step, 64-token chunks) pays the per-request costs once per batch instead of
-once per prompt. Mixed into `kvdepot.client.KVDepotClient`."""
+once per prompt (`kvdepot.client.transfers.Transfers.submit_store_many`): the items, their
+checks and how they join into one request."""
 
 from __future__ import annotations
 
@@ -90,51 +91,3 @@ def masked_block_ids(reg: Registration, block_ids: Sequence[Sequence[int]], chai
             row[b:end * per] = [-1] * (end * per - b)
         out.append(row)
     return out
-
-
-class ManyRequests:
-    """`submit_store_many` / `submit_retrieve_many` (see the module docstring)."""
-
-    def submit_store_many(self, reg: Registration, items: Sequence[StoreItem], cache_salt: str = "",
-                          request: str = "", after=None, wait_for_room: bool = True, staged=None):
-        """Store several prompts' runs (`StoreItem`) in one request; as `submit_store` otherwise
-        (engine-side staging: one region and one gather on ``after`` for all of them; ``staged``:
-        the region a `stage_store` of all the items' block ids, laid end to end, returned). The
-        reply's ``chains`` give each item's stored / present / skipped counts in order; a
-        missing parent skips only its own item.
-
-        Returns:
-            `kvdepot.client.pending.PendingStore`, or None (``wait_for_room=False`` and no ring
-            room now).
-
-        Raises:
-            KVDepotError: UNSUPPORTED if the daemon takes no chains (`Registration.chains`),
-                INVALID_ARGUMENT for empty or mismatched items, else as `submit_store`.
-        """
-        keys, ids, chains = join_runs(items, True)
-        return self.submit_store(reg, keys, ids, b"", cache_salt, request, after, wait_for_room=wait_for_room,
-                                 staged=staged, chains=chains)
-
-    def store_many(self, reg: Registration, items: Sequence[StoreItem], cache_salt: str = "",
-                   after=None) -> m.StoreReply:
-        """`submit_store_many` and wait for its reply (once the chunks are in L1)."""
-        return self.submit_store_many(reg, items, cache_salt, after=after).result()
-
-    def submit_retrieve_many(self, reg: Registration, items: Sequence[RetrieveItem], request: str = "",
-                             wait_for_room: bool = True):
-        """Retrieve several prompts' runs (`RetrieveItem`) in one request; as `submit_retrieve`
-        otherwise. ``.result(before)`` of the handle gives the chunks written over all items
-        (staged: one scatter for all of them on ``before``) and its ``chains_retrieved`` each
-        item's leading chunks written. A CUDA engine needs engine-side staging for this.
-
-        Raises:
-            KVDepotError: as `submit_store_many`.
-        """
-        keys, ids, chains = join_runs(items, False)
-        return self.submit_retrieve(reg, keys, ids, 0, request, wait_for_room, chains=chains)
-
-    def retrieve_many(self, reg: Registration, items: Sequence[RetrieveItem], before=None) -> list[int]:
-        """`submit_retrieve_many` and its result: each item's leading chunks written."""
-        pending = self.submit_retrieve_many(reg, items)
-        pending.result(before)
-        return pending.chains_retrieved

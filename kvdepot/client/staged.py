@@ -1,7 +1,7 @@
-"""The engine-side staging half of `kvdepot.client.KVDepotClient`: gathering a store's chunks
-into the staging ring (`kvdepot.client.staging`) apart from sending it, so that the engine's
-own thread may gather on its stream while another thread sends (the vLLM connector does so for
-sliding-window models, `kvdepot.client.vllm.worker`), and the local waits on a stream."""
+"""The engine-side staging of a client's stores (`Stager`): gathering a store's chunks into the
+staging ring (`kvdepot.client.staging`) apart from sending it, so that the engine's own thread
+may gather on its stream while another thread sends (the vLLM connector does so,
+`kvdepot.client.vllm.worker`), and the local waits on a stream."""
 
 from __future__ import annotations
 
@@ -10,21 +10,16 @@ from collections.abc import Sequence
 from kvdepot.client.registration import Registration
 
 
-class StagedStores:
-    """Mixed into `KVDepotClient` (which sets ``self._fences = {}`` and ``self.last_scatter``,
-    a `kvdepot.client.pending.ScatterNote`)."""
+class Stager:
+    """Gathers of stores into registrations' staging rings, and waits for a stream's work.
+    Owns one local CUDA event per stream it waited on (`fence`). Touches no socket: the
+    engine's thread may stage while another thread uses the connection. ``owner``: the
+    `kvdepot.client.connection.Connection` the regions' requests go on (only its thread
+    reclaims them, `StagingRing.alloc`)."""
 
-    _fences: dict
-
-    @property
-    def last_retrieve_event(self):
-        """A ``torch.cuda.Event`` after the scatter of the last retrieve whose ``result`` ran
-        (engine-side staging), for another stream or the host to wait on; None if it wrote
-        nothing (or the retrieve was not staged: its reply came once the blocks were written).
-        With fence words the scatter records no event (its region frees by its fence word): the
-        event is recorded here, when first read, on the stream the scatter was enqueued on, so
-        it covers the scatter and whatever that stream had before this read."""
-        return self.last_scatter.event()
+    def __init__(self, owner: object) -> None:
+        self._owner = owner
+        self._fences: dict = {}  # cudaStream_t -> a local event (`fence`)
 
     def stage_store(self, reg: Registration, block_ids: Sequence[Sequence[int]], num_chunks: int,
                     after=None, wait_for_room: bool = True):
@@ -47,13 +42,13 @@ class StagedStores:
         if staging is None or num_chunks <= 0:
             return None
         fenced = staging.fence_active
-        region = staging.ring.alloc(num_chunks * reg.object_bytes, self, wait=wait_for_room, fenced=fenced)
+        region = staging.ring.alloc(num_chunks * reg.object_bytes, self._owner, wait=wait_for_room, fenced=fenced)
         if region is None:
             return None
         try:
-            self._gather(reg, region, block_ids, num_chunks, after)
+            self.gather(reg, region, block_ids, num_chunks, after)
         except BaseException:
-            region.fenced = False  # nothing of it is pending on the GPU (`_gather`)
+            region.fenced = False  # nothing of it is pending on the GPU (`gather`)
             region.release()
             raise
         return region
@@ -76,14 +71,14 @@ class StagedStores:
         staging = reg.staging
         if staging is None or not staging.fence_active or not piece_chunks:
             return None
-        regions = staging.ring.alloc_pieces([n * reg.object_bytes for n in piece_chunks], self, fenced=True)
+        regions = staging.ring.alloc_pieces([n * reg.object_bytes for n in piece_chunks], self._owner, fenced=True)
         if regions is None:
             return None
         try:
             staging.gather_pieces(block_ids, regions, piece_chunks, after)
         except BaseException:
             try:
-                self._fence(after)  # no word will come: wait until what was enqueued ran
+                self.fence(after)  # no word will come: wait until what was enqueued ran
             except Exception:  # noqa: BLE001 - a context that fails this runs nothing more
                 pass
             for r in regions:
@@ -92,7 +87,7 @@ class StagedStores:
             raise
         return regions
 
-    def _gather(self, reg: Registration, region, block_ids: Sequence[Sequence[int]], num_chunks: int,
+    def gather(self, reg: Registration, region, block_ids: Sequence[Sequence[int]], num_chunks: int,
                 after=None) -> None:
         """Enqueue on ``after`` (default: the current stream) the gather into ``region``, then
         its fence word's write (``region.fenced``; one call), or wait until the gather ran (not
@@ -111,12 +106,12 @@ class StagedStores:
             staging.gather(block_ids, num_chunks, region.offset, stream, region.seq if region.fenced else None)
         except BaseException:
             try:
-                self._fence(stream)  # no word will come: wait until what was enqueued ran
+                self.fence(stream)  # no word will come: wait until what was enqueued ran
             except Exception:  # noqa: BLE001 - a context that fails this runs nothing more
                 pass
             raise
         if not region.fenced:
-            self._fence(stream)
+            self.fence(stream)
 
     @staticmethod
     def abandon_region(reg: Registration, region) -> None:
@@ -130,7 +125,7 @@ class StagedStores:
         else:
             region.release()
 
-    def _fence(self, stream) -> None:
+    def fence(self, stream) -> None:
         """Return once the work enqueued on ``stream`` so far (the writes or the gather of a
         store's blocks) has completed on the GPU; at once if it already has.
 

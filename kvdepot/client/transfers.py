@@ -1,6 +1,7 @@
-"""STORE and RETRIEVE of `kvdepot.client.KVDepotClient` (a mixin): the blocking calls and their
-``submit_*`` forms, with engine-side staging (`kvdepot.client.staging`): a store's gather sent
-before it runs, a retrieve's scatter gated on the daemon's copies (`Retrieve.landed`)."""
+"""STORE and RETRIEVE (`Transfers`): the blocking calls and their ``submit_*`` forms, one
+prompt's run or several (`kvdepot.client.many`), with engine-side staging
+(`kvdepot.client.staging`): a store's gather sent before it runs, a retrieve's scatter gated on
+the daemon's copies (`Retrieve.landed`)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,28 @@ import time
 from collections.abc import Sequence
 
 from kvdepot import trace
-from kvdepot.client.many import check_chains
+from kvdepot.client.connection import Connection
+from kvdepot.client.many import RetrieveItem, StoreItem, check_chains, join_runs
 from kvdepot.client.pending import PendingRetrieve, PendingStore, gate_scatter
 from kvdepot.client.registration import Registration
+from kvdepot.client.staged import Stager
 from kvdepot.protocol import messages as m
 
 
-class TransferRequests:
-    """Mixed into `KVDepotClient` (its ``submit``, ``forget``, ``_fence``, ``stage_store``,
-    ``_gather``, ``abandon_region`` and ``unstaged_requests``)."""
+class Transfers:
+    """Stores and retrieves sent on ``conn``, gathered and waited for by ``stager``.
 
-    unstaged_requests: int
-    copy_deadline_s: float
+    ``copy_deadline_s``: unstaged stores and retrieves of CPU engines (the daemon copies
+    straight out of or into the engine's blocks) carry a deadline this far after their send
+    (`Store.deadline_ns`): their handles' ``blocks_free_at_s`` says when the blocks are the
+    engine's again even if no reply ever comes. ``unstaged_requests`` counts staged
+    registrations' requests that went the daemon-gathers way (no ring room)."""
+
+    def __init__(self, conn: Connection, stager: Stager, copy_deadline_s: float) -> None:
+        self.conn = conn
+        self.stager = stager
+        self.copy_deadline_s = copy_deadline_s
+        self.unstaged_requests = 0
 
     def _deadline_ns(self, reg: Registration) -> int:
         """`Store.deadline_ns` of a request sent now: ``copy_deadline_s`` from now for a CPU
@@ -77,16 +88,16 @@ class TransferRequests:
             if staging.fence_active:
                 # the store goes out first and the gather is enqueued while it travels: the
                 # daemon copies once the GPU wrote the region's fence word either way
-                region = staging.ring.alloc(len(keys) * reg.object_bytes, self, wait=wait_for_room, fenced=True)
+                region = staging.ring.alloc(len(keys) * reg.object_bytes, self.conn, wait=wait_for_room, fenced=True)
                 gather_after_send = region is not None
             else:
-                region = self.stage_store(reg, block_ids, len(keys), after, wait_for_room)
+                region = self.stager.stage_store(reg, block_ids, len(keys), after, wait_for_room)
             if region is None:
                 if not wait_for_room:
                     return None
                 self.unstaged_requests += 1
         if region is None and after is not None:
-            self._fence(after)  # unstaged: the daemon reads the blocks once it has the request
+            self.stager.fence(after)  # unstaged: the daemon reads the blocks once it has the request
         if region is not None:
             offset = region.offset
             fence = region.seq if region.fenced else 0
@@ -96,7 +107,7 @@ class TransferRequests:
         gathered_ns = trace.now_ns()
         deadline_ns = self._deadline_ns(reg)
         try:
-            rid = self.submit(m.Store(rid=0, registration=reg.id, keys=list(keys),
+            rid = self.conn.submit(m.Store(rid=0, registration=reg.id, keys=list(keys),
                                       block_ids=[list(b) for b in block_ids], parent=parent, cache_salt=cache_salt,
                                       request=request, staging_offset=offset, fence=fence,
                                       staging_seq=region.seq if region is not None else 0, chains=list(chains),
@@ -106,21 +117,21 @@ class TransferRequests:
                 region.fenced = False
                 region.release()  # nothing was sent nor gathered
             elif region is not None:
-                self.abandon_region(reg, region)  # nothing was sent: no copy reads it
+                self.stager.abandon_region(reg, region)  # nothing was sent: no copy reads it
             raise
         trace.point_at(rid, "c_gathered", gathered_ns)
         if gather_after_send:
             try:
-                self._gather(reg, region, block_ids, len(keys), after)
+                self.stager.gather(reg, region, block_ids, len(keys), after)
             except BaseException:
                 # nothing of the region is pending on the GPU: the word tells the daemon to copy
                 # nothing (its reply, an error, is dropped), and the region is free at once
                 staging.fence.abandon(region.seq)
-                self.forget(rid)
+                self.conn.forget(rid)
                 region.fenced = False
                 region.release()
                 raise
-        return PendingStore(self, rid, region, len(keys), staging.fence if fence else None, reg, landed, deadline_ns)
+        return PendingStore(self.conn, rid, region, len(keys), staging.fence if fence else None, reg, landed, deadline_ns)
 
     def retrieve(self, reg: Registration, keys: Sequence[bytes], block_ids: Sequence[Sequence[int]],
                  skip_tokens: int = 0, request: str = "", before=None, cpu_wait: bool = False) -> int:
@@ -170,7 +181,7 @@ class TransferRequests:
             check_chains(reg, skip_tokens)
         region = None
         if reg.staging is not None and keys:
-            region = reg.staging.load_ring.alloc(len(keys) * reg.object_bytes, self, wait=wait_for_room)
+            region = reg.staging.load_ring.alloc(len(keys) * reg.object_bytes, self.conn, wait=wait_for_room)
             if region is None:
                 if not wait_for_room:
                     return None
@@ -181,7 +192,7 @@ class TransferRequests:
             reg.staging.fence.close_gate(region.seq)
         deadline_ns = self._deadline_ns(reg)
         try:
-            rid = self.submit(m.Retrieve(rid=0, registration=reg.id, keys=list(keys),
+            rid = self.conn.submit(m.Retrieve(rid=0, registration=reg.id, keys=list(keys),
                                          block_ids=[list(b) for b in block_ids], skip_tokens=skip_tokens,
                                          request=request, staging_offset=region.offset if region else -1,
                                          staging_seq=region.seq if region else 0, chains=list(chains),
@@ -190,10 +201,54 @@ class TransferRequests:
             if region is not None:
                 region.release()
             raise
-        pending = PendingRetrieve(self, rid)
+        pending = PendingRetrieve(self.conn, rid)
         if region is not None:
             pending._staged(reg, region, block_ids, len(keys), skip_tokens, chains)
             # enqueued after the send: its launch (tens of microseconds) runs while the daemon copies
             if gated and gate_scatter(reg, region, block_ids, len(keys), skip_tokens, scatter_on):
                 pending._gated_on(scatter_on)
         return pending
+
+    def submit_store_many(self, reg: Registration, items: Sequence[StoreItem], cache_salt: str = "",
+                          request: str = "", after=None, wait_for_room: bool = True, staged=None):
+        """Store several prompts' runs (`StoreItem`) in one request; as `submit_store` otherwise
+        (engine-side staging: one region and one gather on ``after`` for all of them; ``staged``:
+        the region a `stage_store` of all the items' block ids, laid end to end, returned). The
+        reply's ``chains`` give each item's stored / present / skipped counts in order; a
+        missing parent skips only its own item.
+
+        Returns:
+            `kvdepot.client.pending.PendingStore`, or None (``wait_for_room=False`` and no ring
+            room now).
+
+        Raises:
+            KVDepotError: UNSUPPORTED if the daemon takes no chains (`Registration.chains`),
+                INVALID_ARGUMENT for empty or mismatched items, else as `submit_store`.
+        """
+        keys, ids, chains = join_runs(items, True)
+        return self.submit_store(reg, keys, ids, b"", cache_salt, request, after, wait_for_room=wait_for_room,
+                                 staged=staged, chains=chains)
+
+    def store_many(self, reg: Registration, items: Sequence[StoreItem], cache_salt: str = "",
+                   after=None) -> m.StoreReply:
+        """`submit_store_many` and wait for its reply (once the chunks are in L1)."""
+        return self.submit_store_many(reg, items, cache_salt, after=after).result()
+
+    def submit_retrieve_many(self, reg: Registration, items: Sequence[RetrieveItem], request: str = "",
+                             wait_for_room: bool = True):
+        """Retrieve several prompts' runs (`RetrieveItem`) in one request; as `submit_retrieve`
+        otherwise. ``.result(before)`` of the handle gives the chunks written over all items
+        (staged: one scatter for all of them on ``before``) and its ``chains_retrieved`` each
+        item's leading chunks written. A CUDA engine needs engine-side staging for this.
+
+        Raises:
+            KVDepotError: as `submit_store_many`.
+        """
+        keys, ids, chains = join_runs(items, False)
+        return self.submit_retrieve(reg, keys, ids, 0, request, wait_for_room, chains=chains)
+
+    def retrieve_many(self, reg: Registration, items: Sequence[RetrieveItem], before=None) -> list[int]:
+        """`submit_retrieve_many` and its result: each item's leading chunks written."""
+        pending = self.submit_retrieve_many(reg, items)
+        pending.result(before)
+        return pending.chains_retrieved

@@ -1,8 +1,21 @@
 """The kvdepot daemon: a ZMQ ROUTER front end on one asyncio (uvloop) loop.
 
-The class is split by concern: `kvdepot.server.front` (receive, dispatch, reply),
-`kvdepot.server.transfers` (STORE / RETRIEVE), this module (start-up and shutdown, the
-engine registry, lookups, pins, flush, describe, liveness).
+`Daemon` is composed of objects that each own their state and are passed what they use:
+
+=========================  ===========================================  ===============================
+object                      owns                                         module
+=========================  ===========================================  ===============================
+``front``                   sockets, stream connections, dispatch         `kvdepot.server.front`
+``tiers``                   L1 (pool, chunk index), L2, L3, promotion     `kvdepot.server.tiering`
+``lookups``                 lookups, their pins, lookup counters          `kvdepot.server.lookups`
+``transfers``               STORE / RETRIEVE, copies, transfer counters   `kvdepot.server.transfers`
+``settlements``             Drains and Settles of lost requests           `kvdepot.server.settle`
+``watchdog``                copies in flight and their deadlines          `kvdepot.server.watchdog`
+``liveness``                connections and reclaim of dead engines       `kvdepot.server.liveness`
+=========================  ===========================================  ===============================
+
+The daemon itself keeps the engine registry (register, unregister), start-up and shutdown,
+describe and the health endpoints, and routes each request type to its handler.
 
 The loop owns the socket, decoding, dispatch, the engine registry and the chunk index;
 nothing on it blocks. Copies between engine memory and L1 run in a small thread pool
@@ -19,7 +32,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -35,21 +48,21 @@ from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, RequestError
 from kvdepot.protocol.fdpass import fds_path
 from kvdepot.protocol.transport import ipc_path, make_socket, stream_path
-from kvdepot.server.index import ChunkIndex
 from kvdepot.server.http import HttpEndpoints
 from kvdepot.server.metrics import Metrics
-from kvdepot.server.netsec import TCP_TAG, CurveConfig, TcpFront, check_endpoints
+from kvdepot.server.netsec import CurveConfig, TcpFront, check_endpoints
 from kvdepot.server.pool import HostPool
 from kvdepot.server.registration import Registration
-from kvdepot.server.front import SocketFront
+from kvdepot.server.front import Front
 from kvdepot.server.faults import ENV_INJECT_FAULTS, InjectedFaults
 from kvdepot.server.fdinbox import FdInbox
 from kvdepot.server.gcpause import GENERATIONS, GcPauses, freeze_heap
-from kvdepot.server.liveness import Liveness
-from kvdepot.server.stream import StreamServer
-from kvdepot.server.tiering import Tiering
-from kvdepot.server.transfers import STORE_SKIP_REASONS, TransferHandlers
-from kvdepot.server.watchdog import Watchdog
+from kvdepot.server.liveness import PeerLiveness
+from kvdepot.server.lookups import Lookups
+from kvdepot.server.settle import Settlements
+from kvdepot.server.tiering import Tiers
+from kvdepot.server.transfers import STORE_SKIP_REASONS, TransferService
+from kvdepot.server.watchdog import CopyWatchdog
 
 log = logging.getLogger("kvdepot.daemon")
 
@@ -110,14 +123,7 @@ class DaemonConfig:
     l3_queue_bytes: int | None = None
 
 
-@dataclasses.dataclass(eq=False)
-class Pin:
-    entries: list  # acquired L1 `Entry` and L2 `DiskEntry` objects
-    deadline: float
-    pid: int
-
-
-class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
+class Daemon:
     """The kvdepot daemon. Use ``await Daemon(cfg).serve()``; `stop` ends it."""
 
     def __init__(self, config: DaemonConfig) -> None:
@@ -128,44 +134,51 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
         self._gc_pauses = GcPauses()
         for g, name in enumerate(GENERATIONS):
             self.metrics.gc_pause_seconds.set_function((name,), lambda g=g: self._gc_pauses.seconds[g])
-        self.pool = HostPool(config.l1_capacity_bytes)
-        self.index = ChunkIndex(self._free_entry)
         self.registrations: dict[str, Registration] = {}
-        self.pins: dict[tuple[bytes, str], Pin] = {}
-        self.client_pids: dict[bytes, int] = {}  # watched pids of ZMQ ipc clients (kvdepot.server.liveness)
-        self._init_liveness()
-        self._init_watchdog()
         self._models: set[str] = set()  # every model ever registered (metric label values)
         self._cuda = None  # CudaRuntime, created by the first CUDA registration
         self.transfer_engine_name = CpuTransferEngine.name
         self._reg_seq = 0
         self._executor = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvdepot-xfer")
         self._stop = asyncio.Event()
-        self.stats = {"lookup_requested_tokens": 0, "lookup_hit_tokens": 0, "stored_chunks": 0, "retrieved_chunks": 0}
-        self._init_tiers()
-        self._bind_tier_metrics()
-        from kvdepot.gpu.kernels import kernels_source
-
-        self.metrics.start(kvdepot.__version__, m.PROTOCOL_VERSION, kernels_source(), tiers=self.tier_names,
-                           error_codes=[c.name for c in ErrorCode if c not in _CLIENT_SIDE_CODES],
-                           skip_reasons=STORE_SKIP_REASONS, unsized=("l3",))
-        # kvdepot_requests_total{type}: one cell per request type served, at 0 from the start
-        self._request_cells = {t: self.metrics.requests.labels(t.__name__.lower()) for t in self._handlers}
-        self.http: HttpEndpoints | None = None
-        self.ready = False  # L1 reserved and every socket bound (/readyz)
-        self._loop_tick_s = time.monotonic()  # the event loop's last tick (/healthz)
-        self._sock: zmq.Socket | None = None  # the ROUTER of the ipc:// endpoints
-        self._tcp: TcpFront | None = None  # the ROUTER of the tcp:// endpoints
-        self._fronts: list[tuple[zmq.Socket, bytes]] = []
-        self._streams = StreamServer(self._on_stream_frame, self.peer_attached, self.peer_detached)
-        self.fd_inbox = FdInbox()  # sealed memfds passed by CPU engines (kvdepot.server.fdinbox)
-        self._busy_poll_s = max(0, config.busy_poll_us) / 1e6
-        self._busy_poll_max_inflight = config.busy_poll_max_inflight
-        self._busy_until = 0.0
-        self._spinning = False
         self._faults = InjectedFaults.from_env()  # soak tests only (kvdepot.server.faults)
         if self._faults is not None:
             log.warning("fault injection on (%s): %s", ENV_INJECT_FAULTS, self._faults)
+        self.front = Front(self.metrics, lambda: len(self.watchdog.inflight), max(0, config.busy_poll_us) / 1e6,
+                           config.busy_poll_max_inflight, self._faults, self._peer_attached, self._peer_detached)
+        self.watchdog = CopyWatchdog(config.watchdog_s, self.metrics, self.front.reply_error)
+        self.pool = HostPool(config.l1_capacity_bytes)
+        self.tiers = Tiers(config, self.pool, self.metrics, self.front)
+        self.index = self.tiers.index
+        self.lookups = Lookups(self.tiers, self.index, self.front, self.metrics, self._model_label, config.pin_ttl_s)
+        self.settlements = Settlements(self._registration, self.front)
+        self.transfers = TransferService(self.registrations, self._registration, self.tiers, self.watchdog,
+                                         self.settlements, self.front, self._executor,
+                                         lambda dev: self._cuda.path(dev), self.metrics, self._faults)
+        self.liveness = PeerLiveness(self.registrations, self.lookups, self._unregister, self.metrics,
+                                     config.peer_grace_s)
+        from kvdepot.gpu.kernels import kernels_source
+
+        self.metrics.start(kvdepot.__version__, m.PROTOCOL_VERSION, kernels_source(), tiers=self.tiers.tier_names,
+                           error_codes=[c.name for c in ErrorCode if c not in _CLIENT_SIDE_CODES],
+                           skip_reasons=STORE_SKIP_REASONS, unsized=("l3",))
+        self.front.route({
+            m.Hello: self._on_hello, m.Ping: self._on_ping, m.Register: self._on_register,
+            m.Unregister: self._on_unregister, m.Lookup: self.lookups.on_lookup, m.EndRequest: self.lookups.on_end,
+            m.Store: self.transfers.on_store, m.Retrieve: self.transfers.on_retrieve,
+            m.Drain: self.settlements.on_drain, m.Settle: self.settlements.on_settle,
+            m.Flush: self.tiers.on_flush, m.Describe: self._on_describe,
+        })
+        self.http: HttpEndpoints | None = None
+        self.ready = False  # L1 reserved and every socket bound (/readyz)
+        self._loop_tick_s = time.monotonic()  # the event loop's last tick (/healthz)
+        self.fd_inbox = FdInbox()  # sealed memfds passed by CPU engines (kvdepot.server.fdinbox)
+
+    def _peer_attached(self, identity: bytes) -> None:
+        self.liveness.peer_attached(identity)
+
+    def _peer_detached(self, identity: bytes) -> None:
+        self.liveness.peer_detached(identity)
 
     # ------------------------------------------------------------------ main loop
 
@@ -181,29 +194,23 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
         tcp_eps = [ep for ep in self.config.endpoints if ep.startswith("tcp://")]
         local_eps = [ep for ep in self.config.endpoints if not ep.startswith("tcp://")]
         check_endpoints(tcp_eps, self.config.curve)  # before anything is bound
-        await self._open_tiers()
+        await self.tiers.open()
         ctx = zmq.Context()
         # ipc:// endpoints on one ROUTER, tcp:// ones on another (CURVE applies to a whole socket)
-        self._sock = make_socket(ctx, zmq.ROUTER, local_eps, bind=True) if local_eps else None
+        sock = make_socket(ctx, zmq.ROUTER, local_eps, bind=True) if local_eps else None
         try:
-            self._tcp = TcpFront(ctx, tcp_eps, self.config.curve) if tcp_eps else None
+            tcp = TcpFront(ctx, tcp_eps, self.config.curve) if tcp_eps else None
         except BaseException:
-            if self._sock is not None:
-                self._sock.close(0)
+            if sock is not None:
+                sock.close(0)
             ctx.term()
             raise
-        self._fronts = [(sock, tag) for sock, tag in ((self._sock, b""), (self._tcp and self._tcp.sock, TCP_TAG))
-                        if sock is not None]
-        loop = asyncio.get_running_loop()
-        self._loop = loop
-        self._drain_scheduled = False
-        for sock, _ in self._fronts:
-            loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable)
+        self.front.bind(asyncio.get_running_loop(), sock, tcp)
         for ep in self.config.endpoints:
             path = stream_path(ep)
             if path is not None:
                 try:
-                    await self._streams.listen(path)
+                    await self.front.streams.listen(path)
                 except OSError as exc:  # e.g. a path too long for AF_UNIX once suffixed: ZMQ still serves
                     log.warning("no stream socket at %s (%s); clients use ZMQ at %s", path, exc, ep)
                 try:
@@ -223,7 +230,6 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
             self.pool.start_prefault()
         sweeper = asyncio.create_task(self._sweep_loop())
         ticker = asyncio.create_task(self._tick_loop())
-        self._schedule_drain()  # messages may have queued before the reader was added
         log.info("kvdepot %s serving on %s (boot %s, L1 %d bytes, transfer engine %s)", kvdepot.__version__,
                  ", ".join(self.config.endpoints), self.boot_id, self.pool.capacity_bytes, CpuTransferEngine.name)
         freeze_heap()  # what exists now lives as long as the daemon: no full collection walks it again
@@ -236,23 +242,19 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
         finally:
             self._gc_pauses.close()
             self.ready = False
-            for sock, _ in self._fronts:
-                loop.remove_reader(sock.getsockopt(zmq.FD))
-            self._streams.close()
+            self.front.unbind()
             self.fd_inbox.close()
-            await self._drain_to_l2(self.config.shutdown_drain_s)
+            await self.tiers.drain_to_l2(self.config.shutdown_drain_s)
             sweeper.cancel()
             ticker.cancel()
             await asyncio.gather(sweeper, ticker, return_exceptions=True)
             if self.http is not None:
                 self.http.close()
-            if self._sock is not None:
-                self._sock.close(0)
-            if self._tcp is not None:
-                self._tcp.close()
+            self.transfers.close()
+            self.front.close()
             ctx.term()
             self._executor.shutdown(wait=True)
-            self._close_tiers()
+            self.tiers.close()
             self.pool.stop_prefault()
             if self._cuda is not None:
                 self._cuda.close()
@@ -279,66 +281,6 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
             )
         return reg
 
-    def _check_block_ids(self, reg: Registration, block_ids: Sequence[Sequence[int]], num_chunks: int) -> None:
-        lay = reg.layout
-        if len(block_ids) != len(lay.chunk_blocks):
-            raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                               f"block_ids has {len(block_ids)} groups, registration has {len(lay.chunk_blocks)}")
-        for gid, (ids, per_chunk, nb) in enumerate(zip(block_ids, lay.chunk_blocks, lay.num_blocks)):
-            if len(ids) != num_chunks * per_chunk:
-                raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                                   f"gid {gid}: {len(ids)} block ids for {num_chunks} chunks, need {num_chunks * per_chunk}")
-            if ids and max(ids) >= nb:  # ids are >= 0, or -1 in a RETRIEVE (the decoder checks)
-                raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                                   f"gid {gid}: block id {max(ids)} out of range [0, {nb})")
-
-    @staticmethod
-    def _chunk_block_ids(reg: Registration, block_ids: Sequence[Sequence[int]], j: int) -> list[Sequence[int]]:
-        out = []
-        for gid, ids in enumerate(block_ids):
-            n = reg.layout.blocks_per_chunk(gid)
-            out.append(ids[j * n : (j + 1) * n])
-        return out
-
-    def _op_metrics(self, reg: Registration, op: str) -> tuple:
-        """(bytes counter, tokens counter, seconds histogram) series for ``reg``'s model and
-        ``op``, looked up once per registration (``labels()`` is not free on the hot path)."""
-        got = reg.metric_children.get(op)
-        if got is None:
-            got = reg.metric_children[op] = (self.metrics.bytes.labels(reg.model, op),
-                                             self.metrics.tokens.labels(reg.model, op),
-                                             self.metrics.transfer_seconds.labels(op))
-        return got
-
-    def _count_transfer(self, reg: Registration, op: str, num_chunks: int, seconds: float | None = None) -> None:
-        """Metrics and describe() counters of ``num_chunks`` chunks moved by ``op``."""
-        mb, mt, ms = self._op_metrics(reg, op)
-        if seconds is not None:
-            ms.observe(seconds)
-        lay = reg.layout
-        mb.value += num_chunks * lay.object_bytes  # (CounterCell.inc, without its check: never negative here)
-        mt.value += num_chunks * lay.chunk_size
-        if op == "store":
-            reg.stored_chunks += num_chunks
-            self.stats["stored_chunks"] += num_chunks
-        else:
-            reg.retrieved_chunks += num_chunks
-            self.stats["retrieved_chunks"] += num_chunks
-
-    def _begin_transfer(self, reg: Registration, identity: bytes, rid: int) -> None:
-        """A Store / Retrieve starts copies (ended by `_finish_transfer`)."""
-        reg.active += 1
-        reg.busy_rids[(identity, rid)] += 1
-
-    def _finish_transfer(self, reg: Registration, staging_seq: int = 0, identity: bytes = b"", rid: int = 0) -> None:
-        reg.active -= 1
-        if staging_seq:
-            self._staged_end(reg, staging_seq)
-        if rid:
-            self._settle_end(reg, identity, rid)
-        if reg.closed and reg.active == 0:
-            reg.release_memory()
-
     # ------------------------------------------------------------------ handlers
 
     def _on_hello(self, identity: bytes, req: m.Hello) -> m.Msg:
@@ -346,9 +288,9 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
             raise RequestError(ErrorCode.VERSION_MISMATCH,
                                f"client speaks protocol {req.protocol_version}, daemon {m.PROTOCOL_VERSION}; "
                                "upgrade the older side")
-        pid = self.watch_pid(identity, req.pid)
+        pid = self.liveness.watch_pid(identity, req.pid)
         if pid:
-            self.client_pids[identity] = pid
+            self.lookups.client_pids[identity] = pid
         return m.HelloReply(rid=req.rid, protocol_version=m.PROTOCOL_VERSION, boot_id=self.boot_id,
                             version=kvdepot.__version__)
 
@@ -395,25 +337,6 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
             reg.staging_ptr, reg.staging_bytes = staging.ptr, staging.size_bytes
         return reg
 
-    @staticmethod
-    def _staging_base(reg: Registration, offset: int, num_chunks: int) -> int:
-        """Device address of a request's chunk 0 in the engine's staging buffer (chunk j at
-        ``+ j * object_bytes``), for a request of ``num_chunks`` chunks at byte ``offset``.
-
-        Raises:
-            RequestError(INVALID_ARGUMENT): no staging buffer was registered (or this daemon
-                does not serve staged transfers), or the chunks lie outside it / misaligned.
-        """
-        if not reg.staging_bytes:
-            raise RequestError(ErrorCode.INVALID_ARGUMENT, "staging_offset given but the registration has no staging "
-                                                           "buffer this daemon serves (RegisterReply.staging)")
-        end = offset + num_chunks * reg.layout.object_bytes
-        if offset % 256 or end > reg.staging_bytes:
-            raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                               f"staging_offset {offset}: chunks up to byte {end} do not fit the {reg.staging_bytes}-byte "
-                               "staging buffer, or the offset is not a multiple of 256")
-        return reg.staging_ptr + offset
-
     def _on_register(self, identity: bytes, req: m.Register) -> m.Msg:
         layout = group_layers(req.layers, req.groups, req.chunk_size, [s.size_bytes for s in req.storages])
         if req.device != "cpu":
@@ -451,7 +374,7 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
 
     def _add_registration(self, identity: bytes, req: m.Register, reg: Registration) -> m.Msg:
         layout = reg.layout
-        reg.identity, reg.watch_pid = identity, self.watch_pid(identity, req.pid)
+        reg.identity, reg.watch_pid = identity, self.liveness.watch_pid(identity, req.pid)
         self._reg_seq += 1
         reg_id = reg.id = f"{self.boot_id[:8]}-{self._reg_seq}"
         self.registrations[reg_id] = reg
@@ -480,17 +403,10 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
         self._unregister(self._registration(req.registration))
         return m.OkReply(rid=req.rid)
 
-    def _make_pin(self, entries: list, identity: bytes) -> Pin:
-        return Pin(entries, time.monotonic() + self.config.pin_ttl_s, self.client_pids.get(identity, 0))
-
     def _model_label(self, model: str) -> str:
         """Metric label for a model name from a request: registered models only (a small set
         the operator controls), anything else is "other"."""
         return model if model in self._models else "other"
-
-    def _on_end(self, identity: bytes, req: m.EndRequest) -> m.Msg:
-        self._unpin(identity, req.request)
-        return m.OkReply(rid=req.rid)
 
     def _on_describe(self, identity: bytes, req: m.Describe) -> m.Msg:
         engines = [
@@ -505,22 +421,14 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
             boot_id=self.boot_id, version=kvdepot.__version__, protocol_version=m.PROTOCOL_VERSION,
             endpoints=list(self.config.endpoints), metrics_port=self.config.metrics_port,
             uptime_s=time.monotonic() - self.started,
-            tiers=self._tier_infos(),
-            engines=engines, lookup_requested_tokens=self.stats["lookup_requested_tokens"],
-            lookup_hit_tokens=self.stats["lookup_hit_tokens"], stored_chunks=self.stats["stored_chunks"],
-            retrieved_chunks=self.stats["retrieved_chunks"], evicted_chunks=self.index.evictions,
+            tiers=self.tiers.infos(),
+            engines=engines, lookup_requested_tokens=self.lookups.requested_tokens,
+            lookup_hit_tokens=self.lookups.hit_tokens, stored_chunks=self.transfers.stored_chunks,
+            retrieved_chunks=self.transfers.retrieved_chunks, evicted_chunks=self.index.evictions,
             injected_faults=dict(self._faults.counts) if self._faults else {},
-            stuck_transfers=self.stuck_infos(),
-            transfer_engine=self.transfer_engine_name, pinned_requests=len(self.pins))
+            stuck_transfers=self.watchdog.stuck_infos(),
+            transfer_engine=self.transfer_engine_name, pinned_requests=len(self.lookups.pins))
         return m.DescribeReply(rid=req.rid, info=info)
-
-    _handlers: dict[type, Callable] = {
-        m.Hello: _on_hello, m.Ping: _on_ping, m.Register: _on_register, m.Unregister: _on_unregister,
-        m.Lookup: Tiering._on_lookup, m.EndRequest: _on_end, m.Store: TransferHandlers._on_store,
-        m.Retrieve: TransferHandlers._on_retrieve, m.Drain: TransferHandlers._on_drain,
-        m.Settle: TransferHandlers._on_settle,
-        m.Flush: Tiering._on_flush, m.Describe: _on_describe,
-    }
 
     # ------------------------------------------------------------------ liveness
 
@@ -541,6 +449,14 @@ class Daemon(SocketFront, TransferHandlers, Tiering, Liveness, Watchdog):
         if self.ready:
             return True, "ready"
         return False, "stopping" if self._stop.is_set() else "starting: sockets not bound yet"
+
+    def sweep(self) -> None:
+        """Reclaim what dead engines held (`PeerLiveness.sweep`), declare copies past their
+        deadline stuck (`CopyWatchdog.check_stuck`), write L1's least recently used entries
+        ahead to L2 if stores left it short (`Tiers.spill_ahead`)."""
+        self.liveness.sweep()
+        self.watchdog.check_stuck(time.monotonic())
+        self.tiers.spill_ahead()
 
     async def _sweep_loop(self) -> None:
         while True:

@@ -1,13 +1,12 @@
-"""The daemon's message front: draining its ZMQ sockets (ipc, tcp) and stream connections,
-decoding and dispatching each request to its handler, and sending the reply (or the typed
-error). A mixin of `kvdepot.server.daemon.Daemon`, whose attributes it uses: ``_fronts`` (ZMQ
-sockets and their identity tags), ``_sock``, ``_tcp``, ``_streams``, ``_loop``, ``_handlers``,
-``_request_cells``, ``_faults``, ``metrics`` and the busy-poll state."""
+"""The daemon's message front (`Front`): draining its ZMQ sockets (ipc, tcp) and stream
+connections, decoding and dispatching each request to its handler, and sending the reply (or
+the typed error). Everything runs on the daemon's event loop."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -15,17 +14,81 @@ from kvdepot import trace
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, RequestError
-from kvdepot.server.netsec import TCP_TAG, authorize
+from kvdepot.server.faults import InjectedFaults
+from kvdepot.server.netsec import TCP_TAG, TcpFront, authorize
+from kvdepot.server.stream import StreamServer
 
 log = logging.getLogger("kvdepot.daemon")
 _TRACE = trace.POINTS  # None unless KVDEPOT_TRACE_FILE is set (see kvdepot/trace.py)
 trace_point = trace.point
 
 
-class SocketFront:
-    """Receive, dispatch, reply (see the module docstring)."""
+Handler = Callable[[bytes, m.Msg], "m.Msg | None"]  # (client identity, request) -> reply, or None: replied later
+
+
+class Front:
+    """Receive, dispatch, reply (see the module docstring).
+
+    Args:
+        metrics: the daemon's `kvdepot.server.metrics.Metrics` (``errors``, ``requests``).
+        inflight: how many copies are in flight now (the busy poll stops beyond
+            ``busy_poll_max_inflight`` of them).
+        busy_poll_s, busy_poll_max_inflight: `kvdepot.server.daemon.DaemonConfig`'s busy poll.
+        faults: injected reply faults (soak tests only), or None.
+        on_attach, on_detach: called with a stream connection's identity when it opens / closes.
+
+    `route` gives it the handlers; `bind` the loop and the ZMQ sockets (``streams`` listens by
+    itself); `close` ends both.
+    """
 
     _DRAIN_BATCH = 64  # messages handled per loop turn before yielding to other callbacks
+
+    def __init__(self, metrics, inflight: Callable[[], int], busy_poll_s: float, busy_poll_max_inflight: int,
+                 faults: InjectedFaults | None, on_attach: Callable[[bytes], None],
+                 on_detach: Callable[[bytes], None]) -> None:
+        self.metrics = metrics
+        self._inflight = inflight
+        self._busy_poll_s = busy_poll_s
+        self._busy_poll_max_inflight = busy_poll_max_inflight
+        self._busy_until = 0.0
+        self._spinning = False
+        self._faults = faults
+        self._handlers: dict[type, Handler] = {}
+        self._request_cells: dict[type, object] = {}
+        self.streams = StreamServer(self._on_stream_frame, on_attach, on_detach)
+        self._loop = None
+        self._sock: zmq.Socket | None = None  # the ROUTER of the ipc:// endpoints
+        self._tcp: TcpFront | None = None  # the ROUTER of the tcp:// endpoints
+        self._fronts: list[tuple[zmq.Socket, bytes]] = []
+        self._drain_scheduled = False
+
+    def route(self, handlers: dict[type, Handler]) -> None:
+        """Serve each request type with its handler (`kvdepot_requests_total{type}`: one cell
+        per type, at 0 from the start)."""
+        self._handlers = dict(handlers)
+        self._request_cells = {t: self.metrics.requests.labels(t.__name__.lower()) for t in handlers}
+
+    def bind(self, loop, sock: zmq.Socket | None, tcp: TcpFront | None) -> None:
+        """Start reading ``sock`` (ipc://) and ``tcp`` on ``loop``."""
+        self._loop = loop
+        self._sock, self._tcp = sock, tcp
+        self._fronts = [(s, tag) for s, tag in ((sock, b""), (tcp and tcp.sock, TCP_TAG)) if s is not None]
+        for s, _ in self._fronts:
+            loop.add_reader(s.getsockopt(zmq.FD), self._on_readable)
+        self._schedule_drain()  # messages may have queued before the reader was added
+
+    def unbind(self) -> None:
+        """Stop reading the ZMQ sockets and close the stream connections (the sockets stay open
+        until `close`: replies of copies still running are dropped)."""
+        for s, _ in self._fronts:
+            self._loop.remove_reader(s.getsockopt(zmq.FD))
+        self.streams.close()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+        if self._tcp is not None:
+            self._tcp.close()
 
     def _schedule_drain(self) -> None:
         if not self._drain_scheduled:
@@ -59,7 +122,7 @@ class SocketFront:
             identity = tag + frames[0] if tag else frames[0]
             try:
                 if len(frames) != 2:
-                    self._send(identity, codec.error_frame(0, ErrorCode.MALFORMED,
+                    self.send(identity, codec.error_frame(0, ErrorCode.MALFORMED,
                                                            f"expected 1 body frame, got {len(frames) - 1}"))
                     self.metrics.errors.labels(ErrorCode.MALFORMED.name).inc()
                 else:
@@ -80,14 +143,14 @@ class SocketFront:
         try:
             req = codec.decode_request(body)
         except RequestError as exc:
-            self._reply_error(identity, exc.rid, exc)
+            self.reply_error(identity, exc.rid, exc)
             return
         except Exception as exc:  # noqa: BLE001 - e.g. RecursionError on deeply nested msgpack
-            self._reply_error(identity, 0, RequestError(ErrorCode.MALFORMED, f"undecodable request: {exc}"))
+            self.reply_error(identity, 0, RequestError(ErrorCode.MALFORMED, f"undecodable request: {exc}"))
             return
         handler = self._handlers.get(type(req))
         if handler is None:  # a request type this daemon build does not serve
-            self._reply_error(identity, req.rid, RequestError(ErrorCode.UNSUPPORTED, type(req).__name__))
+            self.reply_error(identity, req.rid, RequestError(ErrorCode.UNSUPPORTED, type(req).__name__))
             return
         self._request_cells[type(req)].value += 1
         if _TRACE is not None:
@@ -95,28 +158,29 @@ class SocketFront:
         try:
             if self._tcp is not None and identity.startswith(TCP_TAG):
                 authorize(req, self._tcp.authenticated)
-            reply = handler(self, identity, req)
+            reply = handler(identity, req)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
-            self._reply_error(identity, req.rid, exc)
+            self.reply_error(identity, req.rid, exc)
         else:
             if reply is not None:  # None: the handler replies from a completion callback
-                self._reply(identity, reply)
+                self.reply(identity, reply)
 
-    def _reply(self, identity: bytes, reply: m.Msg) -> None:
+    def reply(self, identity: bytes, reply: m.Msg) -> None:
+        """Send ``reply`` to ``identity`` (one that cannot be encoded becomes an INTERNAL error)."""
         try:
             frame = codec.encode(reply)
         except Exception as exc:  # noqa: BLE001 - a reply that cannot be encoded still gets an answer
-            self._reply_error(identity, reply.rid, exc)
+            self.reply_error(identity, reply.rid, exc)
             return
         if _TRACE is not None:  # encoded, handed to the socket now (a client may read it before a point
             trace_point(reply.rid, "reply")  # taken after the send)
-        self._send(identity, frame)
+        self.send(identity, frame)
 
     def _note_activity(self) -> None:
         """Keep the loop polling without sleeping for ``busy_poll_us`` from now (see DaemonConfig),
         unless more than ``busy_poll_max_inflight`` copies are in flight. A callback that
         re-queues itself makes uvloop poll its descriptors with a zero timeout."""
-        if 0 <= self._busy_poll_max_inflight < len(self.inflight):
+        if 0 <= self._busy_poll_max_inflight < self._inflight():
             return
         self._busy_until = time.monotonic() + self._busy_poll_s
         if not self._spinning:
@@ -129,7 +193,7 @@ class SocketFront:
         else:
             self._spinning = False
 
-    def _send(self, identity: bytes, frame: bytes) -> None:
+    def send(self, identity: bytes, frame: bytes) -> None:
         faults = self._faults  # None unless $KVDEPOT_INJECT_FAULTS (kvdepot.server.faults)
         if faults is not None:
             wait_s = faults.decide()
@@ -143,7 +207,7 @@ class SocketFront:
     def _send_now(self, identity: bytes, frame: bytes) -> None:
         if self._busy_poll_s:
             self._note_activity()
-        if self._streams.send(identity, frame):
+        if self.streams.send(identity, frame):
             return
         # a send can consume the FD's edge for messages that arrived meanwhile: look again
         self._schedule_drain()
@@ -159,7 +223,9 @@ class SocketFront:
         except zmq.ZMQError as exc:
             log.warning("dropping a reply: %s", exc)
 
-    def _reply_error(self, identity: bytes, rid: int, exc: BaseException) -> None:
+    def reply_error(self, identity: bytes, rid: int, exc: BaseException) -> None:
+        """Answer request ``rid`` with ``exc``'s typed error (INTERNAL for an exception that is
+        not a `RequestError`, logged) and count it."""
         if isinstance(exc, RequestError):
             code, msg = exc.code, exc.message
         else:
@@ -167,5 +233,5 @@ class SocketFront:
             log.exception("internal error on request %d", rid, exc_info=exc)
         name = code.name if isinstance(code, ErrorCode) else str(code)
         self.metrics.errors.labels(name).inc()
-        self._send(identity, codec.error_frame(rid, code, msg))
+        self.send(identity, codec.error_frame(rid, code, msg))
 

@@ -12,8 +12,9 @@
 * **tcp clients**: their pid is another host's and is never watched; registrations last until
   unregistered or the daemon restarts, pins until ``pin_ttl_s``.
 
-A mixin of `kvdepot.server.daemon.Daemon` (uses its ``registrations``, ``pins``,
-``client_pids``, ``_unregister``, ``_unpin``, ``metrics``, ``config``).
+`PeerLiveness` owns the connections' state; the registrations, lookup pins and ZMQ clients'
+pids it reclaims are the daemon's (`kvdepot.server.daemon.Daemon`, `kvdepot.server.lookups`),
+passed to it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from kvdepot.server.netsec import TCP_TAG
 
@@ -41,10 +43,25 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-class Liveness:
-    """Connection-bound and pid-watched reclaim of registrations and pins (see the module)."""
+class PeerLiveness:
+    """Connection-bound and pid-watched reclaim of registrations and pins (see the module).
 
-    def _init_liveness(self) -> None:
+    Args:
+        registrations: the daemon's registrations by id (read; `Registration.identity`,
+            ``watch_pid``).
+        lookups: the `kvdepot.server.lookups.Lookups` whose pins it reclaims (``pins``,
+            ``unpin``, ``client_pids``).
+        unregister: ends a registration (the daemon's).
+        metrics: ``engines_reclaimed`` is counted here.
+        peer_grace_s: how long a closed stream connection's identity may come back.
+    """
+
+    def __init__(self, registrations: dict, lookups, unregister: Callable, metrics, peer_grace_s: float) -> None:
+        self.registrations = registrations
+        self.lookups = lookups
+        self._unregister = unregister
+        self.metrics = metrics
+        self.peer_grace_s = peer_grace_s
         self.connected_peers: set[bytes] = set()  # identities with an open stream connection
         self._peer_reclaims: dict[bytes, asyncio.TimerHandle] = {}  # closed, reclaim scheduled
 
@@ -71,11 +88,11 @@ class Liveness:
         old = self._peer_reclaims.pop(identity, None)
         if old is not None:
             old.cancel()
-        self._peer_reclaims[identity] = loop.call_later(self.config.peer_grace_s, self._reclaim_peer, identity)
+        self._peer_reclaims[identity] = loop.call_later(self.peer_grace_s, self._reclaim_peer, identity)
 
     def _owns_anything(self, identity: bytes) -> bool:
         return (any(r.identity == identity for r in self.registrations.values())
-                or any(k[0] == identity for k in self.pins))
+                or any(k[0] == identity for k in self.lookups.pins))
 
     def _reclaim_peer(self, identity: bytes) -> None:
         self._peer_reclaims.pop(identity, None)
@@ -87,25 +104,24 @@ class Liveness:
                         reg.id, reg.model, reg.shard, reg.pid)
             self._unregister(reg)
             self.metrics.engines_reclaimed.labels("connection_closed").inc()
-        for key in [k for k in self.pins if k[0] == identity]:
-            self._unpin(*key)
-        self.client_pids.pop(identity, None)
+        lookups = self.lookups
+        for key in [k for k in lookups.pins if k[0] == identity]:
+            lookups.unpin(*key)
+        lookups.client_pids.pop(identity, None)
 
     def sweep(self) -> None:
-        """Reclaim registrations of exited (watched) engine processes and expired or orphaned
-        pins; declare copies past their deadline stuck (`kvdepot.server.watchdog`); write L1's
-        least recently used entries ahead to L2 if stores left it short."""
+        """Reclaim registrations of exited (watched) engine processes, expired or orphaned pins
+        and the pids of exited ZMQ clients (from the daemon's sweeper)."""
         for reg in list(self.registrations.values()):
             if reg.watch_pid and not pid_alive(reg.watch_pid):
                 log.warning("engine pid %d of %s exited; reclaiming its registration", reg.watch_pid, reg.id)
                 self._unregister(reg)
                 self.metrics.engines_reclaimed.labels("pid_exited").inc()
         now = time.monotonic()
-        for key, pin in list(self.pins.items()):
+        lookups = self.lookups
+        for key, pin in list(lookups.pins.items()):
             if pin.deadline < now or not pid_alive(pin.pid):
-                self._unpin(*key)
-        for ident, pid in list(self.client_pids.items()):
+                lookups.unpin(*key)
+        for ident, pid in list(lookups.client_pids.items()):
             if not pid_alive(pid):
-                del self.client_pids[ident]
-        self.check_stuck(now)
-        self._spill_ahead()
+                del lookups.client_pids[ident]

@@ -1,13 +1,13 @@
 """Tiers behind the chunk index: L1 allocation and eviction, the L2 disk tier (spill on
-eviction, promotion on a hit), lookups and their pins across tiers, flush and the tiers' part
-of describe and /metrics. A mixin of `kvdepot.server.daemon.Daemon`.
+eviction, promotion on a hit), the walk of a chain across tiers, flush and the tiers' part
+of describe and /metrics: `Tiers`, on the daemon's event loop.
 
-Objects are written through to L2 as they are committed (`_write_through_l2`; held in L1 as
+Objects are written through to L2 as they are committed (`committed`; held in L1 as
 readers until written, at most ``l2_queue_bytes`` of writes in flight, beyond which a write is
 dropped and counted), so a restart finds the hot cache on disk; what was dropped is written
-ahead of its eviction while the disk keeps up (`_spill_ahead`), when evicted (write-behind: its
+ahead of its eviction while the disk keeps up (`spill_ahead`), when evicted (write-behind: its
 L1 extent stays allocated until written) unless L2 already holds its key, and by a clean stop
-(`_drain_to_l2`). They move up by promotion: a retrieve
+(`drain_to_l2`). They move up by promotion: a retrieve
 (or a lookup that pins its hits, as vLLM's scheduler does, ahead of the retrieve) that finds
 chunks in L2 but not in L1 reads them into new L1 entries, WRITING until the read is verified,
 and the retrieve goes on once they are READY. A chunk is served only from L1, so every
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, RequestError
 from kvdepot.server.disk import DiskEntry, DiskTier
-from kvdepot.server.index import Entry, EntryState
+from kvdepot.server.index import ChunkIndex, Entry, EntryState
 from kvdepot.server.objfile import ObjectMeta, padded
 from kvdepot.server.remote import RemoteTier, redact
 
@@ -36,11 +36,29 @@ _CLEAN_FRACTION = 0.25
 _BEHIND_MAX = 1 << 16  # committed entries at most waiting to be written through to L2
 
 
-class Tiering:
-    """Tier logic of the daemon (see the module docstring)."""
+class Tiers:
+    """L1 (``pool`` and the chunk ``index`` over it), L2 and L3 (see the module docstring).
 
-    def _init_tiers(self) -> None:
-        cfg = self.config
+    Args:
+        config: the daemon's `kvdepot.server.daemon.DaemonConfig` (its ``l2_*`` / ``l3_*``).
+        pool: L1's pinned host memory.
+        metrics: the daemon's `kvdepot.server.metrics.Metrics` (tier gauges, read at scrape).
+        front: the `kvdepot.server.front.Front` that answers a flush waiting for L3.
+
+    Attributes:
+        index: L1's `ChunkIndex` (made here: its evictions spill to L2, `free_entry`).
+        l2, l3: the lower tiers, or None.
+        tier_names: ``("l1", ...)`` of the tiers configured; ``hits``: chunks a lookup found
+            in each (`kvdepot.server.lookups`).
+    """
+
+    def __init__(self, config, pool, metrics, front) -> None:
+        cfg = config
+        self.pool = pool
+        self.metrics = metrics
+        self.front = front
+        self.index = ChunkIndex(self.free_entry)
+        self._loop = None  # the event loop, from `open`
         self.l2: DiskTier | None = None
         if cfg.l2_path:
             queue = cfg.l2_queue_bytes or min(2 << 30, max(self.pool.capacity_bytes // 8, 1))
@@ -50,22 +68,22 @@ class Tiering:
             queue = cfg.l3_queue_bytes or min(1 << 30, max(self.pool.capacity_bytes // 8, 1))
             self.l3 = RemoteTier(cfg.l3_url, cfg.l3_prefix, cfg.l3_ttl_s, queue, cfg.l3_timeout_s, cfg.l3_cluster)
         self.tier_names = ("l1",) + (("l2",) if self.l2 is not None else ()) + (("l3",) if self.l3 is not None else ())
-        self.tier_hits = dict.fromkeys(self.tier_names, 0)
+        self.hits = dict.fromkeys(self.tier_names, 0)
         self._promoting: dict[bytes, asyncio.Future] = {}  # key -> resolves True once READY in L1
-        self._tasks: set[asyncio.Task] = set()
         self._spill_pending = False
         self._l2_behind: collections.deque[Entry] = collections.deque()  # committed, waiting to be written through
+        self._bind_metrics()
 
-    def _bind_tier_metrics(self) -> None:
+    def _bind_metrics(self) -> None:
         """Tier gauges and lower tiers' counters are read at scrape time (nothing to update per
         request)."""
         mt = self.metrics
-        self._l1_evictions = mt.evictions.labels("l1")  # bumped by every eviction from L1 (`_alloc`)
+        self._l1_evictions = mt.evictions.labels("l1")  # bumped by every eviction from L1 (`alloc`)
         mt.tier_capacity_bytes.labels("l1").set(self.pool.capacity_bytes)
         mt.tier_used_bytes.labels("l1").set_function(lambda: self.pool.used_bytes)
         mt.tier_objects.labels("l1").set_function(lambda: len(self.index))
         for tier in self.tier_names:
-            mt.tier_hits.set_function((tier,), lambda tier=tier: self.tier_hits[tier])
+            mt.tier_hits.set_function((tier,), lambda tier=tier: self.hits[tier])
         l2 = self.l2
         if l2 is not None:
             mt.tier_capacity_bytes.labels("l2").set(l2.capacity_bytes)
@@ -79,13 +97,13 @@ class Tiering:
                               (mt.corrupt_objects, "corrupt")) + (((mt.evictions, "evictions"),) if tier is l2 else ()):
                 fam.set_function((tier.name,), lambda c=c, attr=attr: getattr(c, attr))
 
-    async def _open_tiers(self) -> None:
+    async def open(self) -> None:
         """Open L2 (lock, scan) off the loop, before anything is served.
 
         Raises:
             OSError: the L2 directory is unusable or used by another daemon.
         """
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         if self.l2 is not None:
             await loop.run_in_executor(None, self.l2.open)
             self.l2.attach(loop)
@@ -93,9 +111,7 @@ class Tiering:
             self.l3.open(loop)
             log.info("L3 at %s (prefix %r, TTL %.0f s)", redact(self.l3.url), self.l3.prefix.decode(), self.l3.ttl_s)
 
-    def _close_tiers(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
+    def close(self) -> None:
         if self.l2 is not None:
             self.l2.close()
         if self.l3 is not None:
@@ -103,7 +119,7 @@ class Tiering:
 
     # ------------------------------------------------------------------ L1 memory
 
-    def _alloc(self, size_bytes: int) -> int | None:
+    def alloc(self, size_bytes: int) -> int | None:
         """An L1 extent, evicting least recently used leaves (to L2 where there is one) until it
         fits; None when nothing more is evictable."""
         pool = self.pool
@@ -118,7 +134,7 @@ class Tiering:
                 return None
             self._l1_evictions.value += 1
 
-    def _free_entry(self, e: Entry, evicted: bool) -> None:
+    def free_entry(self, e: Entry, evicted: bool) -> None:
         """The index no longer needs ``e``'s extent: an evicted entry is written to L2 first
         (the extent is freed once written), anything else is freed now."""
         l2 = self.l2
@@ -128,7 +144,7 @@ class Tiering:
             return
         self.pool.free(e.offset)
 
-    def _spill_ahead(self, max_scan: int = 512) -> None:
+    def spill_ahead(self, max_scan: int = 512) -> None:
         """Write least recently used L1 entries to L2 ahead of their eviction, while they stay
         in L1 and readable (held as a reader until written), until L1's free bytes plus its
         bytes already in L2 reach `_CLEAN_FRACTION` of L1 (at least the write queue's bound),
@@ -157,6 +173,14 @@ class Tiering:
                     self.index.release(e)
                     return
             need -= padded(e.size_bytes)
+
+    def committed(self, entries: Sequence[Entry]) -> None:
+        """A store committed ``entries`` (READY in L1, in commit order): write them through to
+        L2 and L3."""
+        if self.l2 is not None:
+            self._write_through_l2(entries)
+        if self.l3 is not None:
+            self._write_through_l3(entries)
 
     def _write_through_l2(self, entries: Sequence[Entry]) -> None:
         """Write just-committed ``entries`` to L2, in commit order (parents first), as fast as
@@ -187,7 +211,7 @@ class Tiering:
                             lambda e=e: self._spilled_ahead(e)):
                 index.release(e)  # no room on disk (counted)
 
-    async def _drain_to_l2(self, drain_s: float) -> None:
+    async def drain_to_l2(self, drain_s: float) -> None:
         """At a clean stop: write every READY L1 entry L2 does not hold, most recently used
         first, as fast as the queue takes them, for at most ``drain_s`` seconds; then wait
         for the writes in flight (within the same time)."""
@@ -227,11 +251,11 @@ class Tiering:
     def _spill_continue(self) -> None:
         self._spill_pending = False
         self._catch_up_l2()
-        self._spill_ahead()
+        self.spill_ahead()
 
     # ------------------------------------------------------------------ lookups and pins
 
-    def _find(self, key: bytes, size_bytes: int | None = None) -> Entry | DiskEntry | None:
+    def find(self, key: bytes, size_bytes: int | None = None) -> Entry | DiskEntry | None:
         """The READY object of ``key`` in the fastest tier holding it (of ``size_bytes``, if given)."""
         e = self.index.ready(key)
         if e is None and self.l2 is not None:
@@ -240,18 +264,18 @@ class Tiering:
             return None
         return e
 
-    def _acquire(self, e: Entry | DiskEntry) -> None:
+    def acquire(self, e: Entry | DiskEntry) -> None:
         (self.index if isinstance(e, Entry) else self.l2).acquire(e)
 
-    def _release(self, e: Entry | DiskEntry) -> None:
+    def release(self, e: Entry | DiskEntry) -> None:
         (self.index if isinstance(e, Entry) else self.l2).release(e)
 
-    def _walk(self, chain: Sequence[bytes], l3_sizes: dict[bytes, int] | None = None) -> list:
+    def walk(self, chain: Sequence[bytes], l3_sizes: dict[bytes, int] | None = None) -> list:
         """The leading run of ``chain`` that some tier holds: L1 `Entry` / L2 `DiskEntry` objects,
         and ``(key, payload bytes)`` for chunks only L3 holds (``l3_sizes``, from one round trip)."""
         got = []
         for k in chain:
-            e = self._find(k)
+            e = self.find(k)
             if e is None:
                 size = l3_sizes.get(k, 0) if l3_sizes else 0
                 if not size:
@@ -260,75 +284,9 @@ class Tiering:
             got.append(e)
         return got
 
-    def _on_lookup(self, identity: bytes, req: m.Lookup) -> m.Msg | None:
-        found = [self._walk(chain) for chain in req.keys]
-        l3 = self.l3
-        if l3 is not None and l3.available():
-            # one round trip for every chunk past each chain's L1/L2 run (the reply waits for
-            # it, at most l3_timeout_s; L3 down: answered from L1/L2 at once)
-            ask = [k for chain, f in zip(req.keys, found) for k in chain[len(f):] if self._find(k) is None]
-            if ask:
-                def done(sizes: list[int] | None) -> None:
-                    try:
-                        reply = self._lookup_done(identity, req, None if sizes is None else dict(zip(ask, sizes)))
-                    except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
-                        self._reply_error(identity, req.rid, exc)
-                        return
-                    self._reply(identity, reply)
-
-                l3.sizes(ask, done)
-                return None
-        return self._lookup_done(identity, req, None, found)
-
-    def _lookup_done(self, identity: bytes, req: m.Lookup, l3_sizes: dict[bytes, int] | None,
-                     found: list[list] | None = None) -> m.Msg:
-        """Count the hit (the shortest chain's run), pin its L1/L2 chunks for ``pin_request``,
-        start reading its L2 (pinned lookups) and L3 chunks into L1, and count the metrics."""
-        if found is None:  # after the L3 round trip: walk again (entries may have left meanwhile)
-            found = [self._walk(chain, l3_sizes) for chain in req.keys]
-        hit = min((len(f) for f in found), default=0)
-        if req.pin_request:
-            self._unpin(identity, req.pin_request)
-            if hit:
-                entries = [e for f in found for e in f[:hit] if not isinstance(e, tuple)]
-                for e in entries:
-                    self._acquire(e)
-                self.pins[(identity, req.pin_request)] = self._make_pin(entries, identity)
-        for chain, f in zip(req.keys, found):
-            self.index.touch_chain(chain[:hit])
-            if self.l2 is not None:
-                self.l2.touch_chain(chain[:hit])
-            for j, e in enumerate(f[:hit]):
-                if isinstance(e, Entry):
-                    self.tier_hits["l1"] += 1
-                elif isinstance(e, DiskEntry):
-                    self.tier_hits["l2"] += 1
-                    if req.pin_request:  # vLLM's scheduler: the retrieve follows
-                        self._promote(e)
-                else:  # only L3 has it: fetch it now (a retrieve finds it in L1, or waits for it)
-                    self.tier_hits["l3"] += 1
-                    self._promote_l3(e[0], chain[j - 1] if j else b"", e[1], req.model)
-        # without num_tokens the prompt is taken to be the whole chunks asked about, so that
-        # hit tokens never exceed requested tokens (hit rate <= 1)
-        requested = req.num_tokens or max((len(c) for c in req.keys), default=0) * req.chunk_size
-        hit_tokens = min(hit * req.chunk_size, requested)
-        model = self._model_label(req.model)
-        self.metrics.lookups.labels(model).inc()
-        self.metrics.lookup_requested_tokens.labels(model).inc(requested)
-        self.metrics.lookup_hit_tokens.labels(model).inc(hit_tokens)
-        self.stats["lookup_requested_tokens"] += requested
-        self.stats["lookup_hit_tokens"] += hit_tokens
-        return m.LookupReply(rid=req.rid, hit_chunks=hit)
-
-    def _unpin(self, identity: bytes, request: str) -> None:
-        pin = self.pins.pop((identity, request), None)
-        if pin is not None:
-            for e in pin.entries:
-                self._release(e)
-
     # ------------------------------------------------------------------ promotion (L2 -> L1)
 
-    def _promote(self, d: DiskEntry) -> asyncio.Future:
+    def promote(self, d: DiskEntry) -> asyncio.Future:
         """Read ``d`` into a new L1 entry; the future resolves True once it is READY in L1,
         False if it could not be (no L1 room, a bad file: nothing is served from it)."""
         fut = self._promoting.get(d.key)
@@ -341,7 +299,7 @@ class Tiering:
         l2 = self.l2
         l2.acquire(d)  # an L1 eviction below may spill into L2 and evict there: not this one
         try:
-            off = self._alloc(d.size_bytes)
+            off = self.alloc(d.size_bytes)
             if off is None:
                 fut.set_result(False)
                 return fut
@@ -352,7 +310,7 @@ class Tiering:
                 del self._promoting[d.key]
                 if err is None:
                     self.index.commit(e)
-                    self._spill_ahead()
+                    self.spill_ahead()
                 else:
                     self.index.abort(e)
                 fut.set_result(err is None)
@@ -362,8 +320,8 @@ class Tiering:
             l2.release(d)
         return fut
 
-    def _promote_l3(self, key: bytes, parent: bytes, size_bytes: int, model: str) -> asyncio.Future:
-        """Fetch ``key``'s object from L3 into a new L1 entry (as `_promote`); the entry takes
+    def promote_l3(self, key: bytes, parent: bytes, size_bytes: int, model: str) -> asyncio.Future:
+        """Fetch ``key``'s object from L3 into a new L1 entry (as `promote`); the entry takes
         its model, salt and fingerprint from the verified header."""
         fut = self._promoting.get(key)
         if fut is not None:
@@ -372,7 +330,7 @@ class Tiering:
         if self.index.get(key) is not None:
             fut.set_result(self.index.ready(key) is not None)
             return fut
-        off = self._alloc(size_bytes)
+        off = self.alloc(size_bytes)
         if off is None:
             fut.set_result(False)
             return fut
@@ -384,7 +342,7 @@ class Tiering:
             if err is None:
                 e.model, e.cache_salt, e.fingerprint = meta.model, meta.cache_salt, meta.fingerprint
                 self.index.commit(e)
-                self._spill_ahead()
+                self.spill_ahead()
             else:
                 self.index.abort(e)
             fut.set_result(err is None)
@@ -392,11 +350,9 @@ class Tiering:
         self.l3.fetch(key, size_bytes, self.pool.view(off, size_bytes), done)
         return fut
 
-    def _write_through(self, entries: Sequence[Entry]) -> None:
+    def _write_through_l3(self, entries: Sequence[Entry]) -> None:
         """Send newly stored entries to L3 (each held in L1 until its value is built and sent)."""
         l3 = self.l3
-        if l3 is None:
-            return
         for e in entries:
             if e.state is not EntryState.READY:
                 continue
@@ -405,7 +361,7 @@ class Tiering:
             if not l3.write(meta, self.pool.view(e.offset, e.size_bytes), lambda e=e: self.index.release(e)):
                 self.index.release(e)
 
-    def _promotions(self, keys: Sequence[bytes], size_bytes: int) -> list[asyncio.Future]:
+    def promotions(self, keys: Sequence[bytes], size_bytes: int) -> list[asyncio.Future]:
         """Promotions the leading chunks of ``keys`` wait for (started here where needed);
         empty when they are all in L1 (or missing)."""
         if self.l2 is None and self.l3 is None:
@@ -419,35 +375,15 @@ class Tiering:
                 d = self.l2.ready(k) if self.l2 is not None else None
                 if d is None or d.size_bytes != size_bytes:
                     break
-                fut = self._promote(d)
+                fut = self.promote(d)
             waits.append(fut)
         return waits
 
-    def _after_promotions(self, identity: bytes, req: m.Retrieve, waits: list[asyncio.Future]) -> None:
-        """Run the retrieve once its chunks' promotions ended (whatever they found: the retrieve
-        then serves the leading chunks L1 holds)."""
-
-        async def run() -> None:
-            await asyncio.gather(*waits)
-            try:
-                reply = self._on_retrieve(identity, req, promote=False)
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
-                self._reply_error(identity, req.rid, exc)
-                return
-            finally:  # accepted at arrival (`_on_retrieve`); its copies, if any, hold it again
-                reg = self.registrations.get(req.registration)
-                if reg is not None and req.staging_offset >= 0:
-                    self._staged_end(reg, req.staging_seq)
-            if reply is not None:
-                self._reply(identity, reply)
-
-        task = self._loop.create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     # ------------------------------------------------------------------ flush, describe
 
-    def _on_flush(self, identity: bytes, req: m.Flush) -> m.Msg | None:
+    def on_flush(self, identity: bytes, req: m.Flush) -> m.Msg | None:
+        """`m.Flush`: drop the matching objects of the tier asked (all: every tier); L3 only
+        whole, answered once it did."""
         if req.tier not in ("", *self.tier_names):
             raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                f"unknown tier {req.tier!r}; this daemon's tiers: {', '.join(self.tier_names)}")
@@ -472,24 +408,24 @@ class Tiering:
 
         def done(count: int | None) -> None:
             if count is None:
-                self._reply_error(identity, req.rid, RequestError(
+                self.front.reply_error(identity, req.rid, RequestError(
                     ErrorCode.TIER_UNAVAILABLE, f"L3 at {redact(self.l3.url)} did not flush (see the daemon's log); "
                                                 f"L1 and L2 dropped {n} objects"))
                 return
             log.info("flushed %d objects from l3", count)
-            self._reply(identity, m.FlushReply(rid=req.rid, objects=n + count, bytes=b))
+            self.front.reply(identity, m.FlushReply(rid=req.rid, objects=n + count, bytes=b))
 
         self.l3.flush(done)
         return None
 
-    def _tier_infos(self) -> list[m.TierInfo]:
+    def infos(self) -> list[m.TierInfo]:
         out = [m.TierInfo("l1", self.pool.capacity_bytes, self.pool.used_bytes, len(self.index),
-                          hit_chunks=self.tier_hits["l1"], evictions=self.index.evictions)]
+                          hit_chunks=self.hits["l1"], evictions=self.index.evictions)]
         l2 = self.l2
         if l2 is not None:
             c = l2.counters
             out.append(m.TierInfo(
-                "l2", l2.capacity_bytes, l2.used_bytes, len(l2), hit_chunks=self.tier_hits["l2"],
+                "l2", l2.capacity_bytes, l2.used_bytes, len(l2), hit_chunks=self.hits["l2"],
                 evictions=c.evictions, read_bytes=c.read_bytes, written_bytes=c.written_bytes,
                 queue_depth=l2.queued_writes, dropped_writes=c.dropped_writes, errors=c.errors,
                 corrupt_objects=c.corrupt, detail=f"{l2.path} ({'O_DIRECT' if l2.direct_io else 'buffered'} I/O)"))
@@ -497,7 +433,7 @@ class Tiering:
         if l3 is not None:  # its use and capacity are the server's (INFO memory there)
             c = l3.counters
             out.append(m.TierInfo(
-                "l3", 0, 0, 0, hit_chunks=self.tier_hits["l3"], read_bytes=c.read_bytes, written_bytes=c.written_bytes,
+                "l3", 0, 0, 0, hit_chunks=self.hits["l3"], read_bytes=c.read_bytes, written_bytes=c.written_bytes,
                 queue_depth=l3.queued_writes, dropped_writes=c.dropped_writes, errors=c.errors,
                 corrupt_objects=c.corrupt,
                 detail=f"{redact(l3.url)}{' (cluster)' if l3.cluster else ''} prefix {l3.prefix.decode()!r}: {l3.state}"))

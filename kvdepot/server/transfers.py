@@ -1,7 +1,6 @@
-"""STORE and RETRIEVE: planning on the loop (index, L1 allocation, pins), the copies (CPU
-engines on the thread pool, CUDA engines through `kvdepot.gpu.cuda_path`), and the reply from
-their completion. A mixin of `kvdepot.server.daemon.Daemon` (registrations, index, pool,
-metrics, executor)."""
+"""STORE and RETRIEVE (`TransferService`): planning on the loop (index, L1 allocation), the
+copies (CPU engines on the thread pool, CUDA engines through `kvdepot.gpu.cuda_path`), and the
+reply from their completion."""
 
 from __future__ import annotations
 
@@ -9,18 +8,22 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 
 from kvdepot import trace
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, RequestError
+from kvdepot.server.checks import (check_deadline, check_settled, check_skip, landed_word, retrieve_runs, stalled,
+                                   store_runs, stored_word)
+from kvdepot.server.faults import InjectedFaults
 from kvdepot.server.index import Entry, EntryState
+from kvdepot.server.registration import Registration
+from kvdepot.server.settle import Settlements
+from kvdepot.server.tiering import Tiers
+from kvdepot.server.watchdog import CopyWatchdog
 
 READY = EntryState.READY
-
-if TYPE_CHECKING:
-    from kvdepot.server.registration import Registration
 
 log = logging.getLogger("kvdepot.daemon")
 _TRACE = trace.POINTS  # None unless KVDEPOT_TRACE_FILE is set (see kvdepot/trace.py)
@@ -29,10 +32,51 @@ trace_point = trace.point
 STORE_SKIP_REASONS = ("parent_missing", "capacity")
 
 
-class TransferHandlers:
-    """The Store / Retrieve handlers (see the module docstring)."""
+class TransferService:
+    """The Store / Retrieve handlers (see the module docstring).
 
-    def _on_store(self, identity: bytes, req: m.Store) -> m.Msg | None:
+    Args:
+        registrations: the daemon's registrations by id (read).
+        registration: the daemon's lookup of one by id (raises UNKNOWN_REGISTRATION).
+        tiers: L1 (index, pool, allocation) and the lower tiers (write-through, promotion).
+        watchdog: deadlines of the copies in flight.
+        settlements: Drains and Settles held by the requests' copies.
+        front: answers a request whose copies ended.
+        executor: the CPU engines' copy threads.
+        cuda_path: the CUDA copy path of a device (`kvdepot.gpu.cuda_path`).
+        metrics: the daemon's `kvdepot.server.metrics.Metrics`.
+        faults: injected copy stalls (soak tests only), or None.
+
+    Attributes:
+        stored_chunks, retrieved_chunks: totals (`describe`).
+    """
+
+    def __init__(self, registrations: dict[str, Registration], registration: Callable[[str], Registration],
+                 tiers: Tiers, watchdog: CopyWatchdog, settlements: Settlements, front, executor: Executor,
+                 cuda_path: Callable, metrics, faults: InjectedFaults | None) -> None:
+        self.registrations = registrations
+        self._registration = registration
+        self.tiers = tiers
+        self.index = tiers.index
+        self.pool = tiers.pool
+        self.watchdog = watchdog
+        self.settlements = settlements
+        self.front = front
+        self._executor = executor
+        self._cuda_path = cuda_path
+        self.metrics = metrics
+        self._faults = faults
+        self._tasks: set[asyncio.Task] = set()  # retrieves waiting for promotions
+        self.stored_chunks = 0
+        self.retrieved_chunks = 0
+
+    def close(self) -> None:
+        """Cancel the retrieves still waiting for promotions (at the daemon's stop)."""
+        for task in list(self._tasks):
+            task.cancel()
+
+
+    def on_store(self, identity: bytes, req: m.Store) -> m.Msg | None:
         """Plan the store on the loop (index, allocation), start the copies, and reply from
         their completion callback (no task per request). The hot path of small requests:
         measured per request by ``benchmarks/daemon_cpu.py`` (the handlers) and
@@ -43,15 +87,15 @@ class TransferHandlers:
         n = len(keys)
         self._check_block_ids(reg, req.block_ids, n)
         if reg.settled:
-            _check_settled(reg, identity, req.rid)
+            check_settled(reg, identity, req.rid)
         if req.deadline_ns:
-            _check_deadline(req.deadline_ns, "store")
-        runs = _store_runs(req, n) if req.chains else ((0, n, req.parent),)
+            check_deadline(req.deadline_ns, "store")
+        runs = store_runs(req, n) if req.chains else ((0, n, req.parent),)
         if reg.files:
             reg.check_memory()
         staged = req.staging_offset >= 0  # a CPU registration has no staging: refused in _staging_base
         staged_base = self._staging_base(reg, req.staging_offset, n) if staged else 0
-        seq = self._staged_accept(reg, req.staging_seq) if staged and req.staging_seq else 0
+        seq = self.settlements.staged_accept(reg, req.staging_seq) if staged and req.staging_seq else 0
         fence = None
         if req.fence:
             if not staged or reg.fence is None:
@@ -73,7 +117,7 @@ class TransferHandlers:
         # descendants (`ChunkIndex.abort`), so nothing is ever served without its prefix.
         # A parent or chunk that only a lower tier (L2) holds counts as present too: the chunk is
         # not stored again, and its children are stored unlinked (`ChunkIndex.begin_write`).
-        l2 = self.l2
+        l2 = self.tiers.l2
         for start, end, parent in runs:
             reason = "capacity" if full else ""
             c_present = 0
@@ -105,7 +149,7 @@ class TransferHandlers:
                             held.append(e)
                         c_present += 1
                     else:
-                        off = self._alloc(ob)
+                        off = self.tiers.alloc(ob)
                         if off is None:
                             reason = "capacity"
                             full = True
@@ -131,9 +175,9 @@ class TransferHandlers:
             self._store_release(held, keys)
             return reply
         self._begin_transfer(reg, identity, req.rid)
-        self._staged_begin(reg, seq)
+        self.settlements.staged_begin(reg, seq)
         t0 = time.monotonic()
-        token = self.watch("store", reg.id, identity, req.rid, len(new) * ob, True, t0)
+        token = self.watchdog.watch("store", reg.id, identity, req.rid, len(new) * ob, True, t0)
         finish = functools.partial(self._store_done, identity, reg, req, reply, new, held, seq, token, t0)
         if _TRACE is not None:
             trace_point(req.rid, "enqueue")
@@ -142,12 +186,12 @@ class TransferHandlers:
                 self._in_executor(finish, self._gather, reg, req.block_ids, new, req.deadline_ns)
             elif staged:
                 base = self.pool.base_ptr
-                self._cuda.path(reg.cuda_device).copy_staged(
+                self._cuda_path(reg.cuda_device).copy_staged(
                     True, [staged_base + j * ob for j, _ in new], [base + e.offset for _, e in new], ob, fence, finish,
-                    _stored(reg, req, len(new)))
+                    stored_word(reg, req, len(new)))
             else:
                 base = self.pool.base_ptr
-                self._cuda.path(reg.cuda_device).store(
+                self._cuda_path(reg.cuda_device).store(
                     reg.engine, req.block_ids, n, [j for j, _ in new], [base + e.offset for _, e in new], finish)
         except BaseException as exc:  # nothing was enqueued: roll back now
             finish(exc)
@@ -164,7 +208,7 @@ class TransferHandlers:
         if _TRACE is not None:
             trace_point(req.rid, "gpu_done")
         self._finish_transfer(reg, seq, identity, req.rid)
-        stuck = self.unwatch(token)  # answered TIMEOUT by the watchdog: publish nothing, reply nothing
+        stuck = self.watchdog.unwatch(token)  # answered TIMEOUT by the watchdog: publish nothing, reply nothing
         if err is None and req.deadline_ns and time.monotonic_ns() > req.deadline_ns:
             # the engine may have reused the blocks while they were read: commit nothing
             err = RequestError(ErrorCode.DEADLINE, "the store's copies ended after its deadline; nothing was stored")
@@ -177,16 +221,13 @@ class TransferHandlers:
                     return
                 if not isinstance(err, RequestError):
                     err = RequestError(ErrorCode.ENGINE_MEMORY, f"store copy failed: {err}")
-                self._reply_error(identity, req.rid, err)
+                self.front.reply_error(identity, req.rid, err)
                 return
             for _, e in new:
                 index.commit(e)
-            if self.l2 is not None:
-                self._write_through_l2([e for _, e in new])
-            if self.l3 is not None:
-                self._write_through([e for _, e in new])
+            self.tiers.committed([e for _, e in new])
             elapsed_s = time.monotonic() - t0
-            self._reply(identity, reply)  # before the metrics: a lone store waits for this reply
+            self.front.reply(identity, reply)  # before the metrics: a lone store waits for this reply
             self._count_transfer(reg, "store", len(new), elapsed_s)
         finally:
             self._store_release(held, req.keys)
@@ -201,8 +242,8 @@ class TransferHandlers:
         """Run ``fn(*args)`` in the copy threads; ``finish(error or None)`` runs on the loop."""
         stall_s = self._faults.copy_stall_s() if self._faults is not None else 0.0
         if stall_s:  # an injected stuck copy (soak tests only, kvdepot.server.faults)
-            fn = functools.partial(_stalled, stall_s, fn)
-        fut = self._loop.run_in_executor(self._executor, fn, *args)
+            fn = functools.partial(stalled, stall_s, fn)
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
         def done(f: asyncio.Future) -> None:
             finish(asyncio.CancelledError() if f.cancelled() else f.exception())
@@ -213,28 +254,28 @@ class TransferHandlers:
         """CPU engines, on a copy thread: read each new chunk out of the engine's blocks (not
         begun after ``deadline_ns``, `Store.deadline_ns`)."""
         if deadline_ns:
-            _check_deadline(deadline_ns, "store")
+            check_deadline(deadline_ns, "store")
         eng = reg.engine
         for j, e in new:
             eng.gather(self.pool.buffer(e.offset, e.size_bytes), self._chunk_block_ids(reg, block_ids, j))
 
-    def _on_retrieve(self, identity: bytes, req: m.Retrieve, promote: bool = True) -> m.Msg | None:
+    def on_retrieve(self, identity: bytes, req: m.Retrieve, promote: bool = True) -> m.Msg | None:
         """``promote``: chunks only L2 holds are read into L1 first (the reply then comes once
-        they are; `Tiering._promotions`)."""
+        they are; `Tiers.promotions`)."""
         reg = self.registrations.get(req.registration) or self._registration(req.registration)
         lay = reg.layout
         keys = req.keys
         n = len(keys)
         self._check_block_ids(reg, req.block_ids, n)
         if reg.settled:
-            _check_settled(reg, identity, req.rid)
+            check_settled(reg, identity, req.rid)
         if req.deadline_ns:
-            _check_deadline(req.deadline_ns, "retrieve")
+            check_deadline(req.deadline_ns, "retrieve")
         if reg.files:
             reg.check_memory()
-        runs = _retrieve_runs(req, n, lay) if req.chains else None
+        runs = retrieve_runs(req, n, lay) if req.chains else None
         if runs is None and req.skip_tokens:
-            _check_skip(req.skip_tokens, n, lay)
+            check_skip(req.skip_tokens, n, lay)
         # staged: chunk j at staged_base + j * object_bytes in the engine's ring (refused here,
         # before acquiring anything)
         staged = req.staging_offset >= 0
@@ -243,11 +284,11 @@ class TransferHandlers:
                                                            "(staging_offset >= 0)")
         staged_base = self._staging_base(reg, req.staging_offset, n) if staged else 0
         if promote:
-            seq = self._staged_accept(reg, req.staging_seq) if staged and req.staging_seq else 0
-            if self.l2 is not None or self.l3 is not None:
-                waits = self._promotions(keys, lay.object_bytes)
+            seq = self.settlements.staged_accept(reg, req.staging_seq) if staged and req.staging_seq else 0
+            if self.tiers.l2 is not None or self.tiers.l3 is not None:
+                waits = self.tiers.promotions(keys, lay.object_bytes)
                 if waits:
-                    self._staged_begin(reg, seq)  # accepted: a Drain waits for it (`_after_promotions` ends it)
+                    self.settlements.staged_begin(reg, seq)  # accepted: a Drain waits for it (`_after_promotions` ends it)
                     self._after_promotions(identity, req, waits)
                     return None
         index = self.index
@@ -282,12 +323,12 @@ class TransferHandlers:
             return m.RetrieveReply(rid=req.rid, retrieved=0, chains=counts or [])
         self._begin_transfer(reg, identity, req.rid)
         t0 = time.perf_counter()
-        token = self.watch("retrieve", reg.id, identity, req.rid, len(entries) * lay.object_bytes, reply_pending=True)
+        token = self.watchdog.watch("retrieve", reg.id, identity, req.rid, len(entries) * lay.object_bytes, reply_pending=True)
 
         def finish(err: BaseException | None) -> None:
             trace_point(req.rid, "gpu_done")  # (the CPU copy's end, seen by the loop)
             self._finish_transfer(reg, 0, identity, req.rid)
-            stuck = self.unwatch(token)  # answered TIMEOUT by the watchdog
+            stuck = self.watchdog.unwatch(token)  # answered TIMEOUT by the watchdog
             for e in entries:
                 self.index.release(e)
             self.index.touch_chain([e.key for e in entries])
@@ -296,10 +337,10 @@ class TransferHandlers:
             if err is not None:
                 if not isinstance(err, RequestError):
                     err = RequestError(ErrorCode.ENGINE_MEMORY, f"retrieve copy failed: {err}")
-                self._reply_error(identity, req.rid, err)
+                self.front.reply_error(identity, req.rid, err)
                 return
             self._count_transfer(reg, "retrieve", len(entries), time.perf_counter() - t0)
-            self._reply(identity, m.RetrieveReply(rid=req.rid, retrieved=len(entries), chains=counts or []))
+            self.front.reply(identity, m.RetrieveReply(rid=req.rid, retrieved=len(entries), chains=counts or []))
 
         if runs is None:
             cs = lay.chunk_size
@@ -320,7 +361,7 @@ class TransferHandlers:
                        counts: list[int] | None = None) -> m.Msg | None:
         """Enqueue the copies; reply once they completed (the engine's blocks or staging ring
         hold the chunks then: an interprocess event handed out for the engine to wait on was
-        found to report a record complete before the copies ran, `KVDepotClient._fence`).
+        found to report a record complete before the copies ran, `kvdepot.client.staged.Stager.fence`).
         The entries stay acquired until then. ``staged_base``: chunk 0's address in the
         engine's staging ring (chunk j at ``+ j * object_bytes``; staged), else None (the
         daemon scatters). With ``Retrieve.chains`` (staged only): ``at`` / ``skips`` give each
@@ -329,10 +370,10 @@ class TransferHandlers:
             return m.RetrieveReply(rid=req.rid, retrieved=0, chains=counts or [])
         self._begin_transfer(reg, identity, req.rid)
         seq = req.staging_seq if staged_base is not None else 0
-        self._staged_begin(reg, seq)
+        self.settlements.staged_begin(reg, seq)
         ob = reg.layout.object_bytes
         t0 = time.monotonic()
-        token = self.watch("retrieve", reg.id, identity, req.rid, len(entries) * ob, True, t0)
+        token = self.watchdog.watch("retrieve", reg.id, identity, req.rid, len(entries) * ob, True, t0)
         enqueued = [True]  # set False below if nothing could be enqueued (`_retrieve_cuda_done`)
         done = functools.partial(self._retrieve_cuda_done, identity, reg, req.rid, entries, counts, seq, token, t0,
                                  enqueued)
@@ -344,21 +385,21 @@ class TransferHandlers:
                 cs = reg.layout.chunk_size
                 srcs = [base + e.offset for e, k in zip(entries, skips) if k < cs]
                 if srcs:
-                    self._cuda.path(reg.cuda_device).copy_staged(
+                    self._cuda_path(reg.cuda_device).copy_staged(
                         False, srcs, [staged_base + j * ob for j, k in zip(at, skips) if k < cs], ob, None, done)
                 else:
                     done(None)
             elif staged_base is not None:
                 first = req.skip_tokens // reg.layout.chunk_size  # wholly skipped chunks need no copy
                 if first < len(entries):
-                    self._cuda.path(reg.cuda_device).copy_staged(
+                    self._cuda_path(reg.cuda_device).copy_staged(
                         False, [base + e.offset for e in entries[first:]],
                         [staged_base + j * ob for j in range(first, len(entries))], ob, None, done,
-                        _landed(reg, req, len(entries)))
+                        landed_word(reg, req, len(entries)))
                 else:
                     done(None)
             else:
-                self._cuda.path(reg.cuda_device).retrieve(
+                self._cuda_path(reg.cuda_device).retrieve(
                     reg.engine, req.block_ids, len(req.keys), [base + e.offset for e in entries], req.skip_tokens,
                     None, done)
         except BaseException:  # raised before anything was enqueued
@@ -380,7 +421,7 @@ class TransferHandlers:
         if _TRACE is not None:
             trace_point(rid, "gpu_done")
         self._finish_transfer(reg, seq, identity, rid)
-        stuck = self.unwatch(token)
+        stuck = self.watchdog.unwatch(token)
         release = self.index.release
         for e in entries:
             release(e)
@@ -389,89 +430,112 @@ class TransferHandlers:
         if err is not None:
             log.error("CUDA retrieve for %s failed on the GPU: %s", reg.id, err)
             if not stuck:
-                self._reply_error(identity, rid, RequestError(ErrorCode.ENGINE_MEMORY, f"retrieve copy failed: {err}"))
+                self.front.reply_error(identity, rid, RequestError(ErrorCode.ENGINE_MEMORY, f"retrieve copy failed: {err}"))
             return
         self._op_metrics(reg, "retrieve")[2].observe(time.monotonic() - t0)
         if not stuck:
-            self._reply(identity, m.RetrieveReply(rid=rid, retrieved=len(entries), chains=counts or []))
+            self.front.reply(identity, m.RetrieveReply(rid=rid, retrieved=len(entries), chains=counts or []))
 
-    # ------------------------------------------------------------------ Drain (lost staged requests)
+    def _after_promotions(self, identity: bytes, req: m.Retrieve, waits: list[asyncio.Future]) -> None:
+        """Run the retrieve once its chunks' promotions ended (whatever they found: the retrieve
+        then serves the leading chunks L1 holds)."""
 
-    def _staged_accept(self, reg: Registration, seq: int) -> int:
-        """A staged request arrived: refused if a `Drain` settled its staging region already
-        (it was lost on a connection its client gave up; the region may hold other bytes now).
+        async def run() -> None:
+            await asyncio.gather(*waits)
+            try:
+                reply = self.on_retrieve(identity, req, promote=False)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
+                self.front.reply_error(identity, req.rid, exc)
+                return
+            finally:  # accepted at arrival (`on_retrieve`); its copies, if any, hold it again
+                reg = self.registrations.get(req.registration)
+                if reg is not None and req.staging_offset >= 0:
+                    self.settlements.staged_end(reg, req.staging_seq)
+            if reply is not None:
+                self.front.reply(identity, reply)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _check_block_ids(self, reg: Registration, block_ids: Sequence[Sequence[int]], num_chunks: int) -> None:
+        lay = reg.layout
+        if len(block_ids) != len(lay.chunk_blocks):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                               f"block_ids has {len(block_ids)} groups, registration has {len(lay.chunk_blocks)}")
+        for gid, (ids, per_chunk, nb) in enumerate(zip(block_ids, lay.chunk_blocks, lay.num_blocks)):
+            if len(ids) != num_chunks * per_chunk:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                                   f"gid {gid}: {len(ids)} block ids for {num_chunks} chunks, need {num_chunks * per_chunk}")
+            if ids and max(ids) >= nb:  # ids are >= 0, or -1 in a RETRIEVE (the decoder checks)
+                raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                                   f"gid {gid}: block id {max(ids)} out of range [0, {nb})")
+
+    @staticmethod
+    def _chunk_block_ids(reg: Registration, block_ids: Sequence[Sequence[int]], j: int) -> list[Sequence[int]]:
+        out = []
+        for gid, ids in enumerate(block_ids):
+            n = reg.layout.blocks_per_chunk(gid)
+            out.append(ids[j * n : (j + 1) * n])
+        return out
+
+    def _op_metrics(self, reg: Registration, op: str) -> tuple:
+        """(bytes counter, tokens counter, seconds histogram) series for ``reg``'s model and
+        ``op``, looked up once per registration (``labels()`` is not free on the hot path)."""
+        got = reg.metric_children.get(op)
+        if got is None:
+            got = reg.metric_children[op] = (self.metrics.bytes.labels(reg.model, op),
+                                             self.metrics.tokens.labels(reg.model, op),
+                                             self.metrics.transfer_seconds.labels(op))
+        return got
+
+    def _count_transfer(self, reg: Registration, op: str, num_chunks: int, seconds: float | None = None) -> None:
+        """Metrics and describe() counters of ``num_chunks`` chunks moved by ``op``."""
+        mb, mt, ms = self._op_metrics(reg, op)
+        if seconds is not None:
+            ms.observe(seconds)
+        lay = reg.layout
+        mb.value += num_chunks * lay.object_bytes  # (CounterCell.inc, without its check: never negative here)
+        mt.value += num_chunks * lay.chunk_size
+        if op == "store":
+            reg.stored_chunks += num_chunks
+            self.stored_chunks += num_chunks
+        else:
+            reg.retrieved_chunks += num_chunks
+            self.retrieved_chunks += num_chunks
+
+    def _begin_transfer(self, reg: Registration, identity: bytes, rid: int) -> None:
+        """A Store / Retrieve starts copies (ended by `_finish_transfer`)."""
+        reg.active += 1
+        reg.busy_rids[(identity, rid)] += 1
+
+    def _finish_transfer(self, reg: Registration, staging_seq: int = 0, identity: bytes = b"", rid: int = 0) -> None:
+        reg.active -= 1
+        if staging_seq:
+            self.settlements.staged_end(reg, staging_seq)
+        if rid:
+            self.settlements.settle_end(reg, identity, rid)
+        if reg.closed and reg.active == 0:
+            reg.release_memory()
+
+    @staticmethod
+    def _staging_base(reg: Registration, offset: int, num_chunks: int) -> int:
+        """Device address of a request's chunk 0 in the engine's staging buffer (chunk j at
+        ``+ j * object_bytes``), for a request of ``num_chunks`` chunks at byte ``offset``.
 
         Raises:
-            RequestError(INVALID_ARGUMENT): ``seq`` <= the registration's drained sequence.
+            RequestError(INVALID_ARGUMENT): no staging buffer was registered (or this daemon
+                does not serve staged transfers), or the chunks lie outside it / misaligned.
         """
-        if seq and seq <= reg.refuse_through:
+        if not reg.staging_bytes:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "staging_offset given but the registration has no staging "
+                                                           "buffer this daemon serves (RegisterReply.staging)")
+        end = offset + num_chunks * reg.layout.object_bytes
+        if offset % 256 or end > reg.staging_bytes:
             raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                               f"staging region {seq} was drained (its request was given up): nothing copied")
-        return seq
-
-    def _staged_begin(self, reg: Registration, seq: int) -> None:
-        if seq:
-            reg.staged_busy[seq] = reg.staged_busy.get(seq, 0) + 1
-
-    def _staged_end(self, reg: Registration, seq: int) -> None:
-        """A staged request's copies ended (or it will copy nothing): answer the Drains it held."""
-        if not seq:
-            return
-        busy = reg.staged_busy
-        left = busy.get(seq, 0) - 1
-        if left > 0:
-            busy[seq] = left
-        else:
-            busy.pop(seq, None)
-        if reg.drains:
-            low = min(busy) if busy else None
-            still = []
-            for through, identity, rid in reg.drains:
-                if low is not None and low <= through:
-                    still.append((through, identity, rid))
-                else:
-                    self._reply(identity, m.OkReply(rid=rid))
-            reg.drains = still
-
-    def _on_drain(self, identity: bytes, req: m.Drain) -> m.Msg | None:
-        """`m.Drain`: refuse staged requests up to ``through_seq`` from now on; reply once the
-        accepted ones finished."""
-        reg = self._registration(req.registration)
-        reg.refuse_through = max(reg.refuse_through, req.through_seq)
-        if any(seq <= req.through_seq for seq in reg.staged_busy):
-            reg.drains.append((req.through_seq, identity, req.rid))
-            return None
-        return m.OkReply(rid=req.rid)
-
-    # ------------------------------------------------------------------ Settle (lost requests)
-
-    def _settle_end(self, reg: Registration, identity: bytes, rid: int) -> None:
-        """A Store / Retrieve's copies ended: answer the Settles it held."""
-        busy, key = reg.busy_rids, (identity, rid)
-        left = busy[key] - 1
-        if left > 0:
-            busy[key] = left
-        else:
-            del busy[key]
-        if reg.settles:
-            still = []
-            for through, who, settle_rid in reg.settles:
-                if any(i == who and r <= through for i, r in busy):
-                    still.append((through, who, settle_rid))
-                else:
-                    self._reply(who, m.OkReply(rid=settle_rid))
-            reg.settles = still
-
-    def _on_settle(self, identity: bytes, req: m.Settle) -> m.Msg | None:
-        """`m.Settle`: refuse this client's requests up to ``through_rid`` from now on; reply
-        once the accepted ones finished their copies."""
-        reg = self._registration(req.registration)
-        if req.through_rid > reg.settled.get(identity, 0):
-            reg.settled[identity] = req.through_rid
-        if any(i == identity and r <= req.through_rid for i, r in reg.busy_rids):
-            reg.settles.append((req.through_rid, identity, req.rid))
-            return None
-        return m.OkReply(rid=req.rid)
+                               f"staging_offset {offset}: chunks up to byte {end} do not fit the {reg.staging_bytes}-byte "
+                               "staging buffer, or the offset is not a multiple of 256")
+        return reg.staging_ptr + offset
 
     def _scatter(self, reg: Registration, block_ids, writes: list[tuple[int, Entry, int]], deadline_ns: int = 0) -> None:
         """CPU engines, on a copy thread: write each (chunk position, entry, leading tokens to
@@ -480,106 +544,6 @@ class TransferHandlers:
         eng, cs = reg.engine, reg.layout.chunk_size
         for j, e, skip in writes:
             if deadline_ns:
-                _check_deadline(deadline_ns, "retrieve")
+                check_deadline(deadline_ns, "retrieve")
             if skip < cs:
                 eng.scatter(self.pool.buffer(e.offset, e.size_bytes), self._chunk_block_ids(reg, block_ids, j), skip)
-
-
-def _stored(reg: Registration, req: m.Store, copied: int) -> tuple[int, int] | None:
-    """A landed store's word (`Store.landed`): (device address, `stored_value`) where every
-    chunk of the request is copied and its region is fenced under its own number; else None
-    (the reply alone ends the store)."""
-    if not req.landed or req.chains or copied != len(req.keys) or req.fence != req.staging_seq:
-        return None
-    return _landed_word(reg, req.staging_seq, copied, m.stored_value)
-
-
-def _landed(reg: Registration, req: m.Retrieve, retrieved: int) -> tuple[int, int] | None:
-    """A gated retrieve's landed word (`Retrieve.landed`): (device address, value) for the
-    DMA stream to write after its copies, or None (not gated, or the words are not mapped for
-    this daemon's GPU: the engine then writes its word itself when the reply comes)."""
-    return _landed_word(reg, req.staging_seq, retrieved, m.landed_value) if req.landed else None
-
-
-def _landed_word(reg: Registration, seq: int, chunks: int, value) -> tuple[int, int] | None:
-    """(device address of region ``seq``'s fence word, ``value(seq, chunks)``) for the DMA stream
-    to write after its copies; None where the value cannot carry them or the words are not
-    mapped for this daemon's GPU."""
-    fence = reg.fence
-    if not 0 < seq <= m.LANDED_MAX_SEQ or chunks > m.LANDED_MAX_CHUNKS or fence is None or not fence.dev_ptr:
-        return None
-    return fence.landed_ptr(seq), value(seq, chunks)
-
-
-def _runs(req, n: int) -> list[tuple[int, int, m.Chain]]:
-    """(start, end, chain) of each run of ``req.chains`` over its ``n`` keys.
-
-    Raises:
-        RequestError(INVALID_ARGUMENT): the first run does not start at 0, starts do not
-            increase, or one lies past the keys.
-    """
-    chains = req.chains
-    starts = [c.start for c in chains]
-    if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= n:
-        raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                           f"chains must start at 0 with increasing starts below the {n} keys; got starts {starts}")
-    ends = starts[1:] + [n]
-    return list(zip(starts, ends, chains))
-
-
-def _store_runs(req: m.Store, n: int) -> list[tuple[int, int, bytes]]:
-    """(start, end, parent) of each run of a `Store` with ``chains`` (see `_runs`).
-
-    Raises:
-        RequestError(INVALID_ARGUMENT): as `_runs`, or ``parent`` given beside ``chains``.
-    """
-    if req.parent:
-        raise RequestError(ErrorCode.INVALID_ARGUMENT, "a store with chains gives each run's parent in its chain; "
-                                                       "its parent field must be empty")
-    return [(s, e, c.parent) for s, e, c in _runs(req, n)]
-
-
-def _check_skip(skip_tokens: int, num_chunks: int, lay) -> None:
-    """Raises RequestError(INVALID_ARGUMENT) unless ``skip_tokens`` is a multiple of every
-    group's tokens per block and less than the ``num_chunks`` chunks' tokens."""
-    if skip_tokens >= num_chunks * lay.chunk_size or any(skip_tokens % t for t in lay.tokens_per_block):
-        raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                           f"skip_tokens {skip_tokens} must be a multiple of every group's tokens per block "
-                           f"{lay.tokens_per_block} and less than {num_chunks * lay.chunk_size}")
-
-
-def _retrieve_runs(req: m.Retrieve, n: int, lay) -> list[tuple[int, int, m.Chain]]:
-    """`_runs` of a `Retrieve` with ``chains``, each run's ``skip_tokens`` checked (`_check_skip`).
-
-    Raises:
-        RequestError(INVALID_ARGUMENT): as `_runs` or `_check_skip`, or ``skip_tokens`` given
-            beside ``chains``.
-    """
-    if req.skip_tokens:
-        raise RequestError(ErrorCode.INVALID_ARGUMENT, "a retrieve with chains gives each run's skip_tokens in its "
-                                                       "chain; its skip_tokens field must be 0")
-    runs = _runs(req, n)
-    for s, e, c in runs:
-        if c.skip_tokens:
-            _check_skip(c.skip_tokens, e - s, lay)
-    return runs
-
-
-def _check_settled(reg: Registration, identity: bytes, rid: int) -> None:
-    """Raise INVALID_ARGUMENT for a request its client settled already (`m.Settle`)."""
-    if rid <= reg.settled.get(identity, 0):
-        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"request {rid} was settled as lost by its client "
-                                                       "(`Settle`): nothing copied")
-
-
-def _check_deadline(deadline_ns: int, op: str) -> None:
-    """Raise DEADLINE once ``CLOCK_MONOTONIC`` passed ``deadline_ns`` (`Store.deadline_ns`)."""
-    late_ns = time.monotonic_ns() - deadline_ns
-    if late_ns >= 0:
-        raise RequestError(ErrorCode.DEADLINE, f"the {op}'s deadline passed {late_ns / 1e6:.1f} ms before its copy "
-                                               "began; the engine may have reused its blocks, nothing was copied")
-
-
-def _stalled(stall_s: float, fn, *args):
-    time.sleep(stall_s)
-    return fn(*args)

@@ -8,8 +8,8 @@ meaning: the copy may still run, so the engine keeps the blocks), `describe` lis
 replied and a stuck store's chunks are dropped (the engine, told it failed, may have reused its
 blocks before the copy read them), so a late copy can never publish a wrong byte.
 
-A mixin of `kvdepot.server.daemon.Daemon` (uses ``config.watchdog_s``, ``metrics``,
-``_reply_error``).
+`CopyWatchdog` owns the copies in flight; the daemon's transfer handlers `watch` and
+`unwatch` each copy, its sweeper calls `check_stuck`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 from kvdepot.protocol import messages as m
@@ -41,14 +42,24 @@ class Inflight(NamedTuple):
     reply_pending: bool  # the client waits for this request's reply (answered TIMEOUT once stuck)
 
 
-class Watchdog:
-    """Deadlines of copies in flight (see the module docstring)."""
+class CopyWatchdog:
+    """Deadlines of copies in flight (see the module docstring).
 
-    def _init_watchdog(self) -> None:
+    Args:
+        watchdog_s: the deadline's floor in seconds (0: never stuck; ``--watchdog-s``).
+        metrics: the daemon's `kvdepot.server.metrics.Metrics` (``stuck_transfers``,
+            ``transfers_stuck``).
+        reply_error: ``(identity, rid, exc)``: answers a stuck copy's waiting client.
+    """
+
+    def __init__(self, watchdog_s: float, metrics, reply_error: Callable[[bytes, int, BaseException], None]) -> None:
+        self.watchdog_s = watchdog_s
+        self.metrics = metrics
+        self._reply_error = reply_error
         self.inflight: dict[int, Inflight] = {}
         self.stuck: dict[int, float] = {}  # token -> time.monotonic() it was declared stuck
         self._inflight_ids = itertools.count(1)
-        self.metrics.stuck_transfers.labels().set_function(lambda: len(self.stuck))
+        metrics.stuck_transfers.labels().set_function(lambda: len(self.stuck))
 
     def watch(self, op: str, registration: str, identity: bytes, rid: int, size_bytes: int,
               reply_pending: bool, now: float | None = None) -> int:
@@ -57,7 +68,7 @@ class Watchdog:
         if now is None:
             now = time.monotonic()
         token = next(self._inflight_ids)
-        floor_s = self.config.watchdog_s
+        floor_s = self.watchdog_s
         deadline = now + floor_s + size_bytes / WATCHDOG_MIN_BYTES_PER_S if floor_s > 0 else _NEVER
         self.inflight[token] = Inflight(op, registration, rid, identity, size_bytes, now, deadline, reply_pending)
         return token

@@ -146,7 +146,7 @@ def test_stores_end_on_their_landed_word_and_their_own_lookups_see_them(daemon):
         rng = random.Random(11)
         s = torch.cuda.Stream()
         for round_ in range(10):  # the ring (four 3-chunk regions' worth) wraps
-            before = c.stores_landed
+            before = c.conn.stores_landed
             keys, refs = _stored(c, cache, groups, reg, rng, 3)
             assert c.lookup(keys, CHUNK) == 3, round_
             dst = _blank(cache, rng, groups, 3)
@@ -160,9 +160,9 @@ def test_stores_end_on_their_landed_word_and_their_own_lookups_see_them(daemon):
             more = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
             r = c.store(reg, keys[:2] + more, src, after=torch.cuda.current_stream())
             assert (r.stored, r.present) == (1, 2)
-            assert c.stores_landed - before <= 1
-        assert c.stores_landed >= 1, "no store ended on its landed word"
-        print(f"\nstores that ended on their landed word: {c.stores_landed} of 10")
+            assert c.conn.stores_landed - before <= 1
+        assert c.conn.stores_landed >= 1, "no store ended on its landed word"
+        print(f"\nstores that ended on their landed word: {c.conn.stores_landed} of 10")
     finally:
         c.unregister(reg)
         c.close()
@@ -234,7 +234,7 @@ def test_a_daemon_that_stops_answering_never_holds_the_engines_stream(tmp_path):
             assert c.retrieve(reg, keys, dst, before=s) == 2
             assert _drained(s)
             _check(cache, groups, dst, refs, 2)
-        assert c.drains_answered >= 1
+        assert c.conn.drains_answered >= 1
     finally:
         c.unregister(reg)
         c.close()

@@ -432,11 +432,11 @@ def test_regions_of_lost_replies_are_drained_and_the_ring_keeps_working(lossy_da
                 continue
             if r.stored == 1:
                 stored.append((keys, ref))
-        assert lost > 0 and stored and c.drains_answered > 0
+        assert lost > 0 and stored and c.conn.drains_answered > 0
         # stores that end on their landed word (`Store.landed`): a lost reply loses nothing, and
         # the next lookup or retrieve waits for the replies still due at most the client's timeout
         reg.staging.landed_active = True
-        landed = c.stores_landed
+        landed = c.conn.stores_landed
         for _ in range(10):
             keys = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
             ids = _ids(rng, groups, 1)
@@ -445,7 +445,7 @@ def test_regions_of_lost_replies_are_drained_and_the_ring_keeps_working(lossy_da
             r = _retry(lambda: c.store(reg, keys, ids, after=s))  # (a retry may find the chunk present)
             assert r.stored + r.present == 1
             stored.append((keys, ref))
-        assert c.stores_landed > landed
+        assert c.conn.stores_landed > landed
         for keys, ref in stored:
             dst = _ids(rng, groups, 1)
             cache.storage.fill_(0x33)

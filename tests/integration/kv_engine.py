@@ -328,7 +328,7 @@ def register_store_and_hang(spec: EngineSpec, tokens: Sequence[int], out_path: s
     r = eng.client.store(eng.reg, keys, rotated_block_ids(spec, len(keys), start=0))
     assert eng.client.lookup(keys, spec.chunk_size, pin_request="doomed-request") == len(keys)
     Path(out_path).write_text(json.dumps({"registration": eng.reg.id, "stored": r.stored,
-                                          "transport": eng.client.transport, "keys": [k.hex() for k in keys]}))
+                                          "transport": eng.client.conn.transport, "keys": [k.hex() for k in keys]}))
     eng.cache.close()
     registered.set()
     time.sleep(600)

@@ -28,7 +28,7 @@ def test_sends_never_block_on_a_stopped_daemon(daemon):
     c.hello()
     os.kill(daemon.proc.pid, signal.SIGSTOP)
     try:
-        sock = c._socket()
+        sock = c.conn._socket()
         sock.outbox_max_bytes = 1 << 20
         worst_s, answers, refused = 0.0, {}, 0
         for i in range(60):  # ~2.2 MB: more than the socket buffer and the outbox hold
@@ -46,13 +46,13 @@ def test_sends_never_block_on_a_stopped_daemon(daemon):
         assert worst_s < 0.05, f"submit blocked {worst_s:.3f} s on a stopped daemon"
         # nothing taken for timeout_s: the connection is given up, its requests reported lost
         t_end = time.monotonic() + 1.5
-        while time.monotonic() < t_end and c.connected and sock is c._sock:
+        while time.monotonic() < t_end and c.conn.connected and sock is c.conn._sock:
             t0 = time.monotonic()
             c.poll()
             worst_s = max(worst_s, time.monotonic() - t0)
             time.sleep(0.01)
         assert worst_s < 0.05
-        assert c.requests_dropped > 0
+        assert c.conn.requests_dropped > 0
         codes = {ErrorCode(r.code) for r in answers.values()}
         assert ErrorCode.BACKPRESSURE in codes, "the requests still queued were never sent"
         assert codes <= {ErrorCode.BACKPRESSURE, ErrorCode.TIMEOUT}

@@ -35,7 +35,7 @@ def stalled_engine(daemon_factory, monkeypatch, request):
     d = daemon_factory()
     spec = ke.EngineSpec(d.endpoint, ke.SMOLLM2, "LBNHC", (16,), (24,), 16, 7400, model_id=request.node.name[:60])
     with ke.Engine(spec) as eng:
-        eng.client.timeout_s = eng.client.copy_deadline_s = TIMEOUT_S
+        eng.client.conn.timeout_s = eng.client.transfers.copy_deadline_s = TIMEOUT_S
         yield d, eng
     assert d.alive
 
@@ -74,7 +74,7 @@ def test_a_late_cpu_retrieve_writes_nothing_and_its_blocks_wait_for_settle(stall
     with pytest.raises(KVDepotError) as err:
         pending.result()
     assert err.value.code is ErrorCode.TIMEOUT and pending.blocks_free_at_s is None
-    c.timeout_s = STALL_S + 5
+    c.conn.timeout_s = STALL_S + 5
     c.call(m.Settle(rid=0, registration=eng.reg.id, through_rid=pending.rid))
     assert time.monotonic() - sent_s > STALL_S - 0.5, "Settle waited for the stalled copy"
     for layer, was in enumerate(before):

@@ -114,11 +114,11 @@ def test_a_client_that_reconnects_after_a_timeout_keeps_its_registration(daemon)
     the client connects again at once, so the daemon does not reclaim a live engine."""
     with ke.Engine(_spec(daemon.endpoint, 4300)) as eng:
         c = eng.client
-        assert c.transport == "stream"
+        assert c.conn.transport == "stream"
         keys = eng.keys(ke.prompt_tokens(4300, 32))
         assert c.store(eng.reg, keys[:1], [[0]]).stored == 1
         assert c.lookup(keys, 16, pin_request="kept") == 1
-        c._reset(ErrorCode.TIMEOUT)  # what a timed-out wait does
+        c.conn._reset(ErrorCode.TIMEOUT)  # what a timed-out wait does
         time.sleep(1.0)  # well past the daemon's reclaim grace
         assert eng.reg.id in _engines(c)
         assert c.describe().pinned_requests == 1

@@ -65,7 +65,7 @@ def test_a_timeout_loses_every_outstanding_request(daemon):
         assert exc.value.code == ErrorCode.TIMEOUT and "lost" in str(exc.value)
         # the client works again (whether the two stores reached the daemon before the socket
         # was dropped is not defined)
-        assert client.ping() == client.boot_id
+        assert client.ping() == client.conn.boot_id
         assert client.store(reg, reg.keys(list(range(CHUNK, 2 * CHUNK))), [[2, 3]]).stored == 1
 
 
@@ -120,12 +120,12 @@ def test_a_staging_region_lost_in_a_timeout_is_settled_by_a_drain(daemon):
         reg = _register(client, cache)
         staged = dataclasses.replace(reg, staging=types.SimpleNamespace(ring=StagingRing(4096)))
         ring = staged.staging.ring
-        region = ring.alloc(256, client)
+        region = ring.alloc(256, client.conn)
         rid = client.submit(m.Ping(rid=0))  # stands in for the staged store
-        pending = PendingStore(client, rid, region, 1, None, staged)
-        client._reset(ErrorCode.TIMEOUT)  # its reply is lost with the connection
+        pending = PendingStore(client.conn, rid, region, 1, None, staged)
+        client.conn._reset(ErrorCode.TIMEOUT)  # its reply is lost with the connection
         _freed_by_a_drain(region)
-        assert ring.drained_through == region.seq and client.drains_answered == 1
+        assert ring.drained_through == region.seq and client.conn.drains_answered == 1
         with pytest.raises(KVDepotError) as e:
             pending.result()
         assert e.value.code == ErrorCode.TIMEOUT
@@ -149,15 +149,15 @@ def test_a_retrieve_lost_in_the_loads_ring_is_settled_by_a_drain_of_the_shared_n
         loads = StagingRing(4096, base=4096, shares=stores)
         staged = dataclasses.replace(reg, staging=types.SimpleNamespace(ring=stores, load_ring=loads,
                                                                         rings=[stores, loads]))
-        stores.alloc(256, client).release()  # number 1, in the store ring
-        region = loads.alloc(256, client)  # number 2, in the loads' ring
+        stores.alloc(256, client.conn).release()  # number 1, in the store ring
+        region = loads.alloc(256, client.conn)  # number 2, in the loads' ring
         assert (region.seq, region.offset) == (2, 4096)
         rid = client.submit(m.Ping(rid=0))  # stands in for the staged retrieve
-        pending = PendingRetrieve(client, rid)
+        pending = PendingRetrieve(client.conn, rid)
         pending._staged(staged, region, [[0]], 1, 0)
-        client._reset(ErrorCode.TIMEOUT)  # its reply is lost with the connection
+        client.conn._reset(ErrorCode.TIMEOUT)  # its reply is lost with the connection
         _freed_by_a_drain(region)
-        assert stores.drained_through == loads.drained_through == 2 and client.drains_answered == 1
+        assert stores.drained_through == loads.drained_through == 2 and client.conn.drains_answered == 1
         with pytest.raises(KVDepotError) as e:
             pending.result()
         assert e.value.code == ErrorCode.TIMEOUT

@@ -57,13 +57,13 @@ def test_clients_use_the_stream_socket(module_daemon):
     path = stream_path(module_daemon.endpoint)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, "only the daemon's user may connect"
     with KVDepotClient(module_daemon.endpoint) as c:
-        assert c.transport == "stream"
+        assert c.conn.transport == "stream"
         boot = c.ping()
         # requests still go over ZMQ when asked (or when no stream socket exists)
     os.environ[ENV_TRANSPORT] = "zmq"
     try:
         with KVDepotClient(module_daemon.endpoint) as z:
-            assert z.transport == "zmq" and z.ping() == boot
+            assert z.conn.transport == "zmq" and z.ping() == boot
     finally:
         del os.environ[ENV_TRANSPORT]
 
@@ -132,14 +132,14 @@ def test_client_reconnects_to_a_restarted_daemon(tmp_path):
     try:
         c = KVDepotClient(d.endpoint, timeout_s=10)
         boot1 = c.ping()
-        assert c.transport == "stream"
+        assert c.conn.transport == "stream"
     finally:
         d.stop()
     d = start_daemon(tmp_path / "d")  # same endpoint, new boot
     try:
         # the first send notices the closed connection and goes out on a new one
         boot2 = c.ping()
-        assert boot2 != boot1 and c.transport == "stream"
+        assert boot2 != boot1 and c.conn.transport == "stream"
         c.close()
     finally:
         d.stop()
@@ -172,7 +172,7 @@ def test_connection_closed_during_a_wait_is_a_typed_error(tmp_path):
     t.start()
     try:
         c = KVDepotClient(f"ipc://{path}", timeout_s=30)
-        assert c.transport == "stream"
+        assert c.conn.transport == "stream"
         t0 = time.monotonic()
         with pytest.raises(KVDepotError) as ei:
             c.ping()
@@ -237,24 +237,24 @@ def test_a_poll_waiting_for_a_reply_returns_when_its_wake_fd_is_signalled(daemon
         monkeypatch.setenv(ENV_TRANSPORT, "zmq")
     wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
     with KVDepotClient(daemon.endpoint) as c:
-        assert c.transport == transport
+        assert c.conn.transport == transport
         c.ping()
         os.kill(daemon.proc.pid, signal.SIGSTOP)
         try:
             rid = c.submit(m.Ping(rid=0))
             t0 = time.monotonic()
             c.poll(0.05, wake)  # nothing signals it: the whole timeout
-            assert time.monotonic() - t0 >= 0.05 and c.awaiting_replies
+            assert time.monotonic() - t0 >= 0.05 and c.conn.awaiting_replies
             threading.Timer(0.1, os.eventfd_write, (wake, 1)).start()
             t0 = time.monotonic()
             c.poll(30.0, wake)
             assert time.monotonic() - t0 < 20.0, "the signalled eventfd did not end the poll"
-            assert c.awaiting_replies and not c.done(rid)
+            assert c.conn.awaiting_replies and not c.done(rid)
             assert os.eventfd_read(wake) == 1  # left for its owner to read
         finally:
             os.kill(daemon.proc.pid, signal.SIGCONT)
         c.poll(10.0, wake)  # the reply ends this wait, and is read by it
-        assert c.done(rid) and not c.awaiting_replies
+        assert c.done(rid) and not c.conn.awaiting_replies
         assert isinstance(c.wait(rid, timeout_s=1), m.Pong)
     os.close(wake)
 
@@ -264,7 +264,7 @@ def test_an_idle_poll_reads_replies_nobody_waits_for_in_its_rhythm(module_daemon
     ``_IDLE_LOOK_S`` (each look is a system call in an engine's step), unless ``_UNREAD_KEPT``
     replies nobody waits for (`forget`: a scheduler's EndRequests) are due; a reply someone
     waits for is read by the next poll, rhythm or not."""
-    import kvdepot.client.client as client_mod
+    import kvdepot.client.connection as client_mod
 
     monkeypatch.setattr(client_mod, "_IDLE_LOOK_S", 3600.0)
     monkeypatch.setattr(client_mod, "_UNREAD_KEPT", 4)
@@ -278,14 +278,14 @@ def test_an_idle_poll_reads_replies_nobody_waits_for_in_its_rhythm(module_daemon
         c.ping()
         forgotten(c, 2)
         c.poll()  # the first look (none before): both read
-        read = c.replies_read
-        assert not c.awaiting_replies
+        read = c.conn.replies_read
+        assert not c.conn.awaiting_replies
         forgotten(c, 3)
         c.poll()
-        assert c.replies_read == read, "an idle poll within the rhythm made a system call"
+        assert c.conn.replies_read == read, "an idle poll within the rhythm made a system call"
         forgotten(c, 1)  # 4 due now
         c.poll()
-        assert c.replies_read == read + 4 and not c.awaiting_replies
+        assert c.conn.replies_read == read + 4 and not c.conn.awaiting_replies
         rid = c.submit(m.Ping(rid=0))  # awaited: read by the next poll
         time.sleep(0.5)
         c.poll()
@@ -333,6 +333,6 @@ def test_on_reply_gets_each_reply_once_as_it_is_read_errors_and_losses_too(modul
         forgotten = c.submit(m.Ping(rid=0), got.append)
         c.forget(forgotten)
         lost = c.submit(m.Ping(rid=0), got.append)
-        c._reset(ErrorCode.DISCONNECTED, "the test closed the connection")
+        c.conn._reset(ErrorCode.DISCONNECTED, "the test closed the connection")
         c.poll(0.2)
         assert len(got) == 4 and got[3].rid == lost and got[3].code == ErrorCode.DISCONNECTED

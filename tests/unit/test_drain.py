@@ -24,7 +24,7 @@ def _daemon(tmp_path):
     d, reg, lay = bench._daemon_with_registration(KVGroupShape(0, 2, 1, 64, 16, torch.bfloat16), 64, 64 << 20,
                                                   str(tmp_path))
     replies: list = []
-    d._send = lambda identity, frame: replies.append(codec.decode_reply(frame))
+    d.front.send = lambda identity, frame: replies.append(codec.decode_reply(frame))
     return d, reg, lay, replies
 
 
@@ -34,12 +34,12 @@ def test_a_drain_waits_for_accepted_copies_and_refuses_late_requests(tmp_path):
     ids = [list(range(4))]
 
     def store(rid, seq, offset=0):
-        d._dispatch(b"e", codec.encode(m.Store(rid=rid, registration=reg.id, keys=[os.urandom(16)], block_ids=ids,
+        d.front._dispatch(b"e", codec.encode(m.Store(rid=rid, registration=reg.id, keys=[os.urandom(16)], block_ids=ids,
                                                staging_offset=offset, staging_seq=seq)))
 
     store(1, 3)  # accepted; its copy has not finished
     assert len(path.done) == 1 and replies == []
-    d._dispatch(b"e", codec.encode(m.Drain(rid=2, registration=reg.id, through_seq=5)))
+    d.front._dispatch(b"e", codec.encode(m.Drain(rid=2, registration=reg.id, through_seq=5)))
     assert replies == []  # held by the copy of region 3
     store(3, 4)  # a request of a drained region still on its way: refused, nothing copied
     assert len(path.done) == 1
@@ -49,7 +49,7 @@ def test_a_drain_waits_for_accepted_copies_and_refuses_late_requests(tmp_path):
     path.done.pop(0)(None)  # region 3's copies end: its store and the Drain are answered
     assert sorted((type(r).__name__, r.rid) for r in replies[-2:]) == [("OkReply", 2), ("StoreReply", 1)]
     n = len(replies)
-    d._dispatch(b"e", codec.encode(m.Drain(rid=5, registration=reg.id, through_seq=6)))
+    d.front._dispatch(b"e", codec.encode(m.Drain(rid=5, registration=reg.id, through_seq=6)))
     assert len(replies) == n  # held: region 6 is still copying
     path.done.pop(0)(RuntimeError("copy failed"))  # a failed copy ends the request too
     assert sorted((type(r).__name__, r.rid) for r in replies[-2:]) == [("ErrorReply", 4), ("OkReply", 5)]
@@ -58,7 +58,7 @@ def test_a_drain_waits_for_accepted_copies_and_refuses_late_requests(tmp_path):
 
 def test_a_drain_with_nothing_in_flight_is_answered_at_once(tmp_path):
     d, reg, _, replies = _daemon(tmp_path)
-    d._dispatch(b"e", codec.encode(m.Drain(rid=7, registration=reg.id, through_seq=1)))
+    d.front._dispatch(b"e", codec.encode(m.Drain(rid=7, registration=reg.id, through_seq=1)))
     assert isinstance(replies[-1], m.OkReply) and replies[-1].rid == 7
-    d._dispatch(b"e", codec.encode(m.Drain(rid=8, registration="nope", through_seq=1)))
+    d.front._dispatch(b"e", codec.encode(m.Drain(rid=8, registration="nope", through_seq=1)))
     assert replies[-1].code == ErrorCode.UNKNOWN_REGISTRATION

@@ -10,7 +10,7 @@ import pytest
 
 from kvdepot.client.staging import FENCE_ABANDONED_BIT, FenceWords
 from kvdepot.protocol import messages as m
-from kvdepot.server.transfers import _landed, _stored
+from kvdepot.server.checks import landed_word, stored_word
 
 
 def _words(n: int = 16) -> FenceWords:
@@ -75,13 +75,13 @@ def test_the_daemon_writes_a_word_only_for_what_it_can_encode():
         base.update(kw)
         return m.Retrieve(**base)
 
-    assert _landed(_Reg(), req(), 1) == (0x10000 + 2 * 8, m.landed_value(10, 1))
-    assert _landed(_Reg(), req(landed=False), 1) is None
-    assert _landed(_Reg(), req(staging_seq=0), 1) is None
-    assert _landed(_Reg(), req(staging_seq=m.LANDED_MAX_SEQ + 1), 1) is None
+    assert landed_word(_Reg(), req(), 1) == (0x10000 + 2 * 8, m.landed_value(10, 1))
+    assert landed_word(_Reg(), req(landed=False), 1) is None
+    assert landed_word(_Reg(), req(staging_seq=0), 1) is None
+    assert landed_word(_Reg(), req(staging_seq=m.LANDED_MAX_SEQ + 1), 1) is None
     unmapped = _Reg()
     unmapped.fence = type("F", (), {"dev_ptr": 0})()
-    assert _landed(unmapped, req(), 1) is None
+    assert landed_word(unmapped, req(), 1) is None
     assert m.Retrieve(rid=1, registration="r", keys=[b"k" * 16], block_ids=[[0]]).landed is False
 
 
@@ -105,16 +105,16 @@ def test_the_daemon_ends_a_store_in_its_word_only_when_every_chunk_is_copied():
         base.update(kw)
         return m.Store(**base)
 
-    assert _stored(_Reg(), req(), 2) == (0x10000 + 2 * 8, m.stored_value(10, 2))
-    assert _stored(_Reg(), req(), 1) is None  # one chunk present or skipped: the reply says which
-    assert _stored(_Reg(), req(landed=False), 2) is None
-    assert _stored(_Reg(), req(fence=11), 2) is None  # fenced under another number
-    assert _stored(_Reg(), req(fence=0), 2) is None  # gathered before the send: no word of its own
-    assert _stored(_Reg(), req(chains=[m.Chain(start=0, parent=b"")]), 2) is None
-    assert _stored(_Reg(), req(staging_seq=m.LANDED_MAX_SEQ + 1, fence=m.LANDED_MAX_SEQ + 1), 2) is None
+    assert stored_word(_Reg(), req(), 2) == (0x10000 + 2 * 8, m.stored_value(10, 2))
+    assert stored_word(_Reg(), req(), 1) is None  # one chunk present or skipped: the reply says which
+    assert stored_word(_Reg(), req(landed=False), 2) is None
+    assert stored_word(_Reg(), req(fence=11), 2) is None  # fenced under another number
+    assert stored_word(_Reg(), req(fence=0), 2) is None  # gathered before the send: no word of its own
+    assert stored_word(_Reg(), req(chains=[m.Chain(start=0, parent=b"")]), 2) is None
+    assert stored_word(_Reg(), req(staging_seq=m.LANDED_MAX_SEQ + 1, fence=m.LANDED_MAX_SEQ + 1), 2) is None
     unmapped = _Reg()
     unmapped.fence = type("F", (), {"dev_ptr": 0})()
-    assert _stored(unmapped, req(), 2) is None
+    assert stored_word(unmapped, req(), 2) is None
     assert m.Store(rid=1, registration="r", keys=[b"k" * 16], block_ids=[[0]]).landed is False
 
 
@@ -136,7 +136,7 @@ def test_a_client_waits_for_its_landed_stores_replies_before_its_next_lookup(mon
         def close(self, linger=0):
             pass
 
-    c._sock = Sock()
+    c.conn._sock = Sock()
     try:
         _confirm_flow(c, sent, replies, monkeypatch)
     finally:
@@ -144,20 +144,20 @@ def test_a_client_waits_for_its_landed_stores_replies_before_its_next_lookup(mon
 
 
 def _confirm_flow(c, sent, replies, monkeypatch) -> None:
-    c._outstanding.add(7)
-    c._unconfirmed.add(7)
-    c._unread = 1
+    c.conn._outstanding.add(7)
+    c.conn._unconfirmed.add(7)
+    c.conn._unread = 1
 
     def poll(timeout_s=0.0):  # the store's reply arrives
         replies.append(timeout_s)
-        c._on_reply(m.StoreReply(rid=7, stored=2, present=0, skipped=0))
+        c.conn._on_reply(m.StoreReply(rid=7, stored=2, present=0, skipped=0))
 
-    monkeypatch.setattr(c, "poll", poll)
+    monkeypatch.setattr(c.conn, "poll", poll)
     c.submit(m.Store(rid=0, registration="r", keys=[b"k" * 16], block_ids=[[0]]))  # stores do not wait
-    assert not replies and c._unconfirmed == {7}
+    assert not replies and c.conn._unconfirmed == {7}
     c.submit(m.Lookup(rid=0, keys=[[b"k" * 16]], chunk_size=16))
-    assert replies and not c._unconfirmed and 7 not in c._outstanding and 7 not in c._replies
-    c._unconfirmed.add(9)
-    c._outstanding.add(9)
-    c._reset()
-    assert not c._unconfirmed and 9 not in c._replies
+    assert replies and not c.conn._unconfirmed and 7 not in c.conn._outstanding and 7 not in c.conn._replies
+    c.conn._unconfirmed.add(9)
+    c.conn._outstanding.add(9)
+    c.conn._reset()
+    assert not c.conn._unconfirmed and 9 not in c.conn._replies

@@ -272,7 +272,7 @@ def _staged_client(gather_fails: bool):
 
     def submit(req):
         calls.append(("send", req.fence, req.staging_offset) if isinstance(req, m.Store) else ("other",))
-        c._outstanding.add(41)
+        c.conn._outstanding.add(41)
         return 41
 
     def gather(block_ids, num_chunks, offset, stream, fence_seq=None):
@@ -286,7 +286,7 @@ def _staged_client(gather_fails: bool):
     staging = types.SimpleNamespace(fence_active=True, landed_active=False, fence=fence, ring=ring, load_ring=ring,
                                     rings=[ring], gather=gather, device=None)
     reg = types.SimpleNamespace(staging=staging, object_bytes=1024, id="r1")
-    c.submit = submit
+    c.conn.submit = submit
     return c, reg, calls
 
 
@@ -322,7 +322,7 @@ def test_a_gather_that_fails_after_the_send_is_given_up_through_its_fence_word()
     (seq,) = [fence for op, fence, *_ in calls if op == "send"]
     fence = reg.staging.fence
     assert fence._view[seq % fence.words] == seq | FENCE_ABANDONED_BIT and fence.holds(seq)
-    assert 41 not in c._outstanding  # a late (error) reply is dropped
+    assert 41 not in c.conn._outstanding  # a late (error) reply is dropped
     assert reg.staging.ring.alloc(4096, wait=False) is not None  # nothing of the ring stays taken
     assert not fence.holds(seq + 1)
 
@@ -399,14 +399,14 @@ def test_a_staged_retrieve_with_fence_words_frees_its_region_by_its_word_not_an_
     made = []
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: made.append(1))  # none may be made
     try:
-        c.submit = lambda req: (c._outstanding.add(7), 7)[1]
-        c.wait = lambda rid, timeout_s=None, spin_from=0.0: m.RetrieveReply(rid=rid, retrieved=2)
+        c.conn.submit = lambda req: (c.conn._outstanding.add(7), 7)[1]
+        c.conn.wait = lambda rid, timeout_s=None, spin_from=0.0: m.RetrieveReply(rid=rid, retrieved=2)
         pend = c.submit_retrieve(reg, [b"k" * 16, b"j" * 16], [[1, 2]])
         region = reg.staging.ring.live[-1]
         stream = object()
         assert pend.result(before=stream) == 2
         assert scatters == [(region.offset, 2, stream, region.seq)] and made == []
-        assert c.last_scatter.stream is stream
+        assert c.conn.last_scatter.stream is stream
         fence = reg.staging.fence
         assert region.fenced and not region.is_free()
         reg.staging.ring.reset(fence)

@@ -97,3 +97,87 @@ def test_no_module_over_600_lines():
     long = [f"{p.relative_to(ROOT)} ({n} lines)" for p in sorted((ROOT / "kvdepot").rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > 600]
     assert not long, long
+
+
+def _walk_own(cls):
+    """The nodes of class ``cls``, without those of classes nested in it (their own ``self``)."""
+    import ast
+
+    todo = list(ast.iter_child_nodes(cls))
+    while todo:
+        node = todo.pop()
+        yield node
+        todo.extend(n for n in ast.iter_child_nodes(node) if not isinstance(n, ast.ClassDef))
+
+
+def _self_attributes(root: pathlib.Path):
+    """Per class of the package: (module path, class name, base names, attributes it defines,
+    attributes it reads through ``self``, with a line of each). Defined: methods, class-level
+    names and annotations, ``__slots__`` entries and every ``self.x = ...`` in its methods."""
+    import ast
+
+    classes = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            defined, reads = set(), {}
+            for node in cls.body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    defined.add(node.name)
+                elif isinstance(node, ast.Assign):
+                    for t in node.targets:
+                        if isinstance(t, ast.Name):
+                            defined.add(t.id)
+                            if t.id == "__slots__" and isinstance(node.value, (ast.Tuple, ast.List)):
+                                defined.update(e.value for e in node.value.elts if isinstance(e, ast.Constant))
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    defined.add(node.target.id)
+            for node in _walk_own(cls):
+                if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                        and node.value.id == "self"):
+                    if isinstance(node.ctx, ast.Store):
+                        defined.add(node.attr)
+                    else:
+                        reads.setdefault(node.attr, node.lineno)
+            bases = [b.id if isinstance(b, ast.Name) else ast.unparse(b) for b in cls.bases]
+            classes.append((path.relative_to(ROOT), cls.name, bases, defined, reads))
+    return classes
+
+
+def test_no_class_reads_state_it_does_not_define():
+    """Composition, not mixins: every ``self.x`` a class of the package reads is defined by the
+    class itself (or by a base class of the package that it names), so no class relies on
+    attributes another class sets on a shared ``self``. Classes built on another library's
+    class (vLLM's connector bases, msgspec structs, ...) inherit what that library defines and
+    are left out."""
+    classes = _self_attributes(ROOT / "kvdepot")
+    by_name = {}
+    for path, name, bases, defined, reads in classes:
+        by_name.setdefault(name, []).append((bases, defined))
+    plain = {"object", "Exception", "Protocol", "NamedTuple", "Generic"}
+
+    def inherited(bases, seen=()):
+        out = set()
+        for b in bases:
+            if b in plain:
+                continue
+            if b not in by_name or len(by_name[b]) != 1 or b in seen:
+                return None  # another library's class (or a name used twice): not checked
+            b_bases, b_defined = by_name[b][0]
+            up = inherited(b_bases, seen + (b,))
+            if up is None:
+                return None
+            out |= b_defined | up
+        return out
+
+    problems = []
+    for path, name, bases, defined, reads in classes:
+        if any(b not in plain and b not in by_name for b in bases) or any("." in b for b in bases):
+            continue
+        up = inherited(bases)
+        if up is None:
+            continue
+        for attr, line in sorted(reads.items()):
+            if attr not in defined and attr not in up and not attr.startswith("__"):
+                problems.append(f"{path}:{line}: {name} reads self.{attr}, which it does not define")
+    assert not problems, "\n".join(problems)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kvdepot.client.client import timer_slack_s
+from kvdepot.client.connection import timer_slack_s
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_TIMERSLACK) is Linux")
 

@@ -1,6 +1,6 @@
 """Sliding-window models on CUDA with fence words: the engine thread gathers a step's stores
-itself in ``wait_for_save``, on its own stream (`JobPieces.stage_saves`), so no later forward
-waits for the transfer thread; the thread only sends them (`JobPieces._send_staged`). Driven
+itself in ``wait_for_save``, on its own stream (`Sender.stage_saves`), so no later forward
+waits for the transfer thread; the thread only sends them (`Sender.send_staged`). Driven
 here with a stand-in client (the gathers need a GPU: tests/gpu/test_vllm_gpu.py runs the real
 ones); what is checked is the bookkeeping: pieces, parents, skipped and given-up regions."""
 
@@ -96,7 +96,7 @@ def test_staged_pieces_gather_on_the_given_stream_and_go_out_with_their_parents(
     mv, client, side = _thread()
     stream = object()
     jobs = [_job("a", 6, 0, parent=b"p" * 16), _job("b", 2, 100)]
-    staged = mv.stage_saves(jobs, stream)
+    staged = mv.sender.stage_saves(jobs, stream)
     assert staged is not None
     # a: pieces of 4 + 2 chunks (a quarter of the ring each at most), gathered by one call into
     # regions end to end; b: one piece
@@ -105,63 +105,63 @@ def test_staged_pieces_gather_on_the_given_stream_and_go_out_with_their_parents(
     a1, a2 = staged.per_job[0][0].region, staged.per_job[0][1].region
     assert (a2.offset, a2.seq) == (a1.offset + a1.size_bytes, a1.seq + 1)
     assert staged.per_job[0][1].block_ids == [list(range(16, 24)), list(range(1016, 1024))]
-    mv._send_staged(jobs, staged)
+    mv.sender.send_staged(jobs, staged)
     mask = shard_mask(b"s" * 16, "tp0of1")
     keys_a = shard_keys(jobs[0].chain, [mask])[0]
     parent_a = shard_keys([b"p" * 16], [mask])[0][0]
     assert [(s["request"], s["keys"], s["parent"]) for s in client.sent[:2]] == [
         ("a", keys_a[:4], parent_a), ("a", keys_a[4:], keys_a[3])]
-    assert client.sent[2]["parent"] == b"" and len(mv._ops) == 3
+    assert client.sent[2]["parent"] == b"" and len(mv.book.ops) == 3
     assert [s["staged"] for s in client.sent] == list(client.ring.live)
 
 
 def test_a_piece_without_ring_room_skips_the_rest_of_its_request():
     mv, client, side = _thread(ring_objects=9)  # pieces of 2 chunks; room for 9 chunks
     jobs = [_job("a", 6, 0), _job("b", 5, 100)]
-    staged = mv.stage_saves(jobs, object())
+    staged = mv.sender.stage_saves(jobs, object())
     # b's second piece found no room: its third (1 chunk, it would fit) is not gathered
     assert [len(p) for p in staged.per_job] == [3, 2]
     assert staged.per_job[1][1].region is None
-    mv._send_staged(jobs, staged)
+    mv.sender.send_staged(jobs, staged)
     assert [s["request"] for s in client.sent] == ["a", "a", "a", "b"]
-    assert side.stats["stores_skipped_ring_full"] == 1 and "b" in mv._stopped
+    assert side.stats["stores_skipped_ring_full"] == 1 and "b" in mv.book.stopped
 
 
 def test_regions_of_a_restarted_daemon_or_a_stopped_request_are_given_up_not_sent():
     mv, client, side = _thread()
     jobs = [_job("a", 2, 0), _job("b", 2, 100)]
-    staged = mv.stage_saves(jobs, object())
+    staged = mv.sender.stage_saves(jobs, object())
     client.generation = 1  # the daemon restarted between the gather and the send
-    mv._send_staged(jobs, staged)
+    mv.sender.send_staged(jobs, staged)
     assert not client.sent and len(client.abandoned) == 2 and side.stats["store_failures"] == 2
-    mv._stopped.add("c")
-    staged = mv.stage_saves([_job("c", 2, 0)], object())
+    mv.book.stopped.add("c")
+    staged = mv.sender.stage_saves([_job("c", 2, 0)], object())
     assert staged is None  # the registration is not the live daemon's: the thread's way
     side.reg_generation = 1
     # the transfer thread's gather skips what it stopped (its earlier chunks were skipped)
-    staged = mv.stage_saves([_job("c", 2, 0)], object(), mv._stopped)
+    staged = mv.sender.stage_saves([_job("c", 2, 0)], object(), mv.book.stopped)
     assert staged.per_job == [None]
     # the engine thread's reads none of the thread's state: it gathers, the send gives it up
-    staged = mv.stage_saves([_job("c", 2, 0)], object())
+    staged = mv.sender.stage_saves([_job("c", 2, 0)], object())
     assert len(staged.per_job[0]) == 1 and staged.per_job[0][0].region is not None
-    mv._send_staged([_job("c", 2, 0)], staged)
+    mv.sender.send_staged([_job("c", 2, 0)], staged)
     assert not client.sent and len(client.abandoned) == 3
 
 
 def test_a_refused_send_gives_up_its_region_and_stops_the_request():
     mv, client, side = _thread()
     jobs = [_job("a", 6, 0)]
-    staged = mv.stage_saves(jobs, object())
+    staged = mv.sender.stage_saves(jobs, object())
     client.refuse = True
-    mv._send_staged(jobs, staged)
-    assert len(client.abandoned) == 2 and not client.sent and "a" in mv._stopped
+    mv.sender.send_staged(jobs, staged)
+    assert len(client.abandoned) == 2 and not client.sent and "a" in mv.book.stopped
     assert side.stats["store_failures"] == 2
 
 
 def test_without_fence_words_the_thread_gathers_and_the_forward_may_wait():
     mv, client, side = _thread()
     side.kvreg.staging.fence_active = False
-    assert mv.stage_saves([_job("a", 2, 0)], object()) is None
+    assert mv.sender.stage_saves([_job("a", 2, 0)], object()) is None
 
 
 def _sliding_worker(mover):
@@ -183,7 +183,8 @@ def _sliding_worker(mover):
 def test_wait_for_save_of_a_sliding_window_model_posts_its_stream_and_gathers_nothing_itself():
     posted = []
     w, stream = _sliding_worker(types.SimpleNamespace(
-        started=True, post=posted.append, stage_saves=lambda jobs, s: pytest.fail("gathered on the engine thread")))
+        started=True, post=posted.append,
+        sender=types.SimpleNamespace(stage_saves=lambda jobs, s: pytest.fail("gathered on the engine thread"))))
     w._engine_event = lambda: pytest.fail("an event was made on the engine thread")
     jobs = [_job("a", 2, 0)]
     w._meta = KVDepotMetadata(stores=jobs)
@@ -199,14 +200,14 @@ def test_wait_for_save_gathers_on_the_engine_thread_after_bind_had_to():
     the engine thread gathers in wait_for_save; without fence words the thread gathers after
     its event."""
     posted = []
-    w, stream = _sliding_worker(types.SimpleNamespace(started=True, post=posted.append,
-                                                      stage_saves=lambda jobs, s: ("staged", jobs, s)))
+    w, stream = _sliding_worker(types.SimpleNamespace(
+        started=True, post=posted.append, sender=types.SimpleNamespace(stage_saves=lambda jobs, s: ("staged", jobs, s))))
     w._gather_in_wait = 2
     jobs = [_job("a", 2, 0)]
     w._meta = KVDepotMetadata(stores=jobs)
     w.wait_for_save()
     assert posted == [cmds.SaveStaged(jobs, None, ("staged", jobs, stream))] and w._sliding_saves == []
-    w.mover.stage_saves = lambda jobs, s: None  # no fence words: the thread's way, bind checks it
+    w.mover.sender.stage_saves = lambda jobs, s: None  # no fence words: the thread's way, bind checks it
     w._engine_event = lambda: "event"
     w.wait_for_save()
     assert posted[-1] == cmds.SaveAfterEvent(jobs, None, "event") and [s.seq for s in w._sliding_saves] == [2]
@@ -328,8 +329,8 @@ def test_without_fence_words_a_posted_save_is_gathered_on_the_side_stream_after_
     side.kvreg.staging.fence_active = False
     w, stream = _sliding_worker(mv)
     saved = []
-    mv._save = lambda jobs, event: saved.append(event)
-    mv._await_unstaged = lambda ops: None
+    mv.sender.save = lambda jobs, event: saved.append(event)
+    mv.sender.await_unstaged = lambda ops: None
     inbox = []
     mv.post = inbox.append
     w._meta = KVDepotMetadata(stores=[_job("a", 2, 0)])
@@ -396,7 +397,8 @@ def test_a_wait_for_save_that_raises_before_posting_leaves_the_releases_to_get_t
     w = object.__new__(WorkerSide)
     posted = []
     w.mover = types.SimpleNamespace(started=True, post=posted.append, merge_rest=lambda out: out,
-                                    stage_saves=lambda jobs, s: pytest.fail("dense models never stage here"))
+                                    sender=types.SimpleNamespace(
+                                        stage_saves=lambda jobs, s: pytest.fail("dense models never stage here")))
     w._post_quiet = posted.append  # (saves and releases: `TransferThread.post_quiet`)
     w.stores_may_wait, w.reg, w._cuda, w._active = True, types.SimpleNamespace(device="cuda"), True, True
     w._saves_posted, w._sliding_saves, w._released, w._invalid_blocks = 0, [], None, set()
@@ -433,18 +435,18 @@ def test_one_piece_stores_of_several_requests_share_one_gather_and_one_request()
     a run per request; a store of several pieces keeps its own."""
     mv, client, side = _thread(chains=True)
     jobs = [_job("a", 1, 0, parent=b"p" * 16), _job("big", 6, 40), _job("b", 2, 100), _job("c", 1, 200)]
-    staged = mv.stage_saves(jobs, object())
+    staged = mv.sender.stage_saves(jobs, object())
     # one gather for a, b and c (4 chunks: a piece), then one for big's two pieces
     assert [n for _, n, _ in client.staged] == [4, 6] and client.runs == [[4, 2]]
     assert client.staged[0][0][0] == list(range(0, 4)) + list(range(100, 108)) + list(range(200, 204))
-    mv._send_staged(jobs, staged)
+    mv.sender.send_staged(jobs, staged)
     together = client.sent[0]
     mask = shard_mask(b"s" * 16, "tp0of1")
     assert [it.keys for it in together["items"]] == [shard_keys(j.chain, [mask])[0] for j in (jobs[0], jobs[2], jobs[3])]
     assert together["items"][0].parent == shard_keys([b"p" * 16], [mask])[0][0]
     assert [it.parent for it in together["items"][1:]] == [b"", b""]
     assert [s.get("request") for s in client.sent[1:]] == ["big", "big"]
-    assert sorted((op.piece.req_id, op.run) for op in mv._ops) == [("a", 0), ("b", 1), ("big", -1), ("big", -1),
+    assert sorted((op.piece.req_id, op.run) for op in mv.book.ops) == [("a", 0), ("b", 1), ("big", -1), ("big", -1),
                                                                    ("c", 2)]
 
 
@@ -456,14 +458,14 @@ def test_a_job_of_several_pieces_is_gathered_by_one_call_wherever_its_pieces_fit
     first = client.ring.alloc(4 * OBJECT_BYTES, object())  # [0, 4)
     client.ring.alloc(5 * OBJECT_BYTES, object())  # [4, 9)
     first.release()  # free: [9, 12) and [0, 4)
-    staged = mv.stage_saves([_job("a", 6, 0)], object())
+    staged = mv.sender.stage_saves([_job("a", 6, 0)], object())
     assert client.runs == [[3, 3]] and [p.region.offset for p in staged.per_job[0]] == [9 * OBJECT_BYTES, 0]
 
     mv, client, side = _thread(ring_objects=12)
     held = client.ring.alloc(4 * OBJECT_BYTES, object())  # [0, 4)
     client.ring.alloc(6 * OBJECT_BYTES, object())  # [4, 10)
     held.release()  # free: [10, 12) and [0, 4): the 3 + 2 chunks of b do not both fit
-    staged = mv.stage_saves([_job("b", 5, 0)], object())
+    staged = mv.sender.stage_saves([_job("b", 5, 0)], object())
     assert client.runs == [] and [n for _, n, _ in client.staged] == [3]  # the first piece alone fits
     assert staged.per_job[0][1].region is None  # the second found no room: the rest of b is skipped
 
@@ -486,7 +488,7 @@ def test_get_transfer_results_returns_what_the_thread_published_merged_and_nothi
     t._release = {"r1"}
     t._publish()
     t._release = {"r2"}
-    t._loads.recving = {"r9"}  # a load that ended
+    t.book.loads.recving = {"r9"}  # a load that ended
     t._publish()
     assert len(t.outbox) == 2
     got = w.get_transfer_results()

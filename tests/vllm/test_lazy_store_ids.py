@@ -49,17 +49,17 @@ def test_the_transfer_thread_skips_a_lazy_job_with_the_null_block_and_the_reques
                                  stores_skip_when_full=False,
                                  groups=[TransferGroup(0, 0, 16, ("l0",), False)], stats=collections.Counter())
     mv = TransferThread(side)
-    mv._pump = lambda **kw: None  # queued only: what matters is what would be sent
-    mv._piece_chunks = lambda kind="store": 16
+    mv.sender.pump = lambda **kw: None  # queued only: what matters is what would be sent
+    mv.planner.piece_chunks = lambda kind="store": 16
     try:
         good = _job("good", list(range(100, 116)), 0, 4)
         bad = _job("bad", [200, 201, 202, 203, 0, 205, 206, 207], 0, 2)
         later = _job("bad", list(range(200, 216)), 2, 4)  # the same request's next chunks, no null among them
-        mv._save([good, bad, later], None)
-        assert [p.req_id for p in mv._queue] == ["good"]
-        assert mv._queue[0].block_ids == [list(range(100, 116))]
-        assert side.stats["store_failures"] == 2 and "bad" in mv._stopped
-        assert all(0 not in ids for p in mv._queue for ids in p.block_ids)
+        mv.sender.save([good, bad, later], None)
+        assert [p.req_id for p in mv.book.queue] == ["good"]
+        assert mv.book.queue[0].block_ids == [list(range(100, 116))]
+        assert side.stats["store_failures"] == 2 and "bad" in mv.book.stopped
+        assert all(0 not in ids for p in mv.book.queue for ids in p.block_ids)
     finally:
         mv._wake.close()
 

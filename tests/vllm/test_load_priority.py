@@ -39,16 +39,16 @@ def test_loads_go_ahead_of_queued_stores_in_their_own_order():
     mv = _thread()
     try:
         stores = [Piece(f"s{i}", "store", [bytes([i]) * 16], [[1, 2, 3, 4]]) for i in range(3)]
-        mv._queue = collections.deque(stores)
-        mv._load(_job("a", 2), True, 0, None)
-        mv._load(_job("b", 1), True, 0, None)
-        order = [(p.kind, p.req_id) for p in mv._queue]
+        mv.book.queue = collections.deque(stores)
+        mv.sender.load(_job("a", 2), True, 0, None)
+        mv.sender.load(_job("b", 1), True, 0, None)
+        order = [(p.kind, p.req_id) for p in mv.book.queue]
         assert order == [("load", "a"), ("load", "b"), ("store", "s0"), ("store", "s1"), ("store", "s2")]
         # the load's pieces are whole: keys and block ids of its chunks
-        assert len(mv._queue[0].keys) == 2 and mv._queue[0].block_ids == [list(range(1, 9))]
-        mv._queue.clear()
-        mv._load(_job("c", 1), True, 0, None)  # an empty queue: just queued
-        assert [p.req_id for p in mv._queue] == ["c"]
+        assert len(mv.book.queue[0].keys) == 2 and mv.book.queue[0].block_ids == [list(range(1, 9))]
+        mv.book.queue.clear()
+        mv.sender.load(_job("c", 1), True, 0, None)  # an empty queue: just queued
+        assert [p.req_id for p in mv.book.queue] == ["c"]
     finally:
         mv._wake.close()
 
@@ -93,34 +93,34 @@ def test_with_a_load_ring_of_their_own_a_waiting_load_holds_back_no_store_nor_a_
                                     rings=[ring, load_ring] if own_load_ring else [ring])
     mv = _thread()
     client = _RingClient(staging)
-    mv.client = mv.side.client = client
+    mv.client = mv.side.client = mv.sender.client = client
     mv.side.kvreg = types.SimpleNamespace(staging=staging, object_bytes=256, chains=False)
     mv.side.reg_generation, mv.side.stores_skip_when_full = 0, False
     mv.side.cfg.rpc_timeout_s = mv.side.cfg.hold_max_s = 60.0
     try:
         held = load_ring.alloc(2 * 256 if own_load_ring else 3 * 256)  # the loads' room is taken
-        mv._queue = collections.deque([Piece("hit", "load", [b"k" * 16] * 2, [[1]], queued_at=1e18)]
+        mv.book.queue = collections.deque([Piece("hit", "load", [b"k" * 16] * 2, [[1]], queued_at=1e18)]
                                       + [Piece(f"s{i}", "store", [bytes([i]) * 16], [[1]], queued_at=1e18)
                                          for i in range(3)])
-        mv._pump()
+        mv.sender.pump()
         if own_load_ring:
             assert client.sent == [("store", "s0"), ("store", "s1"), ("store", "s2")]
-            assert [p.req_id for p in mv._queue] == ["hit"]
+            assert [p.req_id for p in mv.book.queue] == ["hit"]
         else:
-            assert client.sent == [] and len(mv._queue) == 4
+            assert client.sent == [] and len(mv.book.queue) == 4
         held.is_free = lambda: True
-        mv._pump()
+        mv.sender.pump()
         assert ("load", "hit") in client.sent
         if own_load_ring:
             # the store ring full (3 of its 4 regions taken, t0 takes the last, t1 waits): a load still goes
             more = [Piece(f"t{i}", "store", [bytes([i]) * 16] * (i + 1), [[1]], queued_at=1e18) for i in range(2)]
-            mv._queue.extend(more)
-            mv._pump()
-            assert [p.req_id for p in mv._queue] == ["t1"]
+            mv.book.queue.extend(more)
+            mv.sender.pump()
+            assert [p.req_id for p in mv.book.queue] == ["t1"]
             for r in load_ring.live:
                 r.is_free = lambda: True
-            mv._queue.appendleft(Piece("hit2", "load", [b"k" * 16], [[1]], queued_at=1e18))
-            mv._pump()
-            assert client.sent[-1] == ("load", "hit2") and [p.req_id for p in mv._queue] == ["t1"]
+            mv.book.queue.appendleft(Piece("hit2", "load", [b"k" * 16], [[1]], queued_at=1e18))
+            mv.sender.pump()
+            assert client.sent[-1] == ("load", "hit2") and [p.req_id for p in mv.book.queue] == ["t1"]
     finally:
         mv._wake.close()

@@ -201,10 +201,10 @@ def test_cpu_sliding_window_save_counts_as_gathered_only_once_the_daemon_copied_
         handle, checked = mv._handle, []
 
         def spy(cmd):
-            before = {id(op) for op in mv._ops}
+            before = {id(op) for op in mv.book.ops}
             handle(cmd)
             if isinstance(cmd, cmds.Save):
-                new = [op for op in mv._ops if id(op) not in before and op.piece.kind == "store"]
+                new = [op for op in mv.book.ops if id(op) not in before and op.piece.kind == "store"]
                 checked.append(all(op.pending.done() for op in new))
 
         mv._handle = spy

@@ -65,6 +65,7 @@ class _Client:
 
     def __init__(self) -> None:
         self.polls = 0
+        self.conn = self  # (the connection's state and calls are the client's here)
 
     def poll(self, timeout_s: float = 0.0, wake_fd: int | None = None) -> None:
         self.polls += 1
@@ -75,7 +76,7 @@ def test_a_posted_load_ends_the_threads_wait_for_replies_a_save_does_not(monkeyp
     monkeypatch.setattr(mover_mod, "_REPLY_POLL_S", 30.0)
     side = types.SimpleNamespace(cfg=types.SimpleNamespace(), client=_Client(), stats={})
     mv = TransferThread(side)
-    mv._ops = [object()]  # a transfer in flight: `_wait` waits for its reply
+    mv.book.ops = [object()]  # a transfer in flight: `_wait` waits for its reply
     got = []
     waiter = threading.Thread(target=lambda: got.append(mv._wait()))
     try:

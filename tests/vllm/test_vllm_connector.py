@@ -305,13 +305,13 @@ def test_messages_on_the_wire_are_protocol_messages(shared_daemon, cfg, engines)
     a = engines(cfg(shared_daemon.endpoint))
     sent = []
     client = a.worker_conn.worker.client
-    orig = client.submit
+    orig = client.conn.submit
 
     def spy(req):
         sent.append(req)
         return orig(req)
 
-    client.submit = spy
+    client.conn.submit = spy
     a.add(H.tokens(17, 200), max_tokens=1)
     a.run()
     stores = [s for s in sent if isinstance(s, m.Store)]
@@ -380,7 +380,7 @@ def test_transfers_run_off_the_engine_thread_and_no_per_layer_calls(shared_daemo
     senders, per_layer = [], []
 
     def spy_on(engine):
-        client, conn = engine.worker_conn.worker.client, engine.worker_conn
+        client, conn = engine.worker_conn.worker.client.conn, engine.worker_conn
         submit, has = client.submit, conn.has_connector_metadata
 
         def spy(req):

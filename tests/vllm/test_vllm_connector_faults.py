@@ -130,7 +130,7 @@ def test_slow_daemon_load_times_out_and_blocks_wait_for_its_late_answer(daemon, 
     finally:
         daemon.resume()
     b.run()
-    assert not w.mover._ops
+    assert not w.mover.book.ops
     assert b.runs[rb].outputs == a.runs[ra].outputs
 
 
@@ -176,16 +176,16 @@ def test_blocks_of_requests_lost_with_a_connection_return_at_once(tmp_path, monk
         r = e.add(H.tokens(31, 200), max_tokens=1)
         for _ in range(500):
             e.step()
-            if w.mover._ops:
+            if w.mover.book.ops:
                 break
             time.sleep(0.002)
-        assert w.mover._ops, "a store is in flight"
+        assert w.mover.book.ops, "a store is in flight"
         t_loss = time.monotonic()
-        w.client._sock._sock.shutdown(socket.SHUT_RDWR)  # the connection breaks under it
+        w.client.conn._sock._sock.shutdown(socket.SHUT_RDWR)  # the connection breaks under it
         e.run(r, timeout_s=10)
         took_s = time.monotonic() - t_loss
         assert w.stats["late_ops"] >= 1, "the store was lost with the connection"
         assert took_s < 1.0, f"the request's blocks came back after {took_s:.2f} s"
-        assert not w.mover._ops
+        assert not w.mover.book.ops
     finally:
         d.close()

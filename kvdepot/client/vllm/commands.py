@@ -122,7 +122,7 @@ class SharedRegion:
 
 @dataclasses.dataclass(slots=True)
 class StagedSaves:
-    """What `JobPieces.stage_saves` gathered for a step's jobs, for `JobPieces.send_staged`.
+    """What `Sender.stage_saves` gathered for a step's jobs, for `Sender.send_staged`.
 
     ``generation`` / ``registration``: the client generation and registration it was gathered
     for (sent only if both still hold). ``per_job``: per job, in order, its pieces, an empty

@@ -16,7 +16,7 @@ the *side stream*; loads' scatters on a stream of their own were measured no fas
   pins they are the exception: a later forward that may write one of their blocks (the
   scheduler's ``written_block_ids``) must follow their gathers (`WorkerSide.bind`). CUDA: the
   save comes with the engine's stream (`PostedSave`), and this thread gathers it on that
-  stream when it takes it (`JobPieces.stage_saves`; every forward enqueued later follows),
+  stream when it takes it (`Sender.stage_saves`; every forward enqueued later follows),
   unless ``bind`` claimed it first and gathered it there; without fence words the gathers go
   on the side stream after an event recorded on the engine's stream at that point, and
   ``bind`` makes the engine's stream wait for them.
@@ -53,8 +53,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from kvdepot import trace
 from kvdepot.client.client import KVDepotClient
 from kvdepot.client.vllm import commands as cmds
-from kvdepot.client.vllm.jobs import DOWN, JobPieces
-from kvdepot.client.vllm.pieces import LoadOutcomes, Op, Piece, PinnedSaves, PostedSave, Preemption, Results, Wake
+from kvdepot.client.vllm.pieces import Book, LoadOutcomes, Op, PinnedSaves, PostedSave, Preemption, Results, Wake
+from kvdepot.client.vllm.planner import Planner
+from kvdepot.client.vllm.sender import DOWN, Sender
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
@@ -66,10 +67,12 @@ _IDLE_S = 0.05  # nothing in flight: wait this long for a command at a time
 _FULL_PASS_S = 0.01  # ops in flight: look at them at least this often (timeouts), replies or not
 
 
-class TransferThread(JobPieces):
+class TransferThread:
     """The transfers of one vLLM worker (stores, loads, registration with the daemon), run on
-    a thread of their own. The engine thread calls `post`, `preempt`, `saves_gathered` and
-    `merge_rest`; everything else runs on the thread.
+    a thread of their own. The engine thread calls `post`, `preempt`, `saves_gathered`,
+    `gathered`, `forget_gathered`, `merge_rest` and ``sender.stage_saves``; everything else
+    runs on the thread. It owns the ``book`` of pieces (`Book`), the ``planner`` and the
+    ``sender``, and reads the replies (`_collect`).
 
     Args:
         side: the `WorkerSide` (configuration, layout, stats, registration helpers).
@@ -80,10 +83,9 @@ class TransferThread(JobPieces):
         self.cfg = side.cfg
         self.client: KVDepotClient = side.client
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._queue: collections.deque[Piece] = collections.deque()  # waiting for ring room
-        self._ops: list[Op] = []
-        self._stopped: set[str] = set()  # requests whose later stores are skipped (a chunk was)
-        self._masks: dict[bytes, bytes] = {}  # request seed -> this shard's mask
+        self.book = Book(LoadOutcomes(side), side.stats)
+        self.planner = Planner(side)
+        self.sender = Sender(side, self.client, self.planner, self.book, self._collect)
         self._release: set[str] = set()  # finished requests vLLM keeps blocks for
         # to the engine thread without a lock (deque appends and pops are atomic): a lock the
         # engine thread blocked on would hand the GIL to this thread for a whole switch interval
@@ -98,7 +100,6 @@ class TransferThread(JobPieces):
         self._scattered = False  # a load's scatter was queued since the last publish
         self._thread: threading.Thread | None = None
         self._failed = False
-        self._loads = LoadOutcomes(side)  # loads that ended since the last publish
         self._pinned = PinnedSaves()  # pinned saves (`KVDepotMetadata.pin_seq`) not reported yet
         self._wake = Wake()  # a load, preemption or stop ends the thread's wait for replies
         # requests lost with a connection (`m.Settle`): the highest rid a Settle asked for, the
@@ -195,7 +196,7 @@ class TransferThread(JobPieces):
         if reg is not None and reg.device == "cuda":
             dev = reg.local[0].device if reg.local else torch.device("cuda")
             torch.cuda.set_device(dev)
-            self._side = torch.cuda.Stream(dev)
+            self._side = self.sender.stream = torch.cuda.Stream(dev)
             torch.cuda.set_stream(self._side)  # a ring reclaim's scatter goes there too
         t_cpu = time.thread_time()
         seen_replies = -1  # the client's replies_read at the last pass over the ops
@@ -213,16 +214,16 @@ class TransferThread(JobPieces):
                     self._handle(cmd)
                     cmd = self._next()
                 now_s = time.monotonic()
-                if self._queue or self._ops:
+                if self.book.queue or self.book.ops:
                     c = self.client
                     c.poll()
                     # a pass only when it can find something: a command or a reply came, the
                     # ring's oldest region freed (a load's scatter ran), or timeouts are due
-                    if (changed or c.replies_read != seen_replies or now_s - full_pass_s > _FULL_PASS_S
-                            or (self._queue and self._oldest_region_free())):
-                        seen_replies, full_pass_s = c.replies_read, now_s
+                    if (changed or c.conn.replies_read != seen_replies or now_s - full_pass_s > _FULL_PASS_S
+                            or (self.book.queue and self._oldest_region_free())):
+                        seen_replies, full_pass_s = c.conn.replies_read, now_s
                         self._collect()
-                        self._pump()
+                        self.sender.pump()
                         changed = True
                 elif not changed and now_s - full_pass_s > _IDLE_S:
                     full_pass_s = now_s
@@ -249,7 +250,7 @@ class TransferThread(JobPieces):
 
     def _wait(self):
         """The next command, or None once there may be transfer work to do."""
-        if not (self._queue or self._ops or self._pinned):
+        if not (self.book.queue or self.book.ops or self._pinned):
             try:
                 return self._inbox.get(timeout=_IDLE_S)
             except queue.Empty:
@@ -257,7 +258,7 @@ class TransferThread(JobPieces):
         cmd = self._next()
         if cmd is not None:
             return cmd
-        if self.client.awaiting_replies:
+        if self.client.conn.awaiting_replies:
             # returns at the first reply, or at a load, preemption or stop (`_put`), which
             # need not wait for a reply or the whole _REPLY_POLL_S
             wake = self._wake
@@ -290,9 +291,9 @@ class TransferThread(JobPieces):
             # then go together (`_batch`: several requests' small pieces in one request)
             jobs = cmd.jobs
             for i, job in enumerate(jobs):
-                self._load(job, ready, cmd.null_block_id, cmd.event)
+                self.sender.load(job, ready, cmd.null_block_id, cmd.event)
                 if i == 0 or i == len(jobs) - 1:
-                    self._pump()
+                    self.sender.pump()
         elif type(cmd) is cmds.Preempt:
             self._preempt(cmd.preemption)
 
@@ -310,22 +311,22 @@ class TransferThread(JobPieces):
             staged = cmd.staged
         seq = self._saves_gathered + 1
         if pin:  # every piece made for the save from here on keeps its pins (`PinnedSaves`)
-            had = self._live_piece_ids()
+            had = self.book.live_piece_ids()
         try:
             sliding = not self.side.stores_may_wait
             if type(cmd) is cmds.SavePosted:
                 staged, event = self._claim_save(cmd.posted, jobs)
             if staged is not None:
-                self._send_staged(jobs, staged)
+                self.sender.send_staged(jobs, staged)
             else:
-                before = {id(op) for op in self._ops} if sliding else None
-                self._save(jobs, event)
+                before = {id(op) for op in self.book.ops} if sliding else None
+                self.sender.save(jobs, event)
                 if sliding:
-                    self._await_unstaged([op for op in self._ops if id(op) not in before])
+                    self.sender.await_unstaged([op for op in self.book.ops if id(op) not in before])
         finally:  # counted even if it failed: the engine thread may wait for the count
             if pin:
-                self._pinned.add(pin, [op.piece for op in self._ops if id(op.piece) not in had]
-                                 + [p for p in self._queue if id(p) not in had])
+                self._pinned.add(pin, [op.piece for op in self.book.ops if id(op.piece) not in had]
+                                 + [p for p in self.book.queue if id(p) not in had])
             if not self.side.stores_may_wait and staged is None:  # only `bind` of those waits on it
                 ev = None
                 if self._side is not None:
@@ -346,7 +347,7 @@ class TransferThread(JobPieces):
         Returns (what was staged or None, the event the thread's own gathers follow or None)."""
         if posted.claim("thread", blocking=True):
             try:
-                staged = self.stage_saves(jobs, posted.stream, self._stopped)
+                staged = self.sender.stage_saves(jobs, posted.stream, self.book.stopped)
                 # no fence words now: gathered on the side stream after this point
                 return staged, (posted.event_here() if staged is None else None)
             finally:
@@ -358,11 +359,11 @@ class TransferThread(JobPieces):
     def _publish(self) -> None:
         sending = set()
         if self._release:
-            sending = {r for r in self._release if not self._busy(r)}
+            sending = {r for r in self._release if not self.book.busy(r)}
             self._release -= sending
-            self._stopped -= sending
-        ended = self._pinned.ended(self._live_piece_ids, self._side) if self._pinned else set()
-        lo = self._loads
+            self.book.stopped -= sending
+        ended = self._pinned.ended(self.book.live_piece_ids, self._side) if self._pinned else set()
+        lo = self.book.loads
         if not (sending or lo.recving or lo.failed_recving or lo.invalid_blocks or ended):
             return
         ev = None
@@ -385,11 +386,11 @@ class TransferThread(JobPieces):
                           exc_info=exc)
         self._failed = True
         self.side.disable(f"the transfer thread failed: {exc!r}")
-        for op in self._ops:
+        for op in self.book.ops:
             self._failed_op(op, None)
-        for p in self._queue:
-            self._drop(p, "the transfer thread failed")
-        self._ops, self._queue = [], collections.deque()
+        for p in self.book.queue:
+            self.book.drop(p, "the transfer thread failed")
+        self.book.ops, self.book.queue = [], collections.deque()
         self._pinned.abandon()
         try:
             self._publish()
@@ -400,7 +401,7 @@ class TransferThread(JobPieces):
         c, kvreg = self.client, self.side.kvreg
         if kvreg is not None and c.up:
             try:
-                for op in self._ops:  # the ring and the blocks must outlive the daemon's copies
+                for op in self.book.ops:  # the ring and the blocks must outlive the daemon's copies
                     op.pending.result(timeout_s=self.cfg.rpc_timeout_s)
                 c.unregister(kvreg)
             except KVDepotError:
@@ -414,7 +415,7 @@ class TransferThread(JobPieces):
         """Drop the queued stores of preempted requests; an unstaged store (the daemon reads the
         blocks itself) is waited for; ``p.event`` follows every gather queued so far."""
         try:
-            self._drop_preempted(p.req_ids)
+            self.sender.drop_preempted(p.req_ids)
         finally:  # the engine thread waits for done
             if self._side is not None:
                 p.event = torch.cuda.Event()
@@ -424,24 +425,16 @@ class TransferThread(JobPieces):
 
     # ------------------------------------------------------------------ sending and collecting
 
-    def _drop(self, p: Piece, why: str) -> None:
-        if p.kind == "store":
-            self.side.stats["store_failures"] += 1
-            self._stopped.add(p.req_id)
-            log.debug("kvdepot: store of request %s skipped: %s", p.req_id, why)
-        else:
-            self._loads.piece_ended(p, 0)
-
     def _collect(self) -> None:
         """End the ops whose answer is in (never waits); give up on those of a daemon that
         restarted or after ``hold_max_s``. A load's scatter is queued on the side stream."""
-        if not self._ops:
+        if not self.book.ops:
             return
         now = time.monotonic()
         c, side = self.client, self.side
         left = []
         lost_rid = 0  # the highest rid of the ops lost with a connection and not settled yet
-        for op in self._ops:
+        for op in self.book.ops:
             p = op.piece
             age_s = now - op.sent_at
             if op.pending.done():
@@ -453,13 +446,13 @@ class TransferThread(JobPieces):
                         side.stats["stores"] += 1
                         side.stats["stored_chunks"] += r.stored
                         if r.skipped:
-                            self._stopped.add(p.req_id)
+                            self.book.stopped.add(p.req_id)
                     else:
                         got = op.pending.result(before=self._side)
                         if op.run >= 0:
                             got = op.pending.chains_retrieved[op.run]
                         self._scattered = True
-                        self._loads.piece_ended(p, got)
+                        self.book.loads.piece_ended(p, got)
                 except KVDepotError as exc:
                     if (exc.code in (ErrorCode.TIMEOUT, ErrorCode.DISCONNECTED) and op.generation == c.generation
                             and age_s <= self.cfg.hold_max_s and not _blocks_free(op, now)
@@ -489,7 +482,7 @@ class TransferThread(JobPieces):
                             p.kind, p.req_id, self.cfg.rpc_timeout_s)
                 c.mark_down()
             left.append(op)
-        self._ops = left
+        self.book.ops = left
         if lost_rid > self._settle_asked and self._settle_rid is None:
             self._settle(lost_rid)
 
@@ -526,15 +519,9 @@ class TransferThread(JobPieces):
             log.warning("kvdepot: %s of request %s failed: %s", p.kind, p.req_id, exc)
         if p.kind == "store":
             self.side.stats["store_failures"] += 1
-            self._stopped.add(p.req_id)
+            self.book.stopped.add(p.req_id)
         else:
-            self._loads.piece_ended(p, 0)
-
-    def _live_piece_ids(self) -> set[int]:
-        return {id(op.piece) for op in self._ops} | {id(p) for p in self._queue}
-
-    def _busy(self, req_id: str) -> bool:
-        return any(op.piece.req_id == req_id for op in self._ops) or any(p.req_id == req_id for p in self._queue)
+            self.book.loads.piece_ended(p, 0)
 
 
 def _blocks_free(op: Op, now_s: float) -> bool:

@@ -1,10 +1,13 @@
 """What the worker's transfer thread (`kvdepot.client.vllm.mover`) keeps per transfer, and
 what it hands the engine thread: pieces of store / load jobs, load jobs in flight, requests
-sent, how loads ended, preemptions and results."""
+sent (`Book`: the queue, the ops in flight, stopped requests), how loads ended, preemptions and
+results."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import logging
 import os
 import threading
 import weakref
@@ -13,6 +16,8 @@ import torch
 
 from kvdepot.client.pending import PendingRetrieve, PendingStore
 from kvdepot.client.vllm.plan import LoadJob
+
+log = logging.getLogger("kvdepot.vllm")
 
 
 @dataclasses.dataclass(slots=True)
@@ -37,7 +42,7 @@ class PostedSave:
     """A sliding-window model's "save" (CUDA), posted by ``wait_for_save`` with the engine's
     stream: whichever of the transfer thread (when it takes the command) and the engine thread
     (``bind``, before a forward that may write one of its blocks) claims it first gathers its
-    stores on that stream (`JobPieces.stage_saves`), so that every forward enqueued after the
+    stores on that stream (`kvdepot.client.vllm.sender.Sender.stage_saves`), so that every forward enqueued after the
     claim follows the gathers. The claimant holds ``lock`` while it gathers: the other side
     blocks on it (the thread) or sees it held and waits for the thread (``bind``).
 
@@ -178,7 +183,52 @@ class LoadOutcomes:
             self.failed_recving.add(job.req_id)  # hybrid: vLLM takes failures per request only
 
 
-__all__ = ["Piece", "Load", "LoadOutcomes", "Op", "Preemption", "Results", "PinnedSaves", "Wake"]
+class Book:
+    """The transfer thread's pieces: ``queue`` (waiting for ring room, in order), ``ops`` (sent,
+    not ended), ``stopped`` (requests whose later stores are skipped: a chunk was) and ``loads``
+    (how loads ended, until published).
+
+    Args:
+        loads: the worker's `LoadOutcomes`.
+        stats: the worker's counters (``store_failures``).
+    """
+
+    def __init__(self, loads: LoadOutcomes, stats: dict) -> None:
+        self.queue: collections.deque[Piece] = collections.deque()
+        self.ops: list[Op] = []
+        self.stopped: set[str] = set()
+        self.loads = loads
+        self.stats = stats
+
+    def take(self, at: int) -> Piece:
+        """Remove and return the queue's piece at index ``at``."""
+        q = self.queue
+        if at == 0:
+            return q.popleft()
+        p = q[at]
+        del q[at]
+        return p
+
+    def drop(self, p: Piece, why: str) -> None:
+        """``p`` will not be sent: a store is counted failed and its request stopped, a load's
+        piece ends with nothing loaded (recomputed)."""
+        if p.kind == "store":
+            self.stats["store_failures"] += 1
+            self.stopped.add(p.req_id)
+            log.debug("kvdepot: store of request %s skipped: %s", p.req_id, why)
+        else:
+            self.loads.piece_ended(p, 0)
+
+    def live_piece_ids(self) -> set[int]:
+        """``id`` of every piece in flight or queued."""
+        return {id(op.piece) for op in self.ops} | {id(p) for p in self.queue}
+
+    def busy(self, req_id: str) -> bool:
+        """Whether a piece of ``req_id`` is in flight or queued."""
+        return any(op.piece.req_id == req_id for op in self.ops) or any(p.req_id == req_id for p in self.queue)
+
+
+__all__ = ["Piece", "Load", "LoadOutcomes", "Op", "Preemption", "Results", "PinnedSaves", "Wake", "Book"]
 
 
 class PinnedSaves:

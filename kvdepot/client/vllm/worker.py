@@ -29,6 +29,11 @@ Per step (order of vLLM's ``KVConnectorModelRunnerMixin``): ``handle_preemptions
 * No per-layer calls: ``has_connector_metadata`` is False, so vLLM's attention layers never call
   ``wait_for_layer_load`` / ``save_kv_layer`` (the thread needs no pumping).
 
+The transfer thread's parts: the `kvdepot.client.vllm.planner.Planner` (a job's keys, block ids
+and pieces: no socket, no GPU), the `kvdepot.client.vllm.sender.Sender` (pieces queued, staged
+and sent as the ring has room), `TransferThread` itself (commands in, replies read, results
+out) and `WorkerSide.ready` (registration with the daemon, again after its restart).
+
 Two threads: the engine thread (vLLM's calls) and the transfer thread. Who owns what, and the
 only channels between them (the last rows); nothing else crosses:
 
@@ -41,7 +46,8 @@ only channels between them (the last rows); nothing else crosses:
 | ``stats`` | per key one thread: ``forwards_waiting_for_gathers``, ``saves_gathered_by_bind`` the engine, the rest the transfer thread | engine (``get_kv_connector_stats``) |
 | the `KVDepotClient`'s socket, requests and replies | transfer thread | transfer thread |
 | the staging ring (`kvdepot.client.staging.StagingRing`) | both, under its lock (the engine thread's gathers: `stage_saves`) | both |
-| `TransferThread`'s queue, ops, stopped / released requests, loads, pins | transfer thread | transfer thread |
+| `TransferThread`'s `Book` (queue, ops, stopped requests, loads), released requests, pins, settles | transfer thread | transfer thread |
+| the `Planner` (its cache of keys' masks) and the `Sender` (its side stream) | transfer thread | transfer thread; the engine thread calls only `Sender.stage_saves`, which reads neither (the planner's block ids and pieces only) |
 | channel: the inbox of `kvdepot.client.vllm.commands` | engine puts | transfer thread takes, in order |
 | channel: ``outbox`` (`Results`) | transfer thread appends | engine pops (``get_transfer_results``) |
 | channel: `PostedSave` | whichever side claims it first (its lock) | the other |
@@ -211,7 +217,7 @@ class WorkerSide:
         if not c.available():
             return False
         c.poll()  # reads a close of the connection by a daemon that stopped (connected turns False)
-        if self.kvreg is not None and not c.connected:
+        if self.kvreg is not None and not c.conn.connected:
             # the daemon closed the connection: a restarted one would not know the registration.
             # One round trip on the new connection learns its boot id (then generation says).
             try:
@@ -300,7 +306,7 @@ class WorkerSide:
         if not posted.claim("engine", blocking=False):
             return False
         try:
-            posted.staged = self.mover.stage_saves(s.stores, posted.stream)
+            posted.staged = self.mover.sender.stage_saves(s.stores, posted.stream)
             if posted.staged is None:
                 posted.event_here()
         finally:
@@ -388,7 +394,7 @@ class WorkerSide:
                 # gathered now on the engine's stream where the ring's fence words are in use:
                 # nothing for `bind` to wait for (after `bind` had to gather one itself)
                 self._gather_in_wait -= 1
-                staged = self.mover.stage_saves(meta.stores, self._current_stream())
+                staged = self.mover.sender.stage_saves(meta.stores, self._current_stream())
                 if staged is not None:
                     self.mover.post(cmds.SaveStaged(meta.stores, take(meta), staged))
                     return

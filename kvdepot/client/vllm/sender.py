@@ -1,8 +1,8 @@
-"""Jobs -> pieces for the worker's transfer thread (`kvdepot.client.vllm.mover`): this shard's
-chunk keys, registered block ids, the split of a job into pieces of at most a quarter of the
-staging ring, the ways a store's chunks reach the ring (gathered on the thread's stream after
-an engine event, or on the engine's stream: `JobPieces.stage_saves`), and the sending of queued
-pieces as the ring has room (`JobPieces._pump`)."""
+"""The worker's sender (`Sender`), on the transfer thread (`kvdepot.client.vllm.mover`): jobs
+into pieces in the queue (`Planner`), the ways a store's chunks reach the staging ring (gathered
+on the thread's stream after an engine event, or on the engine's stream: `Sender.stage_saves`),
+and the sending of queued pieces as the ring has room (`Sender.pump`). Replies are read and the
+ops ended by the thread (`TransferThread._collect`)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import collections
 import itertools
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
-from kvdepot.client.hashing import shard_keys, shard_mask
+from kvdepot.client.client import KVDepotClient
 from kvdepot.client.many import RetrieveItem, StoreItem
 from kvdepot.client.vllm.commands import SharedRegion, StagedPiece, StagedSaves
-from kvdepot.client.vllm.layout import Registration
-from kvdepot.client.vllm.pieces import Load, Op, Piece
+from kvdepot.client.vllm.pieces import Book, Load, Op, Piece
 from kvdepot.client.vllm.plan import LoadJob, StoreJob
+from kvdepot.client.vllm.planner import Planner
 from kvdepot.gpu.kernels import KernelError
 from kvdepot.protocol.errors import ErrorCode, KVDepotError
 
@@ -26,55 +26,50 @@ log = logging.getLogger("kvdepot.vllm")
 # errors after which the daemon is treated as down (pinged until it answers) rather than as
 # having refused one request
 DOWN = (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE, ErrorCode.DISCONNECTED, ErrorCode.INTERNAL, ErrorCode.BACKPRESSURE)
-_MAX_RUNS = 64  # queued pieces sent in one request at most (`JobPieces._batch`)
+_MAX_RUNS = 64  # queued pieces sent in one request at most (`Sender._batch`)
 
 
-class JobPieces:
-    """Mixed into `kvdepot.client.vllm.mover.TransferThread` (its state: ``side``, ``cfg``,
-    ``client``, ``_queue``, ``_ops``, ``_stopped``, ``_masks``, ``_loads``, ``_side``; its
-    ``_collect`` and ``_drop``)."""
+class Sender:
+    """Queues one worker's pieces and sends them (see the module docstring). Runs on the
+    transfer thread, except `stage_saves`, which the engine thread may call too.
 
-    _warned_window = False  # `_window_blocks_only` logged its warning
+    Args:
+        side: the `kvdepot.client.vllm.worker.WorkerSide` (read: its registration, ``ready()``,
+            ``stores_skip_when_full``; counted: its ``stats``).
+        client: the worker's client (the transfer thread's).
+        planner: keys, block ids and pieces of the jobs.
+        book: the pieces queued and in flight, the stopped requests and the loads' outcomes.
+        collect: ends the ops whose answer is in (`TransferThread._collect`); `pump` calls it first.
 
-    def _keys(self, chain: list[bytes], seed: bytes) -> list[bytes]:
-        mask = self._masks.get(seed)
-        if mask is None:
-            if len(self._masks) > 4096:
-                self._masks.clear()
-            mask = self._masks[seed] = shard_mask(seed, self.side.shard)
-        return shard_keys(chain, [mask])[0]
+    Attributes:
+        stream: the thread's side stream (CUDA; None on CPU, or before the thread started),
+            on which the gathers and scatters of queued pieces go.
+    """
 
-    def _piece_chunks(self, kind: str = "store") -> int:
-        """Most chunks per piece of a ``kind`` ("store" / "load") job: a quarter of the ring it
-        goes through (loads: `EngineStaging.load_ring`), so that several are in flight."""
-        kvreg = self.side.kvreg
-        if kvreg is None or kvreg.staging is None:
-            return 1 << 30
-        st = kvreg.staging
-        return max(1, (st.load_ring if kind == "load" else st.ring).size_bytes // 4 // kvreg.object_bytes)
+    def __init__(self, side, client: KVDepotClient, planner: Planner, book: Book,
+                 collect: Callable[[], None]) -> None:
+        self.side = side
+        self.cfg = side.cfg
+        self.client = client
+        self.planner = planner
+        self.book = book
+        self._collect = collect
+        self.stream = None
 
-    def _block_ids(self, reg: Registration, g: int, ids: list[int], null_id: int | None) -> list[int]:
-        """Manager block ids of daemon gid ``g`` -> registered block ids; ``null_id`` -> -1."""
-        r = reg.ratio[g]
-        if null_id is not None and self.side.groups[g].has_null_blocks and null_id in ids:
-            self.side.stats["null_blocks_left_alone"] += 1
-            return [-1 if b == null_id else b * r + i for b in ids for i in range(r)]
-        return reg.expand(g, ids)
-
-    def _load(self, job: LoadJob, ready: bool, null_id: int, event) -> None:
+    def load(self, job: LoadJob, ready: bool, null_id: int, event) -> None:
         side = self.side
         side.stats["loads"] += 1
         if not (ready and job.chain and all(job.block_ids)):
-            self._loads.finish(job, 0)
+            self.book.loads.finish(job, 0)
             return
-        keys = self._keys(job.chain, job.seed)
+        keys = self.planner.keys(job.chain, job.seed)
         c = self.cfg.chunk_size
-        per = self._piece_chunks("load")
+        per = self.planner.piece_chunks("load")
         reg = side.reg
-        ids = [self._block_ids(reg, g, b, null_id) for g, b in enumerate(job.block_ids)]
+        ids = [self.planner.block_ids(reg, g, b, null_id) for g, b in enumerate(job.block_ids)]
         bpc = [c // gs.tokens_per_block for gs in reg.groups]
-        if not self._window_blocks_only(ids, bpc):
-            self._loads.finish(job, 0)  # vLLM recomputes it
+        if not self.planner.window_blocks_only(ids, bpc):
+            self.book.loads.finish(job, 0)  # vLLM recomputes it
             return
         starts = list(range(0, len(keys), per))
         load = Load(job, [None] * len(starts), [min(per, len(keys) - s) for s in starts])
@@ -82,7 +77,7 @@ class JobPieces:
         # ahead of the stores waiting for ring room (a request waits for its load; nobody waits
         # for a store): queued pieces hold no room yet, and no load reads a chunk a store of
         # this queue writes (the daemon answered the lookup before those stores were sent)
-        q = self._queue
+        q = self.book.queue
         at = next((k for k, x in enumerate(q) if x.kind == "store"), len(q))
         for i, s in enumerate(starts):
             e = s + load.chunks[i]
@@ -90,53 +85,34 @@ class JobPieces:
                                    skip_tokens=job.skip_tokens if i == 0 else 0, load=load, index=i,
                                    queued_at=now, after=event))
 
-    def _window_blocks_only(self, ids: list[list[int]], bpc: list[int]) -> bool:
-        """Whether a load's registered block ids (`_block_ids`, null -> -1) ask for no block a
-        store left out (`TransferGroup.kept_from`): a vLLM that kept more of a sliding window
-        than this connector expects gets no bytes of vLLM's null block (the load fails and
-        vLLM recomputes; logged once)."""
-        c = self.cfg.chunk_size
-        for g, x, n in zip(self.side.groups, ids, bpc):
-            drop = g.kept_from(c)
-            if drop:
-                r = n * g.block_size // c  # registered blocks per vLLM block
-                if any(b != -1 for i in range(0, len(x), n) for b in x[i:i + drop * r]):
-                    if not self._warned_window:
-                        self._warned_window = True
-                        log.warning("kvdepot: vLLM gave a load blocks of KV-cache group %d more than %d blocks "
-                                    "before a chunk's end (the stores keep only those): such loads fail and "
-                                    "vLLM recomputes them", g.vllm_gid, g.window_blocks)
-                    return False
-        return True
-
-    def _save(self, jobs: list[StoreJob], event) -> None:
+    def save(self, jobs: list[StoreJob], event) -> None:
         side = self.side
         ready = side.ready()
         now = time.monotonic()
-        first_new = len(self._queue)
+        first_new = len(self.book.queue)
         for job in jobs:
-            if not ready or job.req_id in self._stopped or not job.chain or not self._sliced(job):
+            if not ready or job.req_id in self.book.stopped or not job.chain or not self._sliced(job):
                 side.stats["store_failures"] += 1
                 continue
-            keys = self._keys(job.chain, job.seed)
-            parent = self._keys([job.parent], job.seed)[0] if job.parent else b""
-            for s, e, ids in self._store_pieces(job):
-                self._queue.append(Piece(job.req_id, "store", keys[s:e], ids, parent=parent if s == 0 else keys[s - 1],
+            keys = self.planner.keys(job.chain, job.seed)
+            parent = self.planner.keys([job.parent], job.seed)[0] if job.parent else b""
+            for s, e, ids in self.planner.store_pieces(job):
+                self.book.queue.append(Piece(job.req_id, "store", keys[s:e], ids, parent=parent if s == 0 else keys[s - 1],
                                           cache_salt=job.cache_salt, queued_at=now, after=event))
-        new = [self._queue[i] for i in range(first_new, len(self._queue))] if side.stores_skip_when_full else ()
-        self._pump(stores_now=True)
-        if new and self._queue:
+        new = [self.book.queue[i] for i in range(first_new, len(self.book.queue))] if side.stores_skip_when_full else ()
+        self.pump(stores_now=True)
+        if new and self.book.queue:
             # sliding-window models: gathered now or never (a load waiting for ring room ahead
             # of them held them back; later, the blocks may be another request's)
             late = {id(p) for p in new}
             kept = collections.deque()
-            for p in self._queue:
+            for p in self.book.queue:
                 if id(p) in late:
                     side.stats["stores_skipped_ring_full"] += 1
-                    self._stopped.add(p.req_id)
+                    self.book.stopped.add(p.req_id)
                 else:
                     kept.append(p)
-            self._queue = kept
+            self.book.queue = kept
 
     def _sliced(self, job: StoreJob) -> bool:
         """`StoreJob.slice_block_ids`, here on the transfer thread; a job whose blocks include
@@ -145,39 +121,15 @@ class JobPieces:
             return True
         log.warning("kvdepot: request %s: vLLM's null block among the blocks of chunks %d..%d; they and its "
                     "later chunks are not stored", job.req_id, job.first_chunk, job.first_chunk + len(job.chain) - 1)
-        self._stopped.add(job.req_id)
+        self.book.stopped.add(job.req_id)
         return False
-
-    def _job_ids(self, job: StoreJob) -> list[list[int]]:
-        """A store job's registered block ids per daemon gid, all its chunks.
-
-        Raises:
-            RuntimeError: a lazy job (`StoreJob.lazy`) not sliced by `_sliced` first whose
-                blocks include the null block (no caller gets there: lazy jobs are made only
-                for models whose saves go through `_save`).
-        """
-        if job.block_ids is None and not job.slice_block_ids():
-            raise RuntimeError(f"store of request {job.req_id}: vLLM's null block among its blocks")
-        reg = self.side.reg
-        return [self._block_ids(reg, g, b, None) for g, b in enumerate(job.block_ids)]
-
-    def _store_pieces(self, job: StoreJob, ids: list[list[int]] | None = None) -> list[tuple[int, int, list[list[int]]]]:
-        """A store job's pieces: (first chunk, end chunk, registered block ids per daemon gid);
-        ``ids``: `_job_ids`, if the caller has them."""
-        reg, n = self.side.reg, len(job.chain)
-        per = self._piece_chunks()
-        if ids is None:
-            ids = self._job_ids(job)
-        bpc = [self.cfg.chunk_size // gs.tokens_per_block for gs in reg.groups]
-        return [(s, min(n, s + per), [x[s * k:min(n, s + per) * k] for x, k in zip(ids, bpc)])
-                for s in range(0, n, per)]
 
     def stage_saves(self, jobs: list[StoreJob], stream, stopped: Collection[str] = ()) -> StagedSaves | None:
         """CUDA models with a sliding-window group, fence words in use: gather a step's
         stores into the staging ring now, on ``stream`` (the engine's), so that no forward
         enqueued later can overwrite their blocks first. Called by the transfer thread when it
         takes the save, or by the engine thread in ``bind`` if it claimed the save first
-        (`kvdepot.client.vllm.pieces.PostedSave`); the thread sends them (`_send_staged`). A piece that finds no room now is
+        (`kvdepot.client.vllm.pieces.PostedSave`); the thread sends them (`send_staged`). A piece that finds no room now is
         skipped, and the rest of its request with it (vLLM may hand its blocks to another
         request in the next step).
 
@@ -187,7 +139,7 @@ class JobPieces:
         (`_stage_pieces`): each gather call costs the engine thread ~30 us.
 
         ``stopped``: requests not to gather (the transfer thread passes its own set; the engine
-        thread passes none and reads no state of the transfer thread's: `_send_staged` gives up
+        thread passes none and reads no state of the transfer thread's: `send_staged` gives up
         the regions of requests stopped meanwhile). Reads the client's generation and the
         worker's registration (one reference each) and allocates in the staging ring (locked).
 
@@ -207,8 +159,8 @@ class JobPieces:
             if job.req_id in stopped or not job.chain:
                 out.append(None)
                 continue
-            ids = self._job_ids(job)
-            parts = self._store_pieces(job, ids)
+            ids = self.planner.job_ids(job)
+            parts = self.planner.store_pieces(job, ids)
             pieces = self._stage_pieces(kvreg, job, ids, parts, stream) if len(parts) > 1 else None
             if pieces is not None:
                 out.append(pieces)
@@ -229,7 +181,7 @@ class JobPieces:
     def _stage_pieces(self, kvreg, job: StoreJob, ids: list[list[int]], parts: list,
                       stream) -> list[StagedPiece] | None:
         """`stage_saves` of a job of several pieces (``ids``: all its chunks' block ids): one
-        gather call for all of them, each into its own region (`KVDepotClient.stage_store_pieces`);
+        gather call for all of them, each into its own region (`kvdepot.client.KVDepotClient.stage_store_pieces`);
         None: no room for all of them now (the caller stages them one by one)."""
         try:
             regions = self.client.stage_store_pieces(kvreg, ids, [e - s for s, e, _ in parts], stream)
@@ -244,7 +196,7 @@ class JobPieces:
         """`stage_saves`'s shared gather: the jobs whose store is one piece, of the first such
         job's cache salt, as many as fit in a piece, in one region by one gather call. None:
         fewer than two such jobs, or no room now (each job is then staged alone)."""
-        per = self._piece_chunks()
+        per = self.planner.piece_chunks()
         picked, n = [], 0
         for job in jobs:
             k = len(job.chain)
@@ -259,7 +211,7 @@ class JobPieces:
         flat = [[] for _ in reg.groups]
         ids_of = {}
         for job in picked:
-            ids_of[job.req_id] = job_ids = self._store_pieces(job)[0][2]
+            ids_of[job.req_id] = job_ids = self.planner.store_pieces(job)[0][2]
             for out, ids in zip(flat, job_ids):
                 out.extend(ids)
         try:
@@ -271,7 +223,7 @@ class JobPieces:
             return None
         return SharedRegion(region, {job.req_id: (job, ids_of[job.req_id]) for job in picked})
 
-    def _send_staged(self, jobs: list[StoreJob], staged: StagedSaves) -> None:
+    def send_staged(self, jobs: list[StoreJob], staged: StagedSaves) -> None:
         """Send the stores `stage_saves` gathered; give up the regions of those that cannot go
         (daemon restarted or down, request stopped): free once their gathers ran."""
         side, c = self.side, self.client
@@ -291,16 +243,16 @@ class JobPieces:
                 s, e, ids, region = piece.first, piece.end, piece.block_ids, piece.region
                 if region is None:
                     side.stats["stores_skipped_ring_full"] += 1
-                    self._stopped.add(job.req_id)
+                    self.book.stopped.add(job.req_id)
                     continue
-                if not ok or job.req_id in self._stopped:
+                if not ok or job.req_id in self.book.stopped:
                     c.abandon_region(kvreg, region)
                     side.stats["store_failures"] += 1
-                    self._stopped.add(job.req_id)
+                    self.book.stopped.add(job.req_id)
                     continue
                 if not keys:
-                    keys = self._keys(job.chain, job.seed)
-                parent = keys[s - 1] if s else (self._keys([job.parent], job.seed)[0] if job.parent else b"")
+                    keys = self.planner.keys(job.chain, job.seed)
+                parent = keys[s - 1] if s else (self.planner.keys([job.parent], job.seed)[0] if job.parent else b"")
                 p = Piece(job.req_id, "store", keys[s:e], ids, parent=parent, cache_salt=job.cache_salt,
                           queued_at=now)
                 try:
@@ -309,9 +261,9 @@ class JobPieces:
                     if exc.code in DOWN:
                         c.mark_down()
                     ok = False
-                    self._drop(p, str(exc))
+                    self.book.drop(p, str(exc))
                     continue
-                self._ops.append(Op(p, pending, c.generation, time.monotonic()))
+                self.book.ops.append(Op(p, pending, c.generation, time.monotonic()))
 
     def _send_together(self, kvreg, together: SharedRegion, ok: bool, now: float) -> bool:
         """Send the jobs `_stage_together` gathered into one region as one request (a run per
@@ -325,12 +277,12 @@ class JobPieces:
             c.abandon_region(kvreg, region)
             for job, _ in live:
                 side.stats["store_failures"] += 1
-                self._stopped.add(job.req_id)
+                self.book.stopped.add(job.req_id)
             return ok
         pieces, items = [], []
         for job, ids in live:
-            keys = self._keys(job.chain, job.seed)
-            parent = self._keys([job.parent], job.seed)[0] if job.parent else b""
+            keys = self.planner.keys(job.chain, job.seed)
+            parent = self.planner.keys([job.parent], job.seed)[0] if job.parent else b""
             pieces.append(Piece(job.req_id, "store", keys, ids, parent=parent, cache_salt=job.cache_salt,
                                 queued_at=now))
             items.append(StoreItem(keys, ids, parent))
@@ -340,13 +292,13 @@ class JobPieces:
             if exc.code in DOWN:
                 c.mark_down()
             for p in pieces:
-                self._drop(p, str(exc))
+                self.book.drop(p, str(exc))
             return False
         for i, p in enumerate(pieces):
-            self._ops.append(Op(p, pending, c.generation, time.monotonic(), run=i))
+            self.book.ops.append(Op(p, pending, c.generation, time.monotonic(), run=i))
         return ok
 
-    def _await_unstaged(self, ops: list[Op]) -> None:
+    def await_unstaged(self, ops: list[Op]) -> None:
         """Sliding-window models: a store the daemon copies from the blocks itself (CPU engines,
         or CUDA without engine-side staging) is "gathered" only once the daemon answered it, so
         that `saves_gathered` means the bytes left the blocks (the next forward may reuse them)."""
@@ -357,19 +309,19 @@ class JobPieces:
                 except KVDepotError:
                     pass  # `_collect` books the failure
 
-    def _drop_preempted(self, gone: set[str]) -> None:
+    def drop_preempted(self, gone: set[str]) -> None:
         """The transfer thread, for a preemption (`TransferThread._preempt`): the queued stores
         of ``gone`` are dropped (counted as failed, their later chunks skipped); a store in
         flight that the daemon gathers from the blocks itself (no staging) is waited for."""
         kept = collections.deque()
-        for piece in self._queue:
+        for piece in self.book.queue:
             if piece.req_id in gone and piece.kind == "store":
                 self.side.stats["store_failures"] += 1
-                self._stopped.add(piece.req_id)
+                self.book.stopped.add(piece.req_id)
             else:
                 kept.append(piece)
-        self._queue = kept
-        for op in self._ops:
+        self.book.queue = kept
+        for op in self.book.ops:
             if op.piece.req_id in gone and op.piece.kind == "store" and op.pending._region is None:
                 try:
                     op.pending.result(timeout_s=_hold_s(op, self.cfg.rpc_timeout_s))
@@ -379,19 +331,19 @@ class JobPieces:
 
     # ------------------------------------------------------------------ sending
 
-    def _pump(self, stores_now: bool = False) -> None:
+    def pump(self, stores_now: bool = False) -> None:
         """Send queued pieces, in order, while the staging ring has room (never waits for it).
         ``stores_now``: this step's stores must be gathered now or never (sliding-window models).
         Where loads have a ring of their own (`EngineStaging.load_ring`), a load without room
         does not hold back the stores queued behind it, nor they the loads."""
-        q = self._queue
+        q = self.book.queue
         if not q:
             return
         side, c = self.side, self.client
         c.poll()
         self._collect()
         kvreg = side.kvreg
-        stream = self._side
+        stream = self.stream
         waited = None  # the engine event the side stream waits on already
         # kinds whose ring had no room in this pass (one ring: a full ring stops both)
         full: set[str] = set()
@@ -403,10 +355,10 @@ class JobPieces:
                 at += 1
                 continue
             if kvreg is None or side.reg_generation != c.generation or not c.up:
-                self._drop(self._take(at), "the daemon is not available")
+                self.book.drop(self.book.take(at), "the daemon is not available")
                 continue
-            if p.kind == "store" and p.req_id in self._stopped:
-                self._take(at)
+            if p.kind == "store" and p.req_id in self.book.stopped:
+                self.book.take(at)
                 side.stats["store_failures"] += 1
                 continue
             batch = self._batch(kvreg, at)
@@ -422,21 +374,21 @@ class JobPieces:
             except KVDepotError as exc:
                 if exc.code in DOWN:
                     c.mark_down()
-                self._drop(self._take(at), str(exc))
+                self.book.drop(self.book.take(at), str(exc))
                 continue
             if pending is None:  # no room in the ring now
                 if p.kind == "store" and (stores_now and side.stores_skip_when_full):
-                    self._take(at)
+                    self.book.take(at)
                     side.stats["stores_skipped_ring_full"] += 1
-                    self._stopped.add(p.req_id)
+                    self.book.stopped.add(p.req_id)
                     continue
                 if time.monotonic() - p.queued_at > self.cfg.rpc_timeout_s:
-                    self._take(at)  # the daemon drains the ring too slowly
+                    self.book.take(at)  # the daemon drains the ring too slowly
                     if p.kind == "store":
                         side.stats["stores_skipped_ring_full"] += 1
-                        self._stopped.add(p.req_id)
+                        self.book.stopped.add(p.req_id)
                     else:
-                        self._loads.piece_ended(p, 0)  # recomputed
+                        self.book.loads.piece_ended(p, 0)  # recomputed
                     continue
                 if not p.waited:  # a piece waits once however many pumps find the ring still full
                     p.waited = True
@@ -447,37 +399,28 @@ class JobPieces:
                 continue
             now = time.monotonic()
             if len(batch) == 1:
-                self._take(at)
-                self._ops.append(Op(p, pending, c.generation, now))
+                self.book.take(at)
+                self.book.ops.append(Op(p, pending, c.generation, now))
                 continue
             for i, b in enumerate(batch):
-                self._take(at)
-                self._ops.append(Op(b, pending, c.generation, now, run=i))
-
-    def _take(self, at: int) -> Piece:
-        """Remove and return the queue's piece at index ``at``."""
-        q = self._queue
-        if at == 0:
-            return q.popleft()
-        p = q[at]
-        del q[at]
-        return p
+                self.book.take(at)
+                self.book.ops.append(Op(b, pending, c.generation, now, run=i))
 
     def _batch(self, kvreg, at: int = 0) -> list[Piece]:
         """The queue's piece at ``at``, and the pieces right behind it that may go in the same request
         (`KVDepotClient.submit_store_many` / `submit_retrieve_many`): same kind, stores of one
         cache salt whose requests still store, at most a piece's chunks in all (a quarter of the
         ring), and a daemon that takes several runs per request (CUDA retrieves: staged only)."""
-        q = self._queue
+        q = self.book.queue
         first = q[at]
         if len(q) == at + 1 or not kvreg.chains or (
                 first.kind == "load" and kvreg.staging is None and kvreg.request.device == "cuda"):
             return [first]
-        room = self._piece_chunks(first.kind) - len(first.keys)
+        room = self.planner.piece_chunks(first.kind) - len(first.keys)
         out = [first]
         for p in itertools.islice(q, at + 1, at + _MAX_RUNS):
             if (p.kind != first.kind or len(p.keys) > room or not p.keys
-                    or (p.kind == "store" and (p.cache_salt != first.cache_salt or p.req_id in self._stopped))):
+                    or (p.kind == "store" and (p.cache_salt != first.cache_salt or p.req_id in self.book.stopped))):
                 break
             out.append(p)
             room -= len(p.keys)
