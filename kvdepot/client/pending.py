@@ -151,7 +151,7 @@ def _settle_lost(pending) -> bool:
 class LinkPace:
     """The fastest staged request of one direction a client has seen, submit to reply, in
     seconds per byte (requests of at least ``LEARN_BYTES``): a wait for such a reply sleeps
-    until shortly before it could come, then spins (`KVDepotClient.wait`'s ``spin_from``), so
+    until shortly before it could come, then spins (`Connection.wait`'s ``spin_from``), so
     a lone request is not answered into a blocked ``poll`` (tens of microseconds to wake)."""
 
     LEARN_BYTES = 4 << 20

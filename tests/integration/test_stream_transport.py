@@ -260,7 +260,7 @@ def test_a_poll_waiting_for_a_reply_returns_when_its_wake_fd_is_signalled(daemon
 
 
 def test_an_idle_poll_reads_replies_nobody_waits_for_in_its_rhythm(module_daemon, monkeypatch):
-    """With no reply awaited, `KVDepotClient.poll` looks at the socket only every
+    """With no reply awaited, `Connection.poll` looks at the socket only every
     ``_IDLE_LOOK_S`` (each look is a system call in an engine's step), unless ``_UNREAD_KEPT``
     replies nobody waits for (`forget`: a scheduler's EndRequests) are due; a reply someone
     waits for is read by the next poll, rhythm or not."""
@@ -293,7 +293,7 @@ def test_an_idle_poll_reads_replies_nobody_waits_for_in_its_rhythm(module_daemon
 
 
 def test_on_reply_gets_each_reply_once_as_it_is_read_errors_and_losses_too(module_daemon):
-    """`KVDepotClient.submit`'s ``on_reply`` (how the vLLM scheduler side books lookup answers):
+    """`Connection.submit`'s ``on_reply`` (how the vLLM scheduler side books lookup answers):
     not called while the reply is due, called once by the read that brings it (the request is
     then done: `wait` refuses it); an error reply and a request lost with its connection
     arrive as `m.ErrorReply`; `forget` cancels it; a callback that raises does not stop the

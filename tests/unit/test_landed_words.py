@@ -119,7 +119,7 @@ def test_the_daemon_ends_a_store_in_its_word_only_when_every_chunk_is_copied():
 
 
 def test_a_client_waits_for_its_landed_stores_replies_before_its_next_lookup(monkeypatch):
-    """A store that ended on its word leaves its reply due (`KVDepotClient._unconfirmed`): the
+    """A store that ended on its word leaves its reply due (`Connection._unconfirmed`): the
     next request other than a store reads it first (the daemon's commit is then done), and the
     reply is dropped, not kept for a wait nobody makes; a lost connection forgets them."""
     from kvdepot.client.client import KVDepotClient

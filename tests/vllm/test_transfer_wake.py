@@ -1,4 +1,4 @@
-"""The vLLM worker's transfer thread waits for the daemon's replies in `KVDepotClient.poll`; a
+"""The vLLM worker's transfer thread waits for the daemon's replies in `Connection.poll`; a
 load (or a preemption, or stop) posted meanwhile ends that wait through an eventfd (`Wake`), so
 it is taken at once instead of after the next reply or the wait's end. Saves and releases do
 not signal (the engine thread's store steps skip the write). The poll itself is tested against

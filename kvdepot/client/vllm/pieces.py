@@ -285,7 +285,7 @@ class PinnedSaves:
 
 class Wake:
     """An eventfd by which the engine thread cuts short the transfer thread's wait for replies
-    (`KVDepotClient.poll` with ``wake_fd``). The thread sets ``waiting`` before its last look
+    (`Connection.poll` with ``wake_fd``). The thread sets ``waiting`` before its last look
     at its inbox and clears it after the wait, so a command put while it is set is either seen
     by that look or signalled; a command put after needs no signal."""
 

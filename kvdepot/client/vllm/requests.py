@@ -39,7 +39,7 @@ class RequestState:
     stored: bool = False  # a store of this request was sent to the workers (its loads: the scheduler's `_loading`)
 
     def answer(self, reply: m.Msg) -> None:
-        """Its Lookup's reply, booked as the client reads it (`KVDepotClient.submit`'s
+        """Its Lookup's reply, booked as the client reads it (`Connection.submit`'s
         ``on_reply``: every reply that came is booked in one pass, so that a later
         ``get_num_new_matched_tokens`` of the request finds its answer here). An error
         (`m.ErrorReply`) is kept for `SchedulerSide._lookup_answer` to handle; a reply to

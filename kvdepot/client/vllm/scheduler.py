@@ -176,7 +176,7 @@ class SchedulerSide:
         return st
 
     def _send(self, req: m.Msg, on_reply=None) -> int | None:
-        """Send without waiting (``on_reply``: `KVDepotClient.submit`'s); None (and the daemon
+        """Send without waiting (``on_reply``: `Connection.submit`'s); None (and the daemon
         marked down) if it cannot be sent."""
         try:
             return self.client.submit(req, on_reply)
