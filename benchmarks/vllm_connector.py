@@ -327,7 +327,7 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
         a.run(timeout_s=60)
         freeze_gc_heap()  # as vLLM's EngineCore after start-up
         store = drive(a, prompts, "stores", res["chunk_bytes"])
-        staging_bytes = a.worker_conn.worker.staging_bytes()  # the ring used (0 above: the connector's auto size)
+        staging_bytes = a.worker_conn.worker.registrar.staging_bytes()  # the ring used (0 above: the connector's auto size)
         res["staging_bytes"] = staging_bytes
         res["load_staging_bytes"] = load_ring_bytes(a.worker_conn.worker.cfg)  # 0: loads share the ring
         res.update(decode_steps(a))

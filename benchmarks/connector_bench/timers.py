@@ -380,10 +380,10 @@ class StageTimers:
         sched = engine.sched_conn.scheduler
         objs = {"mover": w.mover, "client": w.client, "worker": w, "scheduler": sched,
                 "scheduler_client": sched.client}
-        if w.kvreg is not None and w.kvreg.staging is not None:
-            objs["staging"], objs["ring"] = w.kvreg.staging, w.kvreg.staging.ring
-            if w.kvreg.staging.fence is not None:
-                objs["fence"] = w.kvreg.staging.fence
+        if w.registrar.kvreg is not None and w.registrar.kvreg.staging is not None:
+            objs["staging"], objs["ring"] = w.registrar.kvreg.staging, w.registrar.kvreg.staging.ring
+            if w.registrar.kvreg.staging.fence is not None:
+                objs["fence"] = w.registrar.kvreg.staging.fence
         for kind, obj in objs.items():
             self.timers.append((kind, CallTimer(obj, STAGE_CALLS[kind])))
         import kvdepot.client.pending as pending_mod

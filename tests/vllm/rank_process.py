@@ -38,7 +38,7 @@ def _rank_process_main(pipe, vllm_config, kv_cache_config, groups, rank: int) ->
             elif msg[0] == "stats":
                 pipe.send(("ok", dict(worker.conn.worker.stats)))
             elif msg[0] == "disable":
-                worker.conn.worker.disable(msg[1])
+                worker.conn.worker.registrar.disable(msg[1])
                 pipe.send(("ok", None))
             elif msg[0] == "close":
                 worker.conn.shutdown()

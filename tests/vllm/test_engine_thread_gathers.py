@@ -76,12 +76,12 @@ def _thread(ring_objects: int = 16, chains: bool = False):
                                   object_bytes=OBJECT_BYTES, chains=chains)
     reg = types.SimpleNamespace(device="cuda", ratio=[1, 1], groups=[types.SimpleNamespace(tokens_per_block=TPB)] * 2,
                                 expand=lambda g, ids: list(ids))
+    registrar = types.SimpleNamespace(reg=reg, kvreg=kvreg, generation=0, ready=lambda: True)
     side = types.SimpleNamespace(cfg=types.SimpleNamespace(chunk_size=CHUNK, rpc_timeout_s=1.0), client=client,
-                                 shard="tp0of1", reg=reg, kvreg=kvreg, reg_generation=0, stores_may_wait=False,
+                                 shard="tp0of1", registrar=registrar, stores_may_wait=False,
                                  stores_skip_when_full=True,
                                  groups=[types.SimpleNamespace(has_null_blocks=False)] * 2,
                                  stats={"store_failures": 0, "stores_skipped_ring_full": 0})
-    side.ready = lambda: True
     return TransferThread(side), client, side
 
 
@@ -137,7 +137,7 @@ def test_regions_of_a_restarted_daemon_or_a_stopped_request_are_given_up_not_sen
     mv.book.stopped.add("c")
     staged = mv.sender.stage_saves([_job("c", 2, 0)], object())
     assert staged is None  # the registration is not the live daemon's: the thread's way
-    side.reg_generation = 1
+    side.registrar.generation = 1
     # the transfer thread's gather skips what it stopped (its earlier chunks were skipped)
     staged = mv.sender.stage_saves([_job("c", 2, 0)], object(), mv.book.stopped)
     assert staged.per_job == [None]
@@ -160,7 +160,7 @@ def test_a_refused_send_gives_up_its_region_and_stops_the_request():
 
 def test_without_fence_words_the_thread_gathers_and_the_forward_may_wait():
     mv, client, side = _thread()
-    side.kvreg.staging.fence_active = False
+    side.registrar.kvreg.staging.fence_active = False
     assert mv.sender.stage_saves([_job("a", 2, 0)], object()) is None
 
 
@@ -326,7 +326,7 @@ def test_without_fence_words_a_posted_save_is_gathered_on_the_side_stream_after_
     monkeypatch.setattr(worker_mod, "torch", types.SimpleNamespace(cuda=fake_cuda))
     monkeypatch.setattr(pieces_mod, "torch", types.SimpleNamespace(cuda=fake_cuda))
     mv, client, side = _thread()
-    side.kvreg.staging.fence_active = False
+    side.registrar.kvreg.staging.fence_active = False
     w, stream = _sliding_worker(mv)
     saved = []
     mv.sender.save = lambda jobs, event: saved.append(event)
@@ -479,7 +479,7 @@ def test_get_transfer_results_returns_what_the_thread_published_merged_and_nothi
 
     from kvdepot.client.vllm.worker import NO_RESULTS
 
-    side = types.SimpleNamespace(cfg=None, client=None, stats={})
+    side = types.SimpleNamespace(cfg=None, client=None, stats={}, registrar=types.SimpleNamespace())
     t = TransferThread(side)
     w = object.__new__(WorkerSide)
     w.mover, w._outbox, w._post_quiet = t, t.outbox, t.post_quiet

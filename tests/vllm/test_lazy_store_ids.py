@@ -44,9 +44,9 @@ def test_slice_block_ids_fills_the_ids_once_and_refuses_the_null_block():
 def test_the_transfer_thread_skips_a_lazy_job_with_the_null_block_and_the_requests_later_chunks():
     reg = types.SimpleNamespace(ratio=[1], groups=[types.SimpleNamespace(tokens_per_block=16)],
                                 expand=lambda gid, ids: list(ids))
+    registrar = types.SimpleNamespace(kvreg=None, reg=reg, ready=lambda: True)
     side = types.SimpleNamespace(cfg=types.SimpleNamespace(chunk_size=CHUNK), client=None,
-                                 kvreg=None, reg=reg, shard="tp0of1", ready=lambda: True,
-                                 stores_skip_when_full=False,
+                                 registrar=registrar, shard="tp0of1", stores_skip_when_full=False,
                                  groups=[TransferGroup(0, 0, 16, ("l0",), False)], stats=collections.Counter())
     mv = TransferThread(side)
     mv.sender.pump = lambda **kw: None  # queued only: what matters is what would be sent

@@ -23,7 +23,8 @@ from kvdepot.client.vllm.plan import LoadJob  # noqa: E402
 def _thread() -> TransferThread:
     reg = types.SimpleNamespace(ratio=[1], groups=[types.SimpleNamespace(tokens_per_block=16)],
                                 expand=lambda gid, ids: list(ids))
-    side = types.SimpleNamespace(cfg=types.SimpleNamespace(chunk_size=64), client=None, kvreg=None, reg=reg,
+    registrar = types.SimpleNamespace(kvreg=None, reg=reg, generation=-1)
+    side = types.SimpleNamespace(cfg=types.SimpleNamespace(chunk_size=64), client=None, registrar=registrar,
                                  shard="tp0of1", groups=[TransferGroup(0, 0, 16, ("l0",), False)],
                                  stats=collections.Counter())
     return TransferThread(side)
@@ -94,8 +95,8 @@ def test_with_a_load_ring_of_their_own_a_waiting_load_holds_back_no_store_nor_a_
     mv = _thread()
     client = _RingClient(staging)
     mv.client = mv.side.client = mv.sender.client = client
-    mv.side.kvreg = types.SimpleNamespace(staging=staging, object_bytes=256, chains=False)
-    mv.side.reg_generation, mv.side.stores_skip_when_full = 0, False
+    mv.registrar.kvreg = types.SimpleNamespace(staging=staging, object_bytes=256, chains=False)
+    mv.registrar.generation, mv.side.stores_skip_when_full = 0, False
     mv.side.cfg.rpc_timeout_s = mv.side.cfg.hold_max_s = 60.0
     try:
         held = load_ring.alloc(2 * 256 if own_load_ring else 3 * 256)  # the loads' room is taken

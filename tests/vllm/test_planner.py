@@ -26,8 +26,8 @@ def _side(groups, ratio=(1,), kvreg=None, shard="tp1of2"):
     reg = types.SimpleNamespace(ratio=list(ratio), groups=[types.SimpleNamespace(tokens_per_block=16 // r)
                                                            for r in ratio],
                                 expand=lambda g, ids: [b * ratio[g] + i for b in ids for i in range(ratio[g])])
-    return types.SimpleNamespace(cfg=types.SimpleNamespace(chunk_size=CHUNK), shard=shard, groups=groups, reg=reg,
-                                 kvreg=kvreg, stats=collections.Counter())
+    return types.SimpleNamespace(cfg=types.SimpleNamespace(chunk_size=CHUNK), shard=shard, groups=groups,
+                                 registrar=types.SimpleNamespace(reg=reg, kvreg=kvreg), stats=collections.Counter())
 
 
 def _staged(ring_bytes: int, load_ring_bytes: int, object_bytes: int):
@@ -70,11 +70,11 @@ def test_pieces_are_a_quarter_of_the_ring_they_go_through():
 def test_block_ids_expand_to_registered_blocks_and_leave_the_null_block_alone():
     side = _side([TransferGroup(0, 0, 16, ("l0",), True)], ratio=(2,))
     planner = Planner(side)
-    assert planner.block_ids(side.reg, 0, [3, 5], None) == [6, 7, 10, 11]
-    assert planner.block_ids(side.reg, 0, [3, 0, 5], null_id=0) == [6, 7, -1, -1, 10, 11]
+    assert planner.block_ids(side.registrar.reg, 0, [3, 5], None) == [6, 7, 10, 11]
+    assert planner.block_ids(side.registrar.reg, 0, [3, 0, 5], null_id=0) == [6, 7, -1, -1, 10, 11]
     assert side.stats["null_blocks_left_alone"] == 1
     dense = _side([TransferGroup(0, 0, 16, ("l0",), False)])
-    assert Planner(dense).block_ids(dense.reg, 0, [0, 1], null_id=0) == [0, 1]  # a dense group has no null block
+    assert Planner(dense).block_ids(dense.registrar.reg, 0, [0, 1], null_id=0) == [0, 1]  # a dense group has no null block
 
 
 def test_a_load_asking_for_blocks_a_sliding_window_store_left_out_is_refused():

@@ -233,8 +233,8 @@ def test_worker_sizes_its_staging_ring_from_its_chunk_bytes_and_step_budget(daem
     try:
         w = e.worker_conn.worker
         step_chunks = 16  # ceil(1000 / 64)
-        assert w.staging_bytes() == (2 * step_chunks * w.kvreg.object_bytes if hybrid else 4096)
-        w.cfg = dataclasses.replace(w.cfg, staging_bytes=3 << 20)
-        assert w.staging_bytes() == 3 << 20
+        assert w.registrar.staging_bytes() == (2 * step_chunks * w.registrar.kvreg.object_bytes if hybrid else 4096)
+        w.registrar.cfg = dataclasses.replace(w.registrar.cfg, staging_bytes=3 << 20)
+        assert w.registrar.staging_bytes() == 3 << 20
     finally:
         e.close()

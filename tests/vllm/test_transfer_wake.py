@@ -74,7 +74,7 @@ class _Client:
 
 def test_a_posted_load_ends_the_threads_wait_for_replies_a_save_does_not(monkeypatch):
     monkeypatch.setattr(mover_mod, "_REPLY_POLL_S", 30.0)
-    side = types.SimpleNamespace(cfg=types.SimpleNamespace(), client=_Client(), stats={})
+    side = types.SimpleNamespace(cfg=types.SimpleNamespace(), client=_Client(), stats={}, registrar=types.SimpleNamespace())
     mv = TransferThread(side)
     mv.book.ops = [object()]  # a transfer in flight: `_wait` waits for its reply
     got = []

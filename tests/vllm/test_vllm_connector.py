@@ -355,7 +355,7 @@ def test_tensor_parallel_prefix_hits_only_where_every_shard_is_cached(shared_dae
     """A chunk cached for rank 0 only is no hit for a TP=2 instance: the scheduler asks for the
     chunks of every shard, and the request is computed in full."""
     a = engines(cfg(shared_daemon.endpoint), tp=2)
-    a.workers[1].worker.disable("test: rank 1 stores nothing")
+    a.workers[1].worker.registrar.disable("test: rank 1 stores nothing")
     prompt = H.tokens(6, 200)
     a.add(prompt, max_tokens=2)
     a.run()

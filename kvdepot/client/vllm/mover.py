@@ -80,6 +80,7 @@ class TransferThread:
 
     def __init__(self, side) -> None:
         self.side = side
+        self.registrar = side.registrar
         self.cfg = side.cfg
         self.client: KVDepotClient = side.client
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -192,7 +193,7 @@ class TransferThread:
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
-        reg = self.side.reg
+        reg = self.registrar.reg
         if reg is not None and reg.device == "cuda":
             dev = reg.local[0].device if reg.local else torch.device("cuda")
             torch.cuda.set_device(dev)
@@ -227,7 +228,7 @@ class TransferThread:
                         changed = True
                 elif not changed and now_s - full_pass_s > _IDLE_S:
                     full_pass_s = now_s
-                    self.side.ready()  # idle: notices a restarted daemon (registers again)
+                    self.registrar.ready()  # idle: notices a restarted daemon (registers again)
                 if changed or self._pinned:
                     self._publish()
             except Exception as exc:  # a bug here must not leave requests waiting forever
@@ -237,7 +238,7 @@ class TransferThread:
             t_cpu = now
 
     def _oldest_region_free(self) -> bool:
-        kvreg = self.side.kvreg
+        kvreg = self.registrar.kvreg
         if kvreg is None or kvreg.staging is None:
             return False
         return any(ring.live and ring.live[0].is_free() for ring in kvreg.staging.rings)
@@ -286,7 +287,7 @@ class TransferThread:
         elif type(cmd) is cmds.Release:
             self._release.update(cmd.req_ids)
         elif type(cmd) is cmds.Load:
-            ready = self.side.ready()
+            ready = self.registrar.ready()
             # the first job's pieces go out before the others are planned; the others' pieces
             # then go together (`_batch`: several requests' small pieces in one request)
             jobs = cmd.jobs
@@ -385,7 +386,7 @@ class TransferThread:
             log.exception("kvdepot: the transfer thread failed; the connector is disabled on this worker",
                           exc_info=exc)
         self._failed = True
-        self.side.disable(f"the transfer thread failed: {exc!r}")
+        self.registrar.disable(f"the transfer thread failed: {exc!r}")
         for op in self.book.ops:
             self._failed_op(op, None)
         for p in self.book.queue:
@@ -398,7 +399,7 @@ class TransferThread:
             pass
 
     def _shutdown(self) -> None:
-        c, kvreg = self.client, self.side.kvreg
+        c, kvreg = self.client, self.registrar.kvreg
         if kvreg is not None and c.up:
             try:
                 for op in self.book.ops:  # the ring and the blocks must outlive the daemon's copies
@@ -489,7 +490,7 @@ class TransferThread:
     def _settle(self, through_rid: int) -> None:
         """Ask the daemon (`m.Settle`) to refuse this worker's lost requests up to ``through_rid``
         and to answer once the ones it accepted ended: their blocks are then free (`_collect`)."""
-        kvreg = self.side.kvreg
+        kvreg = self.registrar.kvreg
         if kvreg is None:
             return
 
@@ -512,8 +513,8 @@ class TransferThread:
         if exc is not None:
             if exc.code == ErrorCode.UNKNOWN_REGISTRATION:
                 log.warning("kvdepot: the daemon lost registration %s (restarted?); registering again",
-                            self.side.kvreg.id if self.side.kvreg else None)
-                self.side.reg_generation = -1  # the next ready() registers again
+                            self.registrar.kvreg.id if self.registrar.kvreg else None)
+                self.registrar.generation = -1  # the next ready() registers again
             elif exc.code in DOWN:
                 self.client.mark_down()
             log.warning("kvdepot: %s of request %s failed: %s", p.kind, p.req_id, exc)

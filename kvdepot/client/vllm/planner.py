@@ -24,6 +24,7 @@ class Planner:
 
     def __init__(self, side) -> None:
         self.side = side
+        self.registrar = side.registrar
         self.cfg = side.cfg
         self._masks: dict[bytes, bytes] = {}  # request seed -> this shard's mask
         self._warned_window = False  # `window_blocks_only` logged its warning
@@ -39,7 +40,7 @@ class Planner:
     def piece_chunks(self, kind: str = "store") -> int:
         """Most chunks per piece of a ``kind`` ("store" / "load") job: a quarter of the ring it
         goes through (loads: `EngineStaging.load_ring`), so that several are in flight."""
-        kvreg = self.side.kvreg
+        kvreg = self.registrar.kvreg
         if kvreg is None or kvreg.staging is None:
             return 1 << 30
         st = kvreg.staging
@@ -82,13 +83,13 @@ class Planner:
         """
         if job.block_ids is None and not job.slice_block_ids():
             raise RuntimeError(f"store of request {job.req_id}: vLLM's null block among its blocks")
-        reg = self.side.reg
+        reg = self.registrar.reg
         return [self.block_ids(reg, g, b, None) for g, b in enumerate(job.block_ids)]
 
     def store_pieces(self, job: StoreJob, ids: list[list[int]] | None = None) -> list[tuple[int, int, list[list[int]]]]:
         """A store job's pieces: (first chunk, end chunk, registered block ids per daemon gid);
         ``ids``: `job_ids`, if the caller has them."""
-        reg, n = self.side.reg, len(job.chain)
+        reg, n = self.registrar.reg, len(job.chain)
         per = self.piece_chunks()
         if ids is None:
             ids = self.job_ids(job)

@@ -49,6 +49,7 @@ class Sender:
     def __init__(self, side, client: KVDepotClient, planner: Planner, book: Book,
                  collect: Callable[[], None]) -> None:
         self.side = side
+        self.registrar = side.registrar
         self.cfg = side.cfg
         self.client = client
         self.planner = planner
@@ -65,7 +66,7 @@ class Sender:
         keys = self.planner.keys(job.chain, job.seed)
         c = self.cfg.chunk_size
         per = self.planner.piece_chunks("load")
-        reg = side.reg
+        reg = self.registrar.reg
         ids = [self.planner.block_ids(reg, g, b, null_id) for g, b in enumerate(job.block_ids)]
         bpc = [c // gs.tokens_per_block for gs in reg.groups]
         if not self.planner.window_blocks_only(ids, bpc):
@@ -87,7 +88,7 @@ class Sender:
 
     def save(self, jobs: list[StoreJob], event) -> None:
         side = self.side
-        ready = side.ready()
+        ready = self.registrar.ready()
         now = time.monotonic()
         first_new = len(self.book.queue)
         for job in jobs:
@@ -145,10 +146,10 @@ class Sender:
 
         Returns what was gathered (`StagedSaves`), or None: the ring or its fence words are not
         in use now (the thread gathers, after an event)."""
-        side, c = self.side, self.client
-        kvreg = side.kvreg
+        c = self.client
+        kvreg = self.registrar.kvreg
         if (kvreg is None or kvreg.staging is None or not kvreg.staging.fence_active
-                or side.reg_generation != c.generation):
+                or self.registrar.generation != c.generation):
             return None
         out: list[list[StagedPiece] | None] = []
         shared = self._stage_together(kvreg, jobs, stream, stopped) if kvreg.chains and len(jobs) > 1 else None
@@ -207,7 +208,7 @@ class Sender:
             n += k
         if len(picked) < 2:
             return None
-        reg = self.side.reg
+        reg = self.registrar.reg
         flat = [[] for _ in reg.groups]
         ids_of = {}
         for job in picked:
@@ -228,7 +229,8 @@ class Sender:
         (daemon restarted or down, request stopped): free once their gathers ran."""
         side, c = self.side, self.client
         kvreg, shared = staged.registration, staged.shared
-        ok = side.ready() and side.kvreg is kvreg and staged.generation == c.generation and c.up
+        registrar = self.registrar
+        ok = registrar.ready() and registrar.kvreg is kvreg and staged.generation == c.generation and c.up
         now = time.monotonic()
         if shared is not None:
             ok = self._send_together(kvreg, shared, ok, now)
@@ -342,7 +344,7 @@ class Sender:
         side, c = self.side, self.client
         c.poll()
         self._collect()
-        kvreg = side.kvreg
+        kvreg = self.registrar.kvreg
         stream = self.stream
         waited = None  # the engine event the side stream waits on already
         # kinds whose ring had no room in this pass (one ring: a full ring stops both)
@@ -354,7 +356,7 @@ class Sender:
             if p.kind in full:
                 at += 1
                 continue
-            if kvreg is None or side.reg_generation != c.generation or not c.up:
+            if kvreg is None or self.registrar.generation != c.generation or not c.up:
                 self.book.drop(self.book.take(at), "the daemon is not available")
                 continue
             if p.kind == "store" and p.req_id in self.book.stopped:

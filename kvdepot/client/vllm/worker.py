@@ -32,7 +32,8 @@ Per step (order of vLLM's ``KVConnectorModelRunnerMixin``): ``handle_preemptions
 The transfer thread's parts: the `kvdepot.client.vllm.planner.Planner` (a job's keys, block ids
 and pieces: no socket, no GPU), the `kvdepot.client.vllm.sender.Sender` (pieces queued, staged
 and sent as the ring has room), `TransferThread` itself (commands in, replies read, results
-out) and `WorkerSide.ready` (registration with the daemon, again after its restart).
+out) and the `kvdepot.client.vllm.registrar.WorkerRegistrar` (registration with the daemon,
+again after its restart).
 
 Two threads: the engine thread (vLLM's calls) and the transfer thread. Who owns what, and the
 only channels between them (the last rows); nothing else crosses:
@@ -41,7 +42,7 @@ only channels between them (the last rows); nothing else crosses:
 |---|---|---|
 | `WorkerSide`'s step state (``_meta``, ``_saves_posted``, ``_gather_in_wait``, ``_sliding_saves``, ``_released``, ``_loads_started``, ``_invalid_blocks``, ``_saves_ended``, ``_stream``) | engine | engine |
 | ``reg``, ``cfg``, ``groups``, the client object | engine, before the transfer thread starts | both, read-only after |
-| ``kvreg``, ``reg_generation``, ``disabled_reason`` | transfer thread (`ready`, `disable`), engine before it starts | engine, one reference each (`registration_id`, `stage_saves`); a stale one is refused where used (`StagedSaves.generation`) |
+| the `WorkerRegistrar`'s ``kvreg``, ``generation``, ``disabled_reason`` | transfer thread (`ready`, `disable`), engine before it starts | engine, one reference each (`registration_id`, `stage_saves`); a stale one is refused where used (`StagedSaves.generation`) |
 | ``stores_may_wait`` | engine (`bind`: turns True once the scheduler pins stores, never back) | transfer thread |
 | ``stats`` | per key one thread: ``forwards_waiting_for_gathers``, ``saves_gathered_by_bind`` the engine, the rest the transfer thread | engine (``get_kv_connector_stats``) |
 | the `KVDepotClient`'s socket, requests and replies | transfer thread | transfer thread |
@@ -68,13 +69,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from kvdepot.client.client import KVDepotClient
 from kvdepot.client.hashing import shard_name
 from kvdepot.client.vllm import commands as cmds
-from kvdepot.client.vllm.config import STAGING_MIN_BYTES, ConnectorConfig, auto_staging_bytes, load_ring_bytes
-from kvdepot.client.vllm.layout import Registration, TransferGroup, build_registration
-from kvdepot.client.vllm.mover import DOWN, TransferThread
+from kvdepot.client.vllm.config import ConnectorConfig
+from kvdepot.client.vllm.layout import Registration, TransferGroup
+from kvdepot.client.vllm.mover import TransferThread
 from kvdepot.client.vllm.pieces import PostedSave
 from kvdepot.client.vllm.plan import KVDepotMetadata, KVDepotWorkerMeta
-from kvdepot.gpu.layout import group_layers
-from kvdepot.protocol.errors import KVDepotError
+from kvdepot.client.vllm.registrar import WorkerRegistrar
 
 log = logging.getLogger("kvdepot.vllm")
 
@@ -99,7 +99,6 @@ class WorkerSide:
         self.groups = groups
         self.fingerprint = fingerprint
         self.model_id = model_id
-        self.disabled_reason = disabled_reason
         self.single_group = len(kv_cache_config.kv_cache_groups) == 1
         # a store may wait for ring room only where vLLM never frees a running request's blocks
         self.stores_may_wait = not any(g.has_null_blocks for g in groups)
@@ -113,9 +112,9 @@ class WorkerSide:
         self.client = KVDepotClient(cfg.endpoint, timeout_s=cfg.rpc_timeout_s,
                                     name=f"vllm-worker-{os.getpid()}-tp{self.tp_rank}", connect=False,
                                     retry_interval_s=cfg.retry_interval_s)
-        self.reg: Registration | None = None  # what vLLM's caches look like
-        self.kvreg = None  # the client's Registration (None: not registered with the live daemon)
-        self.reg_generation = -1
+        self.registrar = WorkerRegistrar(self.client, cfg, model_id, self.shard, fingerprint, self.max_step_tokens,
+                                         self.stores_skip_when_full, disabled_reason)
+        self.reg: Registration | None = None  # the registrar's ``reg``, once vLLM's caches were described
         self.stats = {"loads": 0, "load_failures": 0, "loaded_chunks": 0, "stores": 0, "stored_chunks": 0,
                       "store_failures": 0, "stores_skipped_ring_full": 0, "pieces_queued": 0, "late_ops": 0,
                       "null_blocks_left_alone": 0, "forwards_waiting_for_gathers": 0, "saves_gathered_by_bind": 0,
@@ -142,93 +141,16 @@ class WorkerSide:
     @property
     def registration_id(self) -> str | None:
         """The daemon's id of this worker's registration, while it is current."""
-        ok = self.kvreg is not None and self.reg_generation == self.client.generation
-        return self.kvreg.id if ok else None
-
-    # ------------------------------------------------------------------ registration
-    # register_kv_caches runs on the engine thread before the transfer thread starts; after
-    # that only the transfer thread calls ready() / disable().
+        return self.registrar.registration_id
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        if self.disabled_reason:
-            log.warning("kvdepot: connector disabled: %s", self.disabled_reason)
-        else:
-            try:
-                self.reg = build_registration(kv_caches, self.kv_cache_config, self.groups)
-            except ValueError as exc:
-                self.disable(str(exc))
-            else:
-                self._register()
+        """vLLM's caches, once, before the first step (engine thread): registered with the
+        daemon (`WorkerRegistrar.register_caches`), then the transfer thread starts."""
+        self.registrar.register_caches(kv_caches, self.kv_cache_config, self.groups)
+        self.reg = self.registrar.reg
         self._cuda = self.reg is not None and self.reg.device == "cuda"
         self.mover.start()  # disabled too: it ends the loads the scheduler still plans (recomputed)
         self._active = True
-
-    def disable(self, why: str) -> None:
-        log.error("kvdepot: connector disabled on this worker (vLLM keeps serving without it): %s", why)
-        self.disabled_reason = why
-        self.kvreg = None
-
-    def _register(self) -> bool:
-        reg, c = self.reg, self.client
-        try:
-            if self.kvreg is not None:
-                new = c.reregister(self.kvreg)
-            else:
-                new = c.register(self.model_id, self.shard, self.cfg.chunk_size, reg.storages, reg.layers, reg.groups,
-                                 device=reg.device, local_storages=reg.local if reg.device == "cuda" else None,
-                                 staging_bytes=self.staging_bytes(), storage_fds=reg.storage_fds,
-                                 load_staging_bytes=load_ring_bytes(self.cfg))
-        except KVDepotError as exc:
-            if exc.code in DOWN:
-                log.warning("kvdepot: registration failed (%s); retrying while the daemon is reachable", exc)
-                c.mark_down()
-            else:
-                self.disable(f"the daemon refused the KV-cache registration: {exc}")
-            return False
-        if new.layout_fingerprint != self.fingerprint:
-            self.disable(f"layout fingerprint {new.layout_fingerprint} differs from the scheduler's "
-                         f"{self.fingerprint}: chunk keys would name other bytes")
-            return False
-        self.kvreg = new
-        self.reg_generation = c.generation
-        st = new.staging
-        log.info("kvdepot: registered %d layers as %s (%d bytes per chunk%s)", len(reg.layers), new.id, new.object_bytes,
-                 f", engine-side staging: {st.ring.size_bytes >> 20} MiB ring"
-                 + (f" and {st.load_ring.size_bytes >> 20} MiB for loads" if st.load_ring is not st.ring else "")
-                 if st is not None else "")
-        return True
-
-    def staging_bytes(self) -> int:
-        """The staging ring's bytes: ``staging_bytes`` of the config, or where that is 0
-        `auto_staging_bytes` for this worker's chunk bytes (from the registration's layout)."""
-        if self.cfg.staging_bytes or self.reg is None:
-            return self.cfg.staging_bytes or STAGING_MIN_BYTES
-        reg = self.reg
-        sizes = [s.size_bytes for s in reg.storages]
-        chunk_bytes = group_layers(reg.layers, reg.groups, self.cfg.chunk_size, sizes).object_bytes
-        return auto_staging_bytes(chunk_bytes, self.cfg.chunk_size, self.max_step_tokens or self.cfg.chunk_size,
-                                  not self.stores_may_wait)
-
-    def ready(self) -> bool:
-        """Registered with a live daemon (registers again after a restart); transfer thread only."""
-        if self.disabled_reason or self.reg is None:
-            return False
-        c = self.client
-        if not c.available():
-            return False
-        c.poll()  # reads a close of the connection by a daemon that stopped (connected turns False)
-        if self.kvreg is not None and not c.conn.connected:
-            # the daemon closed the connection: a restarted one would not know the registration.
-            # One round trip on the new connection learns its boot id (then generation says).
-            try:
-                c.ping()
-            except KVDepotError as exc:
-                log.warning("kvdepot: the daemon does not answer (%s)", exc)
-                c.mark_down()
-                return False
-        if self.kvreg is None or self.reg_generation != c.generation:
-            return self._register()
-        return True
 
     # ------------------------------------------------------------------ per step (engine thread)
 
