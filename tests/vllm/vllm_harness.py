@@ -431,17 +431,18 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def add(self, prompt: list[int], max_tokens: int = 2, cache_salt: str | None = None, req_id: str = "",
-            mm_features: list | None = None, prompt_embeds=None) -> str:
+            mm_features: list | None = None, prompt_embeds=None, lora_request=None) -> str:
         """``mm_features``: vLLM ``MultiModalFeatureSpec``s of the prompt (the toy model has no
         encoder: a test patches vLLM's scheduling of encoder inputs away). ``prompt_embeds``: a
         (len(prompt), hidden) tensor vLLM gets instead of the token ids (the toy forward still
-        makes KV from ``prompt``, so give embeddings that differ where the tokens do)."""
+        makes KV from ``prompt``, so give embeddings that differ where the tokens do).
+        ``lora_request``: vLLM's ``LoRARequest`` of the request (the toy forward ignores it)."""
         self._ids += 1
         req_id = req_id or f"req-e{self.number}-{self._ids}"
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         sp.update_from_generation_config({}, EOS)
         req = Request(req_id, None if prompt_embeds is not None else list(prompt), sp, None, cache_salt=cache_salt,
-                      mm_features=mm_features, prompt_embeds=prompt_embeds,
+                      mm_features=mm_features, prompt_embeds=prompt_embeds, lora_request=lora_request,
                       block_hasher=get_request_block_hasher(self.hash_block_size, sha256))
         self.scheduler.add_request(req)
         self.runs[req_id] = _ReqRun(list(prompt), len(prompt), [[] for _ in self.groups])
