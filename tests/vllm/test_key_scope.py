@@ -38,34 +38,34 @@ def _run(endpoint, tmp_path, model_id: str, *, block_size: int = 16, kv_dtype=to
         e.close()
 
 
-def test_a_bf16_and_an_fp8_kv_cache_never_share_a_chunk(daemon, tmp_path):
-    assert _run(daemon.endpoint, tmp_path, "scope-dtype") == 0
-    assert _run(daemon.endpoint, tmp_path, "scope-dtype", kv_dtype=torch.float8_e4m3fn, cache_dtype="fp8") == 0
-    assert _run(daemon.endpoint, tmp_path, "scope-dtype", kv_dtype=torch.float8_e4m3fn, cache_dtype="fp8") \
+def test_a_bf16_and_an_fp8_kv_cache_never_share_a_chunk(shared_daemon, tmp_path):
+    assert _run(shared_daemon.endpoint, tmp_path, "scope-dtype") == 0
+    assert _run(shared_daemon.endpoint, tmp_path, "scope-dtype", kv_dtype=torch.float8_e4m3fn, cache_dtype="fp8") == 0
+    assert _run(shared_daemon.endpoint, tmp_path, "scope-dtype", kv_dtype=torch.float8_e4m3fn, cache_dtype="fp8") \
         == PROMPT_CHUNKS
-    assert _run(daemon.endpoint, tmp_path, "scope-dtype") == PROMPT_CHUNKS
+    assert _run(shared_daemon.endpoint, tmp_path, "scope-dtype") == PROMPT_CHUNKS
 
 
 @pytest.mark.parametrize("key_source", ["vllm", "tokens"])
-def test_another_block_size_never_loads_a_wrong_byte(daemon, tmp_path, key_source):
+def test_another_block_size_never_loads_a_wrong_byte(shared_daemon, tmp_path, key_source):
     """Keys from vLLM's block hashes (``key_source`` vllm, or auto where vLLM's hashes are
     reproducible) differ with the block size: no hit. Keys hashed from the tokens do not: the
     chunk's object format is the same for every block size (as for NHD and HND), and an engine
     of 32-token blocks loads an engine of 16-token blocks' chunks, every byte of which the
     harness checks."""
     extra = {"key_source": key_source}
-    assert _run(daemon.endpoint, tmp_path, f"scope-bs-{key_source}", extra=extra) == 0
-    got = _run(daemon.endpoint, tmp_path, f"scope-bs-{key_source}", block_size=32, extra=extra)
+    assert _run(shared_daemon.endpoint, tmp_path, f"scope-bs-{key_source}", extra=extra) == 0
+    got = _run(shared_daemon.endpoint, tmp_path, f"scope-bs-{key_source}", block_size=32, extra=extra)
     assert got == (0 if key_source == "vllm" else PROMPT_CHUNKS)
 
 
 @pytest.mark.parametrize("key_source", ["vllm", "tokens"])
-def test_requests_of_other_lora_adapters_never_share_a_chunk(daemon, tmp_path, key_source):
+def test_requests_of_other_lora_adapters_never_share_a_chunk(shared_daemon, tmp_path, key_source):
     """An adapter (by name and path), no adapter, another adapter: no hit across them; the same
     adapter under another engine's id for it hits."""
     from vllm.lora.request import LoRARequest
 
-    cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, chunk_size=CHUNK,
+    cfg = H.make_vllm_config(H.model_dir(tmp_path), shared_daemon.endpoint, chunk_size=CHUNK,
                              extra={"model_id": f"scope-lora-{key_source}", "key_source": key_source})
     got = []
     for lora in (LoRARequest("sql", 1, "/adapters/sql"), None, LoRARequest("chat", 2, "/adapters/chat"),
@@ -81,13 +81,13 @@ def test_requests_of_other_lora_adapters_never_share_a_chunk(daemon, tmp_path, k
 
 
 @pytest.mark.parametrize("key_source", ["vllm", "tokens"])
-def test_a_speculative_steps_draft_tokens_are_never_stored(daemon, tmp_path, key_source):
+def test_a_speculative_steps_draft_tokens_are_never_stored(shared_daemon, tmp_path, key_source):
     """With ``store_generated``, a decode step that verifies draft tokens schedules them too
     (one sampled token plus the drafts): the chunk their positions complete is neither keyed
     nor stored in that step, as their KV is unverified; it is stored once its tokens are the
     request's own, under the keys of those tokens (a chain keyed past the verified tokens would
     leave every later chunk unstored, or stored under another prefix's keys)."""
-    cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, chunk_size=CHUNK,
+    cfg = H.make_vllm_config(H.model_dir(tmp_path), shared_daemon.endpoint, chunk_size=CHUNK,
                              extra={"model_id": f"scope-spec-{key_source}", "store_generated": True,
                                     "key_source": key_source})
     e = H.Engine(cfg, H.dense_specs(), num_blocks=160)
