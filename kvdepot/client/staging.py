@@ -1,14 +1,9 @@
 """Engine-side staging: the engine's process gathers chunks into a device ring it shares with
 the daemon, and scatters them out of it; the daemon only moves the ring's bytes over PCIe.
 
-Why (measured on an H100 without MPS, two processes on one GPU, `.kbuild/xproc.cu` in the
-session-4 note): a kernel the daemon launches in its own CUDA context waits until the engine's
-context gives up the SMs. While an engine kernel of 1.4 ms ran, a daemon gather + D2H of 32 MiB
-ended after 2.3 ms instead of 0.66 ms, and each switch between the two contexts cost 150-250 us
-even on an idle GPU. A copy-engine DMA issued from the daemon's context ran beside the engine's
-kernel at full PCIe speed (0.66 ms) without slowing it. So the gather / scatter kernels run on
-the engine's own stream (ordered with its forward passes by the stream itself, with no
-cross-process wait), and the daemon's part is DMA only.
+The gather / scatter kernels run on the engine's own stream, ordered with its forward passes by
+the stream itself; the daemon's part is DMA only (why: docs/architecture.md, "Why engine-side
+staging").
 
 Ring: one device buffer per registration (`Register.staging`), allocated first-in first-out in
 256-byte aligned regions. A store's region is free once the daemon's copies out of it ended
@@ -23,10 +18,9 @@ Fence words (`FenceWords`): the store is sent as soon as its gather is enqueued,
 engine's GPU writes the region's sequence number into a word of host memory shared with the
 daemon once the gather has run (enqueued in the gather's own call, `Kernels.engine_gather`);
 the daemon polls the word from the CPU and copies the region after it. So a store never waits
-for the engine's stream (a vLLM step's forward may still be running on it). An interprocess
-CUDA event, the earlier design, was seen to report its record complete before the gather ran
-(14 engine processes time-slicing one GPU): the daemon copied the region too early, ~1 wrong
-chunk in 1,000.
+for the engine's stream (a vLLM step's forward may still be running on it). Never an
+interprocess CUDA event: one can report its record complete before the work ahead of it ran
+(`kvdepot.client.staged.Stager.fence`).
 """
 
 from __future__ import annotations
