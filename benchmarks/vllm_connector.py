@@ -351,13 +351,13 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
             finally:
                 c.close()
         if device == "cpu":  # B's shared-memory segments go with close()
-            res.update(direct(b.worker_conn.worker.reg, num_blocks, endpoint, chunk, requests, res["chunk_bytes"],
+            res.update(direct(b.worker_conn.worker.registrar.reg, num_blocks, endpoint, chunk, requests, res["chunk_bytes"],
                               device, staging_bytes))
     finally:
         b.close()
         gc.unfreeze()
     if device == "cuda":  # B's caches stay allocated; registered again once B's registration is gone
-        res.update(direct(b.worker_conn.worker.reg, num_blocks, endpoint, chunk, requests, res["chunk_bytes"],
+        res.update(direct(b.worker_conn.worker.registrar.reg, num_blocks, endpoint, chunk, requests, res["chunk_bytes"],
                           device, staging_bytes))
     res["stored_chunks"] = store["stats"]["stored_chunks"]
     res["loaded_chunks"] = load["stats"]["loaded_chunks"]

@@ -171,7 +171,8 @@ def _sliding_worker(mover):
     stream = object()
     w.mover, w.stats = mover, {"forwards_waiting_for_gathers": 0, "saves_gathered_by_bind": 0}
     w.cfg = types.SimpleNamespace(rpc_timeout_s=1.0)
-    w.stores_may_wait, w.reg, w._cuda, w._active = False, types.SimpleNamespace(device="cuda"), True, True
+    registrar = types.SimpleNamespace(reg=types.SimpleNamespace(device="cuda"))
+    w.stores_may_wait, w.registrar, w._cuda, w._active = False, registrar, True, True
     w._saves_posted, w._sliding_saves, w._gather_in_wait = 0, [], 0
     w._gather_retry = worker_mod.GATHER_IN_WAIT_RETRY
     w._current_stream = lambda: stream
@@ -201,7 +202,8 @@ def test_wait_for_save_gathers_on_the_engine_thread_after_bind_had_to():
     its event."""
     posted = []
     w, stream = _sliding_worker(types.SimpleNamespace(
-        started=True, post=posted.append, sender=types.SimpleNamespace(stage_saves=lambda jobs, s: ("staged", jobs, s))))
+        started=True, post=posted.append,
+        sender=types.SimpleNamespace(stage_saves=lambda jobs, s: ("staged", jobs, s))))
     w._gather_in_wait = 2
     jobs = [_job("a", 2, 0)]
     w._meta = KVDepotMetadata(stores=jobs)
@@ -356,7 +358,8 @@ def test_wait_for_save_of_a_dense_model_leaves_the_event_to_the_transfer_thread(
     stream = object()
     w.mover = types.SimpleNamespace(started=True, post=posted.append)
     w._post_quiet = posted.append  # (saves and releases: `TransferThread.post_quiet`)
-    w.stores_may_wait, w.reg, w._cuda, w._active = True, types.SimpleNamespace(device="cuda"), True, True
+    registrar = types.SimpleNamespace(reg=types.SimpleNamespace(device="cuda"))
+    w.stores_may_wait, w.registrar, w._cuda, w._active = True, registrar, True, True
     w._saves_posted, w._sliding_saves, w._released = 0, [], None
     w._current_stream = lambda: stream
     w._engine_event = lambda: pytest.fail("an event was made on the engine thread")
@@ -364,7 +367,8 @@ def test_wait_for_save_of_a_dense_model_leaves_the_event_to_the_transfer_thread(
     w._meta = KVDepotMetadata(stores=jobs)
     w.wait_for_save()
     assert posted == [cmds.SaveOnStream(jobs, None, stream, 0)] and w._sliding_saves == []
-    w.reg, w._cuda = types.SimpleNamespace(device="cpu"), False  # CPU engines: nothing to order on a stream
+    registrar = types.SimpleNamespace(reg=types.SimpleNamespace(device="cpu"))
+    w.registrar, w._cuda = registrar, False  # CPU engines: nothing to order on a stream
     w.wait_for_save()
     assert posted[-1] == cmds.SaveOnStream(jobs, None, None, 0)
 
@@ -377,7 +381,8 @@ def test_a_steps_releases_go_with_its_save_once_and_alone_when_it_saves_nothing(
     posted = []
     w.mover = types.SimpleNamespace(started=True, post=posted.append, merge_rest=lambda out: out)
     w._post_quiet = posted.append  # (saves and releases: `TransferThread.post_quiet`)
-    w.stores_may_wait, w.reg, w._cuda, w._active = True, types.SimpleNamespace(device="cpu"), False, True
+    registrar = types.SimpleNamespace(reg=types.SimpleNamespace(device="cpu"))
+    w.stores_may_wait, w.registrar, w._cuda, w._active = True, registrar, False, True
     w._saves_posted, w._sliding_saves, w._released, w._invalid_blocks = 0, [], None, set()
     w._outbox = ()  # nothing ended
     jobs = [_job("a", 2, 0)]
@@ -400,7 +405,8 @@ def test_a_wait_for_save_that_raises_before_posting_leaves_the_releases_to_get_t
                                     sender=types.SimpleNamespace(
                                         stage_saves=lambda jobs, s: pytest.fail("dense models never stage here")))
     w._post_quiet = posted.append  # (saves and releases: `TransferThread.post_quiet`)
-    w.stores_may_wait, w.reg, w._cuda, w._active = True, types.SimpleNamespace(device="cuda"), True, True
+    registrar = types.SimpleNamespace(reg=types.SimpleNamespace(device="cuda"))
+    w.stores_may_wait, w.registrar, w._cuda, w._active = True, registrar, True, True
     w._saves_posted, w._sliding_saves, w._released, w._invalid_blocks = 0, [], None, set()
     w._outbox = ()
 

@@ -70,7 +70,7 @@ from kvdepot.client.client import KVDepotClient
 from kvdepot.client.hashing import shard_name
 from kvdepot.client.vllm import commands as cmds
 from kvdepot.client.vllm.config import ConnectorConfig
-from kvdepot.client.vllm.layout import Registration, TransferGroup
+from kvdepot.client.vllm.layout import TransferGroup
 from kvdepot.client.vllm.mover import TransferThread
 from kvdepot.client.vllm.pieces import PostedSave
 from kvdepot.client.vllm.plan import KVDepotMetadata, KVDepotWorkerMeta
@@ -97,8 +97,6 @@ class WorkerSide:
         self.cfg = cfg
         self.kv_cache_config = kv_cache_config
         self.groups = groups
-        self.fingerprint = fingerprint
-        self.model_id = model_id
         self.single_group = len(kv_cache_config.kv_cache_groups) == 1
         # a store may wait for ring room only where vLLM never frees a running request's blocks
         self.stores_may_wait = not any(g.has_null_blocks for g in groups)
@@ -114,7 +112,6 @@ class WorkerSide:
                                     retry_interval_s=cfg.retry_interval_s)
         self.registrar = WorkerRegistrar(self.client, cfg, model_id, self.shard, fingerprint, self.max_step_tokens,
                                          self.stores_skip_when_full, disabled_reason)
-        self.reg: Registration | None = None  # the registrar's ``reg``, once vLLM's caches were described
         self.stats = {"loads": 0, "load_failures": 0, "loaded_chunks": 0, "stores": 0, "stored_chunks": 0,
                       "store_failures": 0, "stores_skipped_ring_full": 0, "pieces_queued": 0, "late_ops": 0,
                       "null_blocks_left_alone": 0, "forwards_waiting_for_gathers": 0, "saves_gathered_by_bind": 0,
@@ -147,8 +144,8 @@ class WorkerSide:
         """vLLM's caches, once, before the first step (engine thread): registered with the
         daemon (`WorkerRegistrar.register_caches`), then the transfer thread starts."""
         self.registrar.register_caches(kv_caches, self.kv_cache_config, self.groups)
-        self.reg = self.registrar.reg
-        self._cuda = self.reg is not None and self.reg.device == "cuda"
+        reg = self.registrar.reg
+        self._cuda = reg is not None and reg.device == "cuda"
         self.mover.start()  # disabled too: it ends the loads the scheduler still plans (recomputed)
         self._active = True
 
@@ -391,8 +388,9 @@ class WorkerSide:
         microseconds) while the current stream stays the same one."""
         src = self._stream_src
         if src is None:  # once: the lookups below cost a few microseconds per call
+            local = self.registrar.reg.local
             src = self._stream_src = (getattr(torch._C, "_cuda_getCurrentRawStream", None),
-                                      self.reg.local[0].device.index if self.reg.local else None)
+                                      local[0].device.index if local else None)
         raw_fn, dev = src
         if raw_fn is None or dev is None:
             return torch.cuda.current_stream()
