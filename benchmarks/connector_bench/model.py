@@ -7,7 +7,7 @@ connector lifecycle)."""
 from __future__ import annotations
 
 import torch
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
 from connector_bench import harness
 from connector_bench.timers import LayerProbe
@@ -33,8 +33,11 @@ def shapes(smoke: bool = False) -> dict[str, dict]:
         cls = FullAttentionSpec if i % 2 else SlidingWindowSpec
         kw = {} if i % 2 else {"sliding_window": 128}
         oss[f"model.layers.{i}.attn"] = cls(block_size=16, num_kv_heads=8, head_size=64, dtype=bf16, **kw)
+    # DeepSeek-V3: 61 MLA layers of one 576-wide latent row per token, whole on every TP rank
+    mla = {f"model.layers.{i}.attn": MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=bf16,
+                                                      max_tp_shards=1) for i in range(61)}
     out = {"Llama-3.1-8B TP1": dense(32, 8, 128), "Llama-3.1-70B TP4 shard": dense(80, 2, 128),
-           "gpt-oss-20b": oss}
+           "gpt-oss-20b": oss, "DeepSeek-V3 MLA": mla}
     if smoke:
         out[SMOKE_SHAPE] = dense(2, 2, 64)
         out[SMOKE_HYBRID_SHAPE] = {  # gpt-oss-20b's two groups, one layer each

@@ -107,6 +107,27 @@ def test_tensor_parallel_two_rank_processes_on_one_gpu(tmp_path, daemon):
     assert len(set(a["registrations"] + b["registrations"])) == 4
 
 
+def test_mla_tensor_parallel_two_rank_processes_store_once_and_both_load(tmp_path, daemon):
+    """MLA at TP=2, rank 1 in a process of its own: the latent KV is the same on both ranks, so
+    rank 0 alone stores it (one copy in the daemon) and B's two ranks both load it bit-exact."""
+    ep, _ = daemon
+    a = engine(tmp_path, ep, "gpu-mla-tp2", specs="mla", tp=2, rank_processes=True)
+    assert [s["stored_chunks"] for s in a["stats"]] == [4, 0]
+    assert a["stats"][1]["stores"] == 0
+    from kvdepot.client import KVDepotClient
+
+    with KVDepotClient(ep, timeout_s=5) as c:
+        info = c.describe()
+    l1 = next(t for t in info.tiers if t.name == "l1")
+    chunk_bytes = 4 * CHUNK * 576 * 2  # 4 layers of one bf16 latent row per token
+    assert l1.num_objects == 4 and 4 * chunk_bytes <= l1.used_bytes < 5 * chunk_bytes, l1
+    b = engine(tmp_path, ep, "gpu-mla-tp2", specs="mla", tp=2, rank_processes=True, layout="LBHNC",
+               warmup=[98, 40])
+    assert [s["loaded_chunks"] for s in b["stats"]] == [4, 4]
+    assert [s["load_failures"] for s in b["stats"]] == [0, 0]
+    assert b["outputs"] == a["outputs"]
+
+
 def test_a_step_storing_more_than_the_staging_ring_sends_the_rest_as_the_ring_frees(tmp_path, daemon):
     """A 1 MiB staging ring (2 chunks of 512 KiB) and steps that store 32 chunks each: what
     does not fit waits, and the worker's transfer thread sends it as ring regions free (during

@@ -39,6 +39,7 @@ def main(sc: dict) -> dict:
         scheduler.KVConnectorWorkerMetadata = None
     specs = {"hybrid": lambda: H.hybrid_specs(sliding_window=16),
              "dense-wide": lambda: H.dense_specs(heads=8, head_size=64),  # 512 KiB per 64-token chunk
+             "mla": lambda: H.mla_specs(latent=576),  # DeepSeek-V3's latent width, whole on every rank
              "dense": H.dense_specs}[sc.get("specs", "dense")]()
     model = H.model_dir(Path(sc["workdir"]))
     budget = {"max_num_batched_tokens": sc["budget"]} if sc.get("budget") else {}

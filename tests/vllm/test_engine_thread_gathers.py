@@ -168,6 +168,7 @@ def _sliding_worker(mover):
     from kvdepot.client.vllm import worker as worker_mod
 
     w = object.__new__(WorkerSide)
+    w.stores_chunks = True  # (every rank of a dense model stores)
     stream = object()
     w.mover, w.stats = mover, {"forwards_waiting_for_gathers": 0, "saves_gathered_by_bind": 0}
     w.cfg = types.SimpleNamespace(rpc_timeout_s=1.0)
@@ -354,6 +355,7 @@ def test_wait_for_save_of_a_dense_model_leaves_the_event_to_the_transfer_thread(
     ended: wait_for_save posts the engine's stream, and the thread records the event on it when
     it takes the save (no CUDA call on the engine thread)."""
     w = object.__new__(WorkerSide)
+    w.stores_chunks = True  # (every rank of a dense model stores)
     posted = []
     stream = object()
     w.mover = types.SimpleNamespace(started=True, post=posted.append)
@@ -378,6 +380,7 @@ def test_a_steps_releases_go_with_its_save_once_and_alone_when_it_saves_nothing(
     ride on its "save" command, and get_transfer_results posts them only for a step without
     stores; never twice."""
     w = object.__new__(WorkerSide)
+    w.stores_chunks = True  # (every rank of a dense model stores)
     posted = []
     w.mover = types.SimpleNamespace(started=True, post=posted.append, merge_rest=lambda out: out)
     w._post_quiet = posted.append  # (saves and releases: `TransferThread.post_quiet`)
@@ -400,6 +403,7 @@ def test_a_steps_releases_go_with_its_save_once_and_alone_when_it_saves_nothing(
 
 def test_a_wait_for_save_that_raises_before_posting_leaves_the_releases_to_get_transfer_results():
     w = object.__new__(WorkerSide)
+    w.stores_chunks = True  # (every rank of a dense model stores)
     posted = []
     w.mover = types.SimpleNamespace(started=True, post=posted.append, merge_rest=lambda out: out,
                                     sender=types.SimpleNamespace(
@@ -488,6 +492,7 @@ def test_get_transfer_results_returns_what_the_thread_published_merged_and_nothi
     side = types.SimpleNamespace(cfg=None, client=None, stats={}, registrar=types.SimpleNamespace())
     t = TransferThread(side)
     w = object.__new__(WorkerSide)
+    w.stores_chunks = True  # (every rank of a dense model stores)
     w.mover, w._outbox, w._post_quiet = t, t.outbox, t.post_quiet
     w._active, w._meta, w._released, w._invalid_blocks, w._saves_ended = True, None, None, set(), set()
     assert w.get_transfer_results() is NO_RESULTS

@@ -116,6 +116,7 @@ class _Mover:
 
 def _worker():
     w = object.__new__(WorkerSide)
+    w.stores_chunks = True  # (every rank of a dense model stores)
     w.mover, w.stats = _Mover(), {"forwards_waiting_for_gathers": 0}
     w.cfg = types.SimpleNamespace(rpc_timeout_s=1.0)
     w._sliding_saves = []

@@ -150,6 +150,7 @@ def test_pins_drop_once_every_worker_reported_the_save():
 
 def test_a_pinned_save_a_worker_does_not_send_is_reported_at_once():
     w = object.__new__(WorkerSide)
+    w.stores_chunks = True  # (every rank of a dense model stores)
     w.mover = types.SimpleNamespace(started=False)  # the transfer thread never started (disabled)
     w._active, w._saves_ended = False, set()
     job = StoreJob("r", [b"k" * 16], b"", b"s" * 16, 0, [[1], [2]], "")

@@ -19,7 +19,8 @@ What is vLLM's own code and what is this harness:
   forward pass, which checks every KV byte it attends to against the KV the toy model defines
   for that token prefix (so a wrong load fails the test, and the sampled token depends on the
   cached bytes), then writes the KV of the scheduled tokens. Each TP rank's KV differs (as
-  each rank holds other heads), so a rank that loads another rank's shard fails. The worker's
+  each rank holds other heads), so a rank that loads another rank's shard fails; MLA layers
+  (`mla_specs`) are the same on every rank, as vLLM's latent KV is. The worker's
   rank comes from vLLM's parallel state, which needs torch.distributed; the harness sets it
   while creating each rank's connector.
 """
@@ -63,6 +64,7 @@ with warnings.catch_warnings():
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
+        MLAAttentionSpec,
         SlidingWindowSpec,
         UniformTypeKVCacheSpecs,
         create_kv_cache_views,
@@ -161,6 +163,14 @@ def hybrid_specs(sliding_window: int = 48) -> dict:
             specs[f"model.layers.{i}.attn"] = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=16,
                                                                 dtype=torch.bfloat16, sliding_window=sliding_window)
     return specs
+
+
+def mla_specs(num_layers: int = 4, block_size: int = 16, latent: int = 72) -> dict:
+    """An MLA model's layers as vLLM's DeepSeek attention declares them: one latent row per token
+    (``latent`` bf16 values, e.g. 576 for DeepSeek-V3), the same on every rank (``max_tp_shards=1``)."""
+    return {f"model.layers.{i}.attn": MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=latent,
+                                                       dtype=torch.bfloat16, max_tp_shards=1)
+            for i in range(num_layers)}
 
 
 def plan_kv_cache(vllm_config: VllmConfig, layer_specs: dict, num_blocks: int):
@@ -268,6 +278,8 @@ class RankWorker:
             self.kv_caches = allocate_kv_cache(kv_cache_config, vllm_config.cache_config.get_resolved_kv_cache_layout(),
                                                self.device)
         self.conn.register_kv_caches(self.kv_caches)
+        self._replicated = {name for g in groups for name in g.layer_names
+                            if getattr(g.kv_cache_spec, "max_tp_shards", None) == 1}
 
     def execute(self, so, update_states: bool) -> ModelRunnerOutput:
         """``GPUModelRunner.execute_model`` of this rank, for the connector's purposes (tokens are
@@ -307,8 +319,10 @@ class RankWorker:
             run.sched_computed = cached.num_computed_tokens[i]
 
     def _layer_id(self, name: str) -> int:
-        """Layer index in the toy KV formula; other per rank (each rank holds other heads)."""
-        return int(name.split(".")[2]) + 1000 * self.rank
+        """Layer index in the toy KV formula; other per rank (each rank holds other heads), except
+        for layers every rank holds whole (MLA: ``max_tp_shards == 1``)."""
+        layer = int(name.split(".")[2])
+        return layer if name in self._replicated else layer + 1000 * self.rank
 
     def _layer_geometry(self, name: str):
         v = self.kv_caches[name].view(torch.int8)

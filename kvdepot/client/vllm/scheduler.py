@@ -3,7 +3,7 @@
 Per request:
 
 1. ``on_new_request`` / first ``get_num_new_matched_tokens``: the prompt's chunk keys (one
-   chain per tensor-parallel shard, namespaced by model, layout fingerprint, shard and the
+   chain per distinct tensor-parallel shard, one for MLA: `kvdepot.client.vllm.shards`; namespaced by model, layout fingerprint, shard and the
    request's ``cache_salt``; the chain values taken from vLLM's own block hashes where vLLM
    makes them reproducible, else hashed from the tokens: `block_hash_chains`) and a `Lookup`
    pinning the hit chunks under the request id.
@@ -37,11 +37,11 @@ import zmq
 from vllm.v1.request import RequestStatus
 
 from kvdepot.client.client import KVDepotClient
-from kvdepot.client.hashing import shard_name
 from kvdepot.client.vllm.config import ConnectorConfig, block_hash_chains
 from kvdepot.client.vllm.layout import TransferGroup, attention_tag
 from kvdepot.client.vllm.pins import StorePins
 from kvdepot.client.vllm.requests import RequestKeys, RequestState
+from kvdepot.client.vllm.shards import stored_layer_specs, tp_shards
 from kvdepot.client.vllm.plan import (KVConnectorWorkerMetadata, KVDepotMetadata, KVDepotWorkerMeta, LoadJob, StoreJob,
                                      blocks_covering, chunk_block_ids, holds_block, plan_load)
 from kvdepot.protocol import messages as m
@@ -68,7 +68,8 @@ class SchedulerSide:
         self.lcm = math.lcm(*(g.block_size for g in groups)) if groups else 1
         self.sliding = any(g.has_null_blocks for g in groups)  # vLLM frees blocks of running requests
         tp = vllm_config.parallel_config.tensor_parallel_size
-        self.shards = [shard_name(r, tp) for r in range(tp)]
+        # one key chain per distinct shard (MLA: one, "replicated"; `kvdepot.client.vllm.shards`)
+        self.shards = list(tp_shards(stored_layer_specs(kv_cache_config, groups), tp).names)
         self.client = KVDepotClient(cfg.endpoint, timeout_s=cfg.lookup_timeout_s, name=f"vllm-scheduler-{os.getpid()}",
                                     connect=False, retry_interval_s=cfg.retry_interval_s)
         self._reqs: dict[str, RequestState] = {}

@@ -25,7 +25,8 @@ Per step (order of vLLM's ``KVConnectorModelRunnerMixin``): ``handle_preemptions
   the next forward may write one of its blocks first: then the engine thread gathers it there
   (`kvdepot.client.vllm.pieces.PostedSave`). CPU: the daemon reads the shared-memory blocks itself. A finished
   request keeps its blocks (vLLM's ``delay_free_blocks``) until its stores and loads ended, then
-  is reported in finished_sending.
+  is reported in finished_sending. Ranks holding the same shard (MLA's latent KV, identical on
+  every rank: `kvdepot.client.vllm.shards`) load it all; only the first of them stores it.
 * No per-layer calls: ``has_connector_metadata`` is False, so vLLM's attention layers never call
   ``wait_for_layer_load`` / ``save_kv_layer`` (the thread needs no pumping).
 
@@ -41,7 +42,7 @@ only channels between them (the last rows); nothing else crosses:
 | state | written by | read by |
 |---|---|---|
 | `WorkerSide`'s step state (``_meta``, ``_saves_posted``, ``_gather_in_wait``, ``_sliding_saves``, ``_released``, ``_loads_started``, ``_invalid_blocks``, ``_saves_ended``, ``_stream``) | engine | engine |
-| ``reg``, ``cfg``, ``groups``, the client object | engine, before the transfer thread starts | both, read-only after |
+| ``reg``, ``cfg``, ``groups``, ``shard``, ``stores_chunks``, the client object | engine, before the transfer thread starts | both, read-only after |
 | the `WorkerRegistrar`'s ``kvreg``, ``generation``, ``disabled_reason`` | transfer thread (`ready`, `disable`), engine before it starts | engine, one reference each (`registration_id`, `stage_saves`); a stale one is refused where used (`StagedSaves.generation`) |
 | ``stores_may_wait`` | engine (`bind`: turns True once the scheduler pins stores, never back) | transfer thread |
 | ``stats`` | per key one thread: ``forwards_waiting_for_gathers``, ``saves_gathered_by_bind`` the engine, the rest the transfer thread | engine (``get_kv_connector_stats``) |
@@ -67,7 +68,6 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvdepot.client.client import KVDepotClient
-from kvdepot.client.hashing import shard_name
 from kvdepot.client.vllm import commands as cmds
 from kvdepot.client.vllm.config import ConnectorConfig
 from kvdepot.client.vllm.layout import TransferGroup
@@ -75,6 +75,7 @@ from kvdepot.client.vllm.mover import TransferThread
 from kvdepot.client.vllm.pieces import PostedSave
 from kvdepot.client.vllm.plan import KVDepotMetadata, KVDepotWorkerMeta
 from kvdepot.client.vllm.registrar import WorkerRegistrar
+from kvdepot.client.vllm.shards import stored_layer_specs, tp_shards
 
 log = logging.getLogger("kvdepot.vllm")
 
@@ -106,7 +107,10 @@ class WorkerSide:
         self.max_step_tokens = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0)
         tp = vllm_config.parallel_config.tensor_parallel_size
         self.tp_rank = _tp_rank(tp)
-        self.shard = shard_name(self.tp_rank, tp)
+        shards = tp_shards(stored_layer_specs(kv_cache_config, groups), tp)
+        self.shard = shards.of(self.tp_rank)
+        # ranks holding the same shard (MLA's replicated latent KV): the first stores, all load
+        self.stores_chunks = shards.stores(self.tp_rank)
         self.client = KVDepotClient(cfg.endpoint, timeout_s=cfg.rpc_timeout_s,
                                     name=f"vllm-worker-{os.getpid()}-tp{self.tp_rank}", connect=False,
                                     retry_interval_s=cfg.retry_interval_s)
@@ -283,7 +287,7 @@ class WorkerSide:
 
     def wait_for_save(self) -> None:
         meta = self._meta
-        if meta is None or not meta.stores or not self._active:
+        if meta is None or not meta.stores or not self._active or not self.stores_chunks:
             if meta is not None and getattr(meta, "pin_seq", 0):
                 self._saves_ended.add(meta.pin_seq)  # never sent: nothing reads its blocks
             return
