@@ -51,7 +51,8 @@ def cmd_serve(args) -> int:
         curve=curve, l2_path=v["l2_path"], l2_capacity_bytes=v["l2_bytes"], l2_queue_bytes=v["l2_queue_bytes"],
         l2_io_threads=v["l2_io_threads"], l2_direct_io=v["l2_direct_io"], shutdown_drain_s=v["shutdown_drain_s"], l3_url=v["l3_url"],
         l3_cluster=v["l3_cluster"], l3_prefix=v["l3_prefix"], l3_ttl_s=v["l3_ttl_s"], l3_timeout_s=v["l3_timeout_s"],
-        l3_queue_bytes=v["l3_queue_bytes"], watchdog_s=v["watchdog_s"], allow_shm_names=v["allow_shm_names"])
+        l3_queue_bytes=v["l3_queue_bytes"], watchdog_s=v["watchdog_s"], allow_shm_names=v["allow_shm_names"],
+        tenant_quotas=v["tenant_quota"] or {})
     run_daemon(cfg)
     return 0
 
@@ -82,6 +83,12 @@ def describe_text(info) -> str:
                      f"{t.hit_chunks:>10}{t.evictions:>9}{_fmt_bytes(t.read_bytes):>12}{_fmt_bytes(t.written_bytes):>12}"
                      f"{t.queue_depth:>7}{t.dropped_writes:>9}{t.errors:>8}{t.corrupt_objects:>9}"
                      + (f"   {t.detail}" if t.detail else ""))
+    if info.tenants:
+        lines.append("")
+        lines.append(f"{'TIER':<6}{'TENANT':<24}{'USED':>14}{'QUOTA':>14}{'QUOTA EVICTIONS':>17}")
+        for t in info.tenants:
+            lines.append(f"{t.tier:<6}{t.tenant:<24}{_fmt_bytes(t.used_bytes):>14}"
+                         f"{_fmt_bytes(t.quota_bytes) if t.quota_bytes else '-':>14}{t.quota_evictions:>17}")
     lines.append("")
     if not info.engines:
         lines.append("no engines registered")

@@ -87,6 +87,12 @@ def _endpoints(v: Any) -> list[str]:
     return [x.strip() for x in items]
 
 
+def _quotas(v: Any) -> dict[str, int]:
+    from kvdepot.server.quotas import parse_quotas
+
+    return parse_quotas(v)
+
+
 def _log_level(v: Any) -> str:
     level = _str(v).lower()
     if level not in ("debug", "info", "warning", "error"):
@@ -195,6 +201,12 @@ SETTINGS: tuple[Setting, ...] = (
             "core; -1 = whatever is in flight", metavar="N"),
     Setting("log_level", "--log-level", _log_level, "info", "debug, info, warning or error",
             env="KVDEPOT_LOG_LEVEL", metavar="LEVEL"),
+    Setting("tenant_quota", "--tenant-quota", _quotas, None,
+            "SALT=BYTES: the most bytes of chunks a tenant (a request's cache_salt) holds in L1, and the same "
+            "share of L2; a tenant over it evicts its own least recently used chunks, never another's. The flag "
+            "may repeat; '*=BYTES' bounds each salt not named, '=BYTES' requests without a salt; the variable "
+            "takes a comma-separated string, the file a table (e.g. {acme = \"8g\", \"*\" = \"2g\"}); unset = "
+            "no quotas", env="KVDEPOT_TENANT_QUOTA", metavar="SALT=BYTES"),
     Setting("curve_secret_key", "--curve-secret-key", _str, None,
             "the daemon's CURVE secret key file (NAME.key_secret of `kvdepot keygen`): tcp:// endpoints then "
             "accept only clients whose public key is in curve_clients; without it a tcp:// endpoint must be "
@@ -204,6 +216,7 @@ SETTINGS: tuple[Setting, ...] = (
             env="KVDEPOT_CURVE_CLIENTS", metavar="DIR"),
 )
 BY_KEY = {s.key: s for s in SETTINGS}
+_REPEATABLE = {"endpoint": "endpoint_list", "tenant_quota": "tenant_quota_list"}  # flags that may repeat: their dest
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -219,8 +232,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if s.metavar == "":
             parser.add_argument(s.flag, dest=s.key, action="store_true", default=None, help=s.help + where)
             parser.add_argument("--no-" + s.flag[2:], dest=s.key, action="store_false", default=None)
-        elif s.key == "endpoint":
-            parser.add_argument(s.flag, dest="endpoint_list", action="append", default=None, metavar=s.metavar,
+        elif s.key in _REPEATABLE:
+            parser.add_argument(s.flag, dest=_REPEATABLE[s.key], action="append", default=None, metavar=s.metavar,
                                 help=s.help + where)
         else:
             parser.add_argument(s.flag, dest=s.key, default=None, metavar=s.metavar, help=s.help + where + default)
@@ -253,6 +266,8 @@ def _toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
@@ -287,7 +302,7 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) 
     file = load_file(path) if path else {}
     values, sources = {}, {}
     for s in SETTINGS:
-        given = getattr(args, "endpoint_list" if s.key == "endpoint" else s.key, None)
+        given = getattr(args, _REPEATABLE.get(s.key, s.key), None)
         if given is not None:
             raw, src = given, f"flag {s.flag if given is not False else '--no-' + s.flag[2:]}"
         elif s.env and environ.get(s.env, "") != "":

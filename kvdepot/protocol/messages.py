@@ -151,6 +151,18 @@ class TierInfo(msgspec.Struct, omit_defaults=True):
     detail: str = ""  # e.g. the directory and I/O mode of L2
 
 
+class TenantInfo(msgspec.Struct, omit_defaults=True):
+    """One tenant's use of one tier in `DaemonInfo` (`kvdepot.server.quotas`): tenant is a salt
+    named in the daemon's quotas, ``(none)`` for requests without a salt, or ``other`` (every
+    salt not named, summed)."""
+
+    tier: str
+    tenant: str
+    used_bytes: int
+    quota_bytes: int = 0  # 0: none; other: each unnamed salt's quota
+    quota_evictions: int = 0  # objects evicted to keep the tenant within its quota
+
+
 class TransferInfo(msgspec.Struct, omit_defaults=True):
     """A copy in flight in `DaemonInfo` (the watchdog's stuck ones, `kvdepot.server.watchdog`)."""
 
@@ -181,6 +193,8 @@ class DaemonInfo(msgspec.Struct, omit_defaults=True):
     injected_faults: dict[str, int] = msgspec.field(default_factory=dict)
     # copies past the watchdog's deadline that have not ended yet (kvdepot.server.watchdog)
     stuck_transfers: list[TransferInfo] = msgspec.field(default_factory=list)
+    # per tier, bytes per tenant and their quotas (with --tenant-quota; kvdepot.server.quotas)
+    tenants: list[TenantInfo] = msgspec.field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- requests

@@ -121,6 +121,9 @@ class DaemonConfig:
     l3_ttl_s: float = 86400.0
     l3_timeout_s: float = 0.5
     l3_queue_bytes: int | None = None
+    # (--tenant-quota SALT=BYTES, repeatable) most bytes of each tenant (cache_salt) in L1, and
+    # the same share of L2 (kvdepot.server.quotas); "*": each salt not named
+    tenant_quotas: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class Daemon:
@@ -426,7 +429,7 @@ class Daemon:
             lookup_hit_tokens=self.lookups.hit_tokens, stored_chunks=self.transfers.stored_chunks,
             retrieved_chunks=self.transfers.retrieved_chunks, evicted_chunks=self.index.evictions,
             injected_faults=dict(self._faults.counts) if self._faults else {},
-            stuck_transfers=self.watchdog.stuck_infos(),
+            stuck_transfers=self.watchdog.stuck_infos(), tenants=self.tiers.tenant_infos(),
             transfer_engine=self.transfer_engine_name, pinned_requests=len(self.lookups.pins))
         return m.DescribeReply(rid=req.rid, info=info)
 

@@ -33,11 +33,12 @@ import os
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
+from kvdepot.server.quotas import TenantLedger
 from kvdepot.server.objfile import (HEADER_BYTES, CorruptObject, ObjectMeta, decode_header, encode_header, file_bytes,
                                     padded, payload_checksum)
 
@@ -93,6 +94,7 @@ class DiskTier:
             allocated until written); a write beyond it is dropped and counted.
         io_threads: threads doing file I/O.
         direct_io: O_DIRECT on (True), off (False), or where the filesystem supports it (None).
+        quotas: salt -> most file bytes of that tenant here (`kvdepot.server.quotas`).
 
     Raises:
         ValueError: a capacity or queue of 0 or less, or fewer than one I/O thread.
@@ -101,7 +103,7 @@ class DiskTier:
     name = "l2"
 
     def __init__(self, path: str, capacity_bytes: int, queue_bytes: int, io_threads: int = 4,
-                 direct_io: bool | None = None) -> None:
+                 direct_io: bool | None = None, quotas: Mapping[str, int] | None = None) -> None:
         if capacity_bytes <= 0 or queue_bytes <= 0 or io_threads < 1:
             raise ValueError("L2 needs a capacity and a write queue > 0 bytes and at least one I/O thread")
         self.path = os.path.abspath(path)
@@ -114,6 +116,7 @@ class DiskTier:
         self.queued_bytes = 0  # payload bytes of writes not yet ended
         self.queued_writes = 0
         self._entries: OrderedDict[bytes, DiskEntry] = OrderedDict()  # LRU first
+        self.tenants = TenantLedger(quotas or {})  # file bytes per cache_salt, and their quotas
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdepot-l2")
         self._tls = threading.local()
         self._tag = secrets.token_hex(4)  # file names of this boot never collide with older ones
@@ -165,16 +168,20 @@ class DiskTier:
                 self.counters.errors += 1
         found.sort(key=lambda x: x[0])  # oldest first: LRU order
         for _, e in found:
-            old = self._entries.pop(e.key, None)
+            old = self._entries.get(e.key)
             if old is not None:  # an older copy whose deletion a crash interrupted
-                self.used_bytes -= old.file_bytes
+                self._unindex(old)
                 _unlink(old.path)
-            self._entries[e.key] = e
-            self.used_bytes += e.file_bytes
+            self._index(e)
         while self.used_bytes > self.capacity_bytes and self._entries:  # capacity lowered since
-            _, e = self._entries.popitem(last=False)
-            self.used_bytes -= e.file_bytes
+            e = next(iter(self._entries.values()))
+            self._unindex(e)
             _unlink(e.path)
+        for salt in list(self.tenants.used_bytes):  # quotas lowered since: the tenant's oldest go
+            while self.tenants.over(salt, 0):
+                e = next(self.tenants.oldest(salt))
+                self._unindex(e)
+                _unlink(e.path)
         log.info("L2 at %s: %d objects (%d bytes) found, capacity %d bytes, %s I/O", self.path, len(self._entries),
                  self.used_bytes, self.capacity_bytes, "O_DIRECT" if self.direct_io else "buffered")
         return len(self._entries)
@@ -250,15 +257,27 @@ class DiskTier:
 
     def touch_chain(self, keys: list[bytes]) -> None:
         """Mark a hit chain most recently used, tail first so parents end up newer."""
+        entries, tenants = self._entries, self.tenants
         for k in reversed(keys):
-            if k in self._entries:
-                self._entries.move_to_end(k)
+            e = entries.get(k)
+            if e is not None:
+                entries.move_to_end(k)
+                tenants.touch(e.cache_salt, k)
+
+    def _index(self, e: DiskEntry) -> None:
+        self._entries[e.key] = e
+        self.used_bytes += e.file_bytes
+        self.tenants.add(e.cache_salt, e.key, e, e.file_bytes)
+
+    def _unindex(self, e: DiskEntry) -> None:
+        del self._entries[e.key]
+        self.used_bytes -= e.file_bytes
+        self.tenants.remove(e.cache_salt, e.key, e.file_bytes)
 
     def _remove(self, e: DiskEntry) -> None:
         """Out of the index; the file goes when nothing uses it."""
         if self._entries.get(e.key) is e:
-            del self._entries[e.key]
-            self.used_bytes -= e.file_bytes
+            self._unindex(e)
         was = e.state
         e.state = DiskState.DOOMED
         if was is DiskState.READY and e.readers == 0:
@@ -288,6 +307,26 @@ class DiskTier:
             self.counters.evictions += 1
         return True
 
+    def _make_own_room(self, salt: str, nbytes: int) -> bool:
+        """Evict tenant ``salt``'s least recently used objects until ``nbytes`` more fit its
+        quota; False (nothing evicted) if its objects not in use cannot make that room."""
+        tenants = self.tenants
+        need = tenants.used_bytes.get(salt, 0) + nbytes - tenants.limit(salt)
+        victims = []
+        for e in tenants.oldest(salt):
+            if need <= 0:
+                break
+            if e.state is DiskState.READY and e.readers == 0:
+                victims.append(e)
+                need -= e.file_bytes
+        if need > 0:
+            return False
+        for e in victims:
+            self._remove(e)
+            self.counters.evictions += 1
+            tenants.evicted(salt)
+        return True
+
     def drop_where(self, pred: Callable[[DiskEntry], bool]) -> tuple[int, int]:
         """Remove every object matching ``pred`` (flush); files in use go when released.
         Returns (objects, file bytes) dropped."""
@@ -307,16 +346,17 @@ class DiskTier:
         evicted (the latter two counted in ``dropped_writes``)."""
         if key in self._entries:
             return False
-        pad = padded(size_bytes)
-        if self.queued_bytes + pad > self.queue_limit_bytes or not self._make_room(file_bytes(size_bytes)):
+        pad, fb = padded(size_bytes), file_bytes(size_bytes)
+        if (self.queued_bytes + pad > self.queue_limit_bytes
+                or (self.tenants.over(cache_salt, fb) and not self._make_own_room(cache_salt, fb))
+                or not self._make_room(fb)):
             self.counters.dropped_writes += 1
             return False
         self._seq += 1
         h = key.hex()
         e = DiskEntry(key, parent, model, cache_salt, fingerprint, size_bytes,
                       os.path.join(self._objects, h[:2], f"{h}.{self._tag}{self._seq:x}.kvd"))
-        self._entries[key] = e
-        self.used_bytes += e.file_bytes
+        self._index(e)
         self.queued_bytes += pad
         self.queued_writes += 1
         fut = self._loop.run_in_executor(self._pool, self._write_file, e, payload)
@@ -330,8 +370,7 @@ class DiskTier:
                 log.error("L2: write of %s failed: %s", e.path, exc)
                 self.counters.errors += 1
                 if self._entries.get(key) is e:
-                    del self._entries[key]
-                    self.used_bytes -= e.file_bytes
+                    self._unindex(e)
                 e.state = None
                 return
             e.checksum = f.result()

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
+from kvdepot.server.quotas import TenantLedger
+
 
 class EntryState(enum.Enum):
     WRITING = 1  # memory allocated, copy in progress, invisible
@@ -62,12 +64,15 @@ class ChunkIndex:
         free_fn: called as ``free_fn(entry, evicted)`` when an entry's memory may be reused:
             ``evicted`` True when LRU eviction removed it (a lower tier may keep it), False when
             flushed, aborted, or doomed and released.
+        tenants: bytes per tenant (``cache_salt``) of the entries in the index, and their quotas
+            (`kvdepot.server.quotas`); kept up to date here.
     """
 
-    def __init__(self, free_fn: Callable[[Entry, bool], None]) -> None:
+    def __init__(self, free_fn: Callable[[Entry, bool], None], tenants: TenantLedger | None = None) -> None:
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # LRU first, MRU last
         self._free = free_fn
         self.evictions = 0
+        self.tenants = TenantLedger({}) if tenants is None else tenants
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -96,6 +101,7 @@ class ChunkIndex:
                 p.children += 1
                 e.linked = True
         self._entries[key] = e
+        self.tenants.add(cache_salt, key, e, size_bytes)
         return e
 
     def commit(self, e: Entry) -> None:
@@ -119,6 +125,15 @@ class ChunkIndex:
         e.state = None
         self._free(e, False)
 
+    def retag(self, e: Entry, model: str, cache_salt: str, fingerprint: str) -> None:
+        """Name a WRITING entry's model, tenant and fingerprint (an object whose header says
+        them only once read: L3), its bytes then counted to that tenant."""
+        assert e.state is EntryState.WRITING, f"retag from {e.state}"
+        if self._entries.get(e.key) is e:
+            self.tenants.remove(e.cache_salt, e.key, e.size_bytes)
+            self.tenants.add(cache_salt, e.key, e, e.size_bytes)
+        e.model, e.cache_salt, e.fingerprint = model, cache_salt, fingerprint
+
     def acquire(self, e: Entry) -> None:
         """Add a reader (blocks eviction). Only READY entries may be read."""
         assert e.state is EntryState.READY, f"acquire from {e.state}"
@@ -132,9 +147,12 @@ class ChunkIndex:
 
     def touch_chain(self, keys: list[bytes]) -> None:
         """Mark a hit chain most recently used, tail first so parents end up newer."""
+        entries, tenants = self._entries, self.tenants
         for k in reversed(keys):
-            if k in self._entries:
-                self._entries.move_to_end(k)
+            e = entries.get(k)
+            if e is not None:
+                entries.move_to_end(k)
+                tenants.touch(e.cache_salt, k)
 
     # ---------------------------------------------------------------- removal
 
@@ -142,6 +160,7 @@ class ChunkIndex:
         if self._entries.get(e.key) is not e:
             return
         del self._entries[e.key]
+        self.tenants.remove(e.cache_salt, e.key, e.size_bytes)
         if e.linked:
             e.linked = False
             p = self._entries.get(e.parent)
@@ -170,6 +189,21 @@ class ChunkIndex:
                 self.evictions += 1
                 return e
         return None
+
+    def evict_own(self, salt: str) -> Entry | None:
+        """Evict tenant ``salt``'s least recently used evictable leaf (its quota is full);
+        None if none of its entries is evictable."""
+        ready = EntryState.READY
+        victim = None
+        for e in self.tenants.oldest(salt):
+            if e.state is ready and e.readers == 0 and e.children == 0:
+                victim = e
+                break
+        if victim is not None:
+            self._remove(victim, evicted=True)
+            self.evictions += 1
+            self.tenants.evicted(salt)
+        return victim
 
     def drop_where(self, pred: Callable[[Entry], bool]) -> tuple[int, int]:
         """Remove every entry matching ``pred`` (flush), and every cached descendant of one: a

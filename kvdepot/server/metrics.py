@@ -6,7 +6,8 @@ Conventions (prometheus-client): ``kvdepot_`` prefix, base units, counters end i
     rate(kvdepot_lookup_hit_tokens_total[5m]) / rate(kvdepot_lookup_requested_tokens_total[5m])
 
 Labels come from small fixed sets only: ``model`` (registered model names), ``op``
-(store | retrieve), ``tier`` (l1), ``code`` (ErrorCode names), ``reason`` (why a store skipped
+(store | retrieve), ``tier`` (l1), ``tenant`` (the salts named in ``--tenant-quota``, ``(none)``,
+``other``), ``code`` (ErrorCode names), ``reason`` (why a store skipped
 chunks, why a registration was reclaimed), ``type`` (request message types). Never request ids or hashes. Every series exists (at 0) from the moment it can: per
 op, tier, code and reason when the daemon starts (`Metrics.start`), per model at the model's
 first registration (`Metrics.add_model`). The HTTP side is `kvdepot.server.http`.
@@ -221,6 +222,16 @@ class Metrics:
         self.corrupt_objects = CounterFamily(
             "kvdepot_corrupt_objects", "Objects that failed verification (torn, truncated, stale or flipped "
             "bytes): dropped, never served.", ["tier"])
+        self.tenant_used_bytes = GaugeFamily(
+            "kvdepot_tenant_used_bytes", "Bytes of a tenant's (cache_salt's) cached objects in a tier; tenant: the "
+            "salts named in --tenant-quota, (none) for requests without a salt, other for the rest.",
+            ["tier", "tenant"])
+        self.tenant_quota_bytes = GaugeFamily(
+            "kvdepot_tenant_quota_bytes", "A tenant's quota in a tier (other: each unnamed salt's); 0 = none.",
+            ["tier", "tenant"])
+        self.tenant_quota_evictions = CounterFamily(
+            "kvdepot_tenant_quota_evictions", "Objects evicted to keep their tenant within its quota.",
+            ["tier", "tenant"])
         self.store_skipped_chunks = CounterFamily(
             "kvdepot_store_skipped_chunks", "Chunks a store could not keep (parent missing or tier full).",
             ["reason"])

@@ -27,6 +27,7 @@ from kvdepot.protocol.errors import ErrorCode, RequestError
 from kvdepot.server.disk import DiskEntry, DiskTier
 from kvdepot.server.index import ChunkIndex, Entry, EntryState
 from kvdepot.server.objfile import ObjectMeta, padded
+from kvdepot.server.quotas import TenantLedger, scaled
 from kvdepot.server.remote import RemoteTier, redact
 
 log = logging.getLogger("kvdepot.daemon")
@@ -57,12 +58,14 @@ class Tiers:
         self.pool = pool
         self.metrics = metrics
         self.front = front
-        self.index = ChunkIndex(self.free_entry)
+        quotas = dict(getattr(cfg, "tenant_quotas", None) or {})
+        self.index = ChunkIndex(self.free_entry, TenantLedger(quotas))
         self._loop = None  # the event loop, from `open`
         self.l2: DiskTier | None = None
         if cfg.l2_path:
             queue = cfg.l2_queue_bytes or min(2 << 30, max(self.pool.capacity_bytes // 8, 1))
-            self.l2 = DiskTier(cfg.l2_path, cfg.l2_capacity_bytes, queue, cfg.l2_io_threads, cfg.l2_direct_io)
+            self.l2 = DiskTier(cfg.l2_path, cfg.l2_capacity_bytes, queue, cfg.l2_io_threads, cfg.l2_direct_io,
+                               scaled(quotas, cfg.l2_capacity_bytes, max(1, self.pool.capacity_bytes)))
         self.l3: RemoteTier | None = None
         if cfg.l3_url:
             queue = cfg.l3_queue_bytes or min(1 << 30, max(self.pool.capacity_bytes // 8, 1))
@@ -89,6 +92,11 @@ class Tiers:
             mt.tier_capacity_bytes.labels("l2").set(l2.capacity_bytes)
             mt.tier_used_bytes.labels("l2").set_function(lambda: l2.used_bytes)
             mt.tier_objects.labels("l2").set_function(lambda: len(l2))
+        for tier, ledger in (("l1", self.index.tenants),) + ((("l2", l2.tenants),) if l2 is not None else ()):
+            for label in ledger.by_label():  # the configured tenants, (none) and other: a fixed set
+                mt.tenant_used_bytes.labels(tier, label).set_function(lambda g=ledger, k=label: g.by_label()[k][0])
+                mt.tenant_quota_bytes.labels(tier, label).set_function(lambda g=ledger, k=label: g.by_label()[k][1])
+                mt.tenant_quota_evictions.set_function((tier, label), lambda g=ledger, k=label: g.by_label()[k][2])
         for tier in (t for t in (l2, self.l3) if t is not None):
             mt.tier_queue_depth.labels(tier.name).set_function(lambda tier=tier: tier.queued_writes)
             c = tier.counters
@@ -119,13 +127,23 @@ class Tiers:
 
     # ------------------------------------------------------------------ L1 memory
 
-    def alloc(self, size_bytes: int) -> int | None:
-        """An L1 extent, evicting least recently used leaves (to L2 where there is one) until it
-        fits; None when nothing more is evictable."""
+    def alloc(self, size_bytes: int, cache_salt: str) -> int | None:
+        """An L1 extent for an object of tenant ``cache_salt``, evicting least recently used
+        leaves (to L2 where there is one) until it fits: first the tenant's own while
+        ``size_bytes`` more would take it over its quota (`kvdepot.server.quotas`), then
+        anyone's. None when nothing more is evictable."""
         pool = self.pool
         allocator = pool.allocator
         if size_bytes > allocator.segment_bytes:
             return None  # can never fit: evicting would only empty the cache for nothing
+        tenants = self.index.tenants
+        if tenants.over(cache_salt, size_bytes):
+            if size_bytes > tenants.limit(cache_salt):
+                return None
+            while tenants.over(cache_salt, size_bytes):
+                if self.index.evict_own(cache_salt) is None:
+                    return None
+                self._l1_evictions.value += 1
         while True:
             off = allocator.alloc(size_bytes, pool.usable_bytes)  # (`HostPool.alloc`)
             if off is not None:
@@ -299,7 +317,7 @@ class Tiers:
         l2 = self.l2
         l2.acquire(d)  # an L1 eviction below may spill into L2 and evict there: not this one
         try:
-            off = self.alloc(d.size_bytes)
+            off = self.alloc(d.size_bytes, d.cache_salt)
             if off is None:
                 fut.set_result(False)
                 return fut
@@ -330,7 +348,7 @@ class Tiers:
         if self.index.get(key) is not None:
             fut.set_result(self.index.ready(key) is not None)
             return fut
-        off = self.alloc(size_bytes)
+        off = self.alloc(size_bytes, "")  # (its tenant is known from the header: `ChunkIndex.retag`)
         if off is None:
             fut.set_result(False)
             return fut
@@ -340,7 +358,10 @@ class Tiers:
         def done(meta: ObjectMeta | None, err: BaseException | None) -> None:
             del self._promoting[key]
             if err is None:
-                e.model, e.cache_salt, e.fingerprint = meta.model, meta.cache_salt, meta.fingerprint
+                self.index.retag(e, meta.model, meta.cache_salt, meta.fingerprint)
+                # over its tenant's quota now: its tenant's older chunks go (not it: still WRITING)
+                while self.index.tenants.over(e.cache_salt, 0) and self.index.evict_own(e.cache_salt) is not None:
+                    self._l1_evictions.value += 1
                 self.index.commit(e)
                 self.spill_ahead()
             else:
@@ -417,6 +438,14 @@ class Tiers:
 
         self.l3.flush(done)
         return None
+
+    def tenant_infos(self) -> list[m.TenantInfo]:
+        """Per tier, each tenant's bytes and quota; empty without quotas."""
+        if not self.index.tenants.quotas:
+            return []
+        ledgers = (("l1", self.index.tenants),) + ((("l2", self.l2.tenants),) if self.l2 is not None else ())
+        return [m.TenantInfo(tier, label, used, quota, ev) for tier, ledger in ledgers
+                for label, (used, quota, ev) in ledger.by_label().items()]
 
     def infos(self) -> list[m.TierInfo]:
         out = [m.TierInfo("l1", self.pool.capacity_bytes, self.pool.used_bytes, len(self.index),

@@ -149,7 +149,7 @@ class TransferService:
                             held.append(e)
                         c_present += 1
                     else:
-                        off = self.tiers.alloc(ob)
+                        off = self.tiers.alloc(ob, req.cache_salt)
                         if off is None:
                             reason = "capacity"
                             full = True

@@ -124,8 +124,10 @@ def test_prometheus_lookup_tokens_per_model(module_daemon):
         assert metric(samples, "python_gc_collections_total", generation=gen) >= 0
     for (name, labels) in samples:  # labels from small fixed sets only
         allowed = {"version", "protocol", "kernels"} if name == "kvdepot_build_info" else \
-            {"model", "op", "tier", "code", "reason", "type", "le", "generation"}
+            {"model", "op", "tier", "code", "reason", "type", "le", "generation", "tenant"}
         assert set(dict(labels)) <= allowed, (name, labels)
+        # tenants: the salts named in --tenant-quota (none here) and "other", whatever the traffic
+        assert dict(labels).get("tenant", "other") == "other", (name, labels)
 
 
 def test_prometheus_counts_errors_by_code(module_daemon):
