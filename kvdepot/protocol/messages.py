@@ -552,3 +552,27 @@ Reply = Union[
 ]
 
 REQUEST_TAGS = frozenset(t.__struct_config__.tag for t in Request.__args__)
+
+
+# --------------------------------------------------------------------------- chunk events
+# Published by the daemon at `kvdepot.protocol.transport.events_endpoint` (`kvdepot.server.events`):
+# two frames, the topic (`events_topic` of a model, or `EVENTS_ALL_MODELS`) and a `ChunkEventBatch`.
+
+EVENTS_ALL_MODELS = b"*\0"  # the topic of events about every model (a flush of everything)
+
+
+def events_topic(model: str) -> bytes:
+    """The first frame of ``model``'s chunk events: its label, then NUL (no model's topic is a
+    prefix of another's)."""
+    return model.encode() + b"\0"
+
+
+class ChunkEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One model's chunk events of one pass of the daemon's loop, to be read in this order:
+    ``cleared`` (every chunk of the model, or of every model, was flushed), ``stored`` (keys now
+    readable in L1, from a store or from L3, or present when a store sent them again),
+    ``removed`` (keys no tier holds any more). Keys are 16-byte chunk keys."""
+
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+    cleared: bool = False

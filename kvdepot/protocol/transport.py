@@ -117,6 +117,16 @@ def stream_path(endpoint: str) -> str | None:
     return None if path is None else path + STREAM_SUFFIX
 
 
+EVENTS_SUFFIX = ".events"  # the chunk events of ipc://PATH are published at ipc://PATH + EVENTS_SUFFIX
+
+
+def events_endpoint(endpoint: str) -> str | None:
+    """Where the daemon serving ``endpoint`` publishes chunk events (`kvdepot.server.events`):
+    ``ipc://PATH.events`` for ``ipc://PATH``; None for other endpoints (none is published there)."""
+    path = ipc_path(endpoint)
+    return None if path is None else f"ipc://{path}{EVENTS_SUFFIX}"
+
+
 class StreamSocket:
     """Client end of the daemon's stream socket, with the part of `zmq.Socket`'s interface
     (DEALER) that kvdepot's clients call: `send`, `poll`, `recv`, `close`.

@@ -47,13 +47,14 @@ from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.errors import ErrorCode, RequestError
 from kvdepot.protocol.fdpass import fds_path
-from kvdepot.protocol.transport import ipc_path, make_socket, stream_path
+from kvdepot.protocol.transport import events_endpoint, ipc_path, make_socket, stream_path
 from kvdepot.server.http import HttpEndpoints
 from kvdepot.server.metrics import Metrics
 from kvdepot.server.netsec import CurveConfig, TcpFront, check_endpoints
 from kvdepot.server.pool import HostPool
 from kvdepot.server.registration import Registration
 from kvdepot.server.front import Front
+from kvdepot.server.events import ChunkEvents
 from kvdepot.server.faults import ENV_INJECT_FAULTS, InjectedFaults
 from kvdepot.server.fdinbox import FdInbox
 from kvdepot.server.gcpause import GENERATIONS, GcPauses, freeze_heap
@@ -151,7 +152,8 @@ class Daemon:
                            config.busy_poll_max_inflight, self._faults, self._peer_attached, self._peer_detached)
         self.watchdog = CopyWatchdog(config.watchdog_s, self.metrics, self.front.reply_error)
         self.pool = HostPool(config.l1_capacity_bytes)
-        self.tiers = Tiers(config, self.pool, self.metrics, self.front)
+        self.events = ChunkEvents()  # chunks entering and leaving, for the connectors (opened in `serve`)
+        self.tiers = Tiers(config, self.pool, self.metrics, self.front, self.events)
         self.index = self.tiers.index
         self.lookups = Lookups(self.tiers, self.index, self.front, self.metrics, self._model_label, config.pin_ttl_s)
         self.settlements = Settlements(self._registration, self.front)
@@ -209,6 +211,10 @@ class Daemon:
             ctx.term()
             raise
         self.front.bind(asyncio.get_running_loop(), sock, tcp)
+        tiers = self.tiers
+        self.events.open(ctx, [events_endpoint(ep) for ep in local_eps if ipc_path(ep)], asyncio.get_running_loop(),
+                         lambda key: tiers.index.get(key) is not None or (tiers.l2 is not None
+                                                                          and tiers.l2.get(key) is not None))
         for ep in self.config.endpoints:
             path = stream_path(ep)
             if path is not None:
@@ -255,6 +261,7 @@ class Daemon:
                 self.http.close()
             self.transfers.close()
             self.front.close()
+            self.events.close()
             ctx.term()
             self._executor.shutdown(wait=True)
             self.tiers.close()

@@ -95,6 +95,7 @@ class DiskTier:
         io_threads: threads doing file I/O.
         direct_io: O_DIRECT on (True), off (False), or where the filesystem supports it (None).
         quotas: salt -> most file bytes of that tenant here (`kvdepot.server.quotas`).
+        on_leave: called as ``on_leave(model, key)`` when an object leaves the index.
 
     Raises:
         ValueError: a capacity or queue of 0 or less, or fewer than one I/O thread.
@@ -103,7 +104,8 @@ class DiskTier:
     name = "l2"
 
     def __init__(self, path: str, capacity_bytes: int, queue_bytes: int, io_threads: int = 4,
-                 direct_io: bool | None = None, quotas: Mapping[str, int] | None = None) -> None:
+                 direct_io: bool | None = None, quotas: Mapping[str, int] | None = None,
+                 on_leave: Callable[[str, bytes], None] | None = None) -> None:
         if capacity_bytes <= 0 or queue_bytes <= 0 or io_threads < 1:
             raise ValueError("L2 needs a capacity and a write queue > 0 bytes and at least one I/O thread")
         self.path = os.path.abspath(path)
@@ -117,6 +119,7 @@ class DiskTier:
         self.queued_writes = 0
         self._entries: OrderedDict[bytes, DiskEntry] = OrderedDict()  # LRU first
         self.tenants = TenantLedger(quotas or {})  # file bytes per cache_salt, and their quotas
+        self._on_leave = on_leave or (lambda model, key: None)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdepot-l2")
         self._tls = threading.local()
         self._tag = secrets.token_hex(4)  # file names of this boot never collide with older ones
@@ -273,6 +276,7 @@ class DiskTier:
         del self._entries[e.key]
         self.used_bytes -= e.file_bytes
         self.tenants.remove(e.cache_salt, e.key, e.file_bytes)
+        self._on_leave(e.model, e.key)
 
     def _remove(self, e: DiskEntry) -> None:
         """Out of the index; the file goes when nothing uses it."""

@@ -66,13 +66,17 @@ class ChunkIndex:
             flushed, aborted, or doomed and released.
         tenants: bytes per tenant (``cache_salt``) of the entries in the index, and their quotas
             (`kvdepot.server.quotas`); kept up to date here.
+        on_leave: called as ``on_leave(model, key)`` when an entry leaves the index (evicted,
+            flushed, aborted); e.g. `kvdepot.server.events.ChunkEvents.left`.
     """
 
-    def __init__(self, free_fn: Callable[[Entry, bool], None], tenants: TenantLedger | None = None) -> None:
+    def __init__(self, free_fn: Callable[[Entry, bool], None], tenants: TenantLedger | None = None,
+                 on_leave: Callable[[str, bytes], None] | None = None) -> None:
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # LRU first, MRU last
         self._free = free_fn
         self.evictions = 0
         self.tenants = TenantLedger({}) if tenants is None else tenants
+        self._on_leave = on_leave or (lambda model, key: None)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -161,6 +165,7 @@ class ChunkIndex:
             return
         del self._entries[e.key]
         self.tenants.remove(e.cache_salt, e.key, e.size_bytes)
+        self._on_leave(e.model, e.key)
         if e.linked:
             e.linked = False
             p = self._entries.get(e.parent)

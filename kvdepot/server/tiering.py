@@ -45,6 +45,7 @@ class Tiers:
         pool: L1's pinned host memory.
         metrics: the daemon's `kvdepot.server.metrics.Metrics` (tier gauges, read at scrape).
         front: the `kvdepot.server.front.Front` that answers a flush waiting for L3.
+        events: the `kvdepot.server.events.ChunkEvents` told of chunks entering and leaving.
 
     Attributes:
         index: L1's `ChunkIndex` (made here: its evictions spill to L2, `free_entry`).
@@ -53,19 +54,20 @@ class Tiers:
             in each (`kvdepot.server.lookups`).
     """
 
-    def __init__(self, config, pool, metrics, front) -> None:
+    def __init__(self, config, pool, metrics, front, events) -> None:
         cfg = config
         self.pool = pool
         self.metrics = metrics
         self.front = front
+        self.events = events
         quotas = dict(getattr(cfg, "tenant_quotas", None) or {})
-        self.index = ChunkIndex(self.free_entry, TenantLedger(quotas))
+        self.index = ChunkIndex(self.free_entry, TenantLedger(quotas), events.left)
         self._loop = None  # the event loop, from `open`
         self.l2: DiskTier | None = None
         if cfg.l2_path:
             queue = cfg.l2_queue_bytes or min(2 << 30, max(self.pool.capacity_bytes // 8, 1))
             self.l2 = DiskTier(cfg.l2_path, cfg.l2_capacity_bytes, queue, cfg.l2_io_threads, cfg.l2_direct_io,
-                               scaled(quotas, cfg.l2_capacity_bytes, max(1, self.pool.capacity_bytes)))
+                               scaled(quotas, cfg.l2_capacity_bytes, max(1, self.pool.capacity_bytes)), events.left)
         self.l3: RemoteTier | None = None
         if cfg.l3_url:
             queue = cfg.l3_queue_bytes or min(1 << 30, max(self.pool.capacity_bytes // 8, 1))
@@ -195,6 +197,9 @@ class Tiers:
     def committed(self, entries: Sequence[Entry]) -> None:
         """A store committed ``entries`` (READY in L1, in commit order): write them through to
         L2 and L3."""
+        stored = self.events.stored
+        for e in entries:
+            stored(e.model, e.key)
         if self.l2 is not None:
             self._write_through_l2(entries)
         if self.l3 is not None:
@@ -363,6 +368,7 @@ class Tiers:
                 while self.index.tenants.over(e.cache_salt, 0) and self.index.evict_own(e.cache_salt) is not None:
                     self._l1_evictions.value += 1
                 self.index.commit(e)
+                self.events.stored(e.model, e.key)
                 self.spill_ahead()
             else:
                 self.index.abort(e)
@@ -418,6 +424,8 @@ class Tiers:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "L3 keys do not name their model or salt: flush --tier l3 "
                                                            "drops every object under the L3 prefix, for every daemon")
         n = b = 0
+        if not req.tier and req.cache_salt is None:  # every chunk (of the model): one event, not one per key
+            self.events.cleared(req.model)
         if req.tier in ("", "l1"):
             n, b = self.index.drop_where(match)
         if self.l2 is not None and req.tier in ("", "l2"):

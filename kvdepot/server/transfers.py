@@ -118,6 +118,7 @@ class TransferService:
         # A parent or chunk that only a lower tier (L2) holds counts as present too: the chunk is
         # not stored again, and its children are stored unlinked (`ChunkIndex.begin_write`).
         l2 = self.tiers.l2
+        events = self.tiers.events
         for start, end, parent in runs:
             reason = "capacity" if full else ""
             c_present = 0
@@ -138,6 +139,7 @@ class TransferService:
                         d = l2.ready(key)
                         if d is not None and d.size_bytes == ob:
                             c_present += 1
+                            events.stored(reg.model, key)  # (held: told again to whoever planned it now)
                             parent = key
                             continue
                     if e is not None:
@@ -147,6 +149,7 @@ class TransferService:
                         if e.state is READY:  # (else WRITING: no reader may hold it; its children keep it)
                             index.acquire(e)
                             held.append(e)
+                            events.stored(reg.model, key)
                         c_present += 1
                     else:
                         off = self.tiers.alloc(ob, req.cache_salt)

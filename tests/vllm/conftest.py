@@ -42,8 +42,9 @@ class Daemon:
     """A `kvdepot serve` subprocess on a fixed ipc endpoint; `stop` / `start` restart it (the
     endpoint stays, the boot id changes)."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, l1_bytes: str = "256m") -> None:
         self.workdir = workdir
+        self.l1_bytes = l1_bytes
         sock_dir = Path(tempfile.mkdtemp(prefix="kvdv-", dir="/tmp"))  # ipc paths must stay short
         self.sock_path = sock_dir / "kvdepot.sock"
         self.endpoint = f"ipc://{self.sock_path}"
@@ -54,7 +55,7 @@ class Daemon:
         self.starts += 1
         out_path = self.workdir / f"daemon{self.starts}.out"
         self.log_path = self.workdir / f"daemon{self.starts}.log"
-        cmd = [sys.executable, "-m", "kvdepot", "serve", "--endpoint", self.endpoint, "--l1-bytes", "256m"]
+        cmd = [sys.executable, "-m", "kvdepot", "serve", "--endpoint", self.endpoint, "--l1-bytes", self.l1_bytes]
         with open(out_path, "wb") as out, open(self.log_path, "wb") as err:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -88,6 +89,14 @@ class Daemon:
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
+
+
+@pytest.fixture
+def small_daemon(tmp_path: Path) -> Iterator[Daemon]:
+    """A fresh daemon with a 1 MiB L1 (32 of the toy model's 32 KiB chunks): evictions come soon."""
+    d = Daemon(tmp_path, l1_bytes="1m").start()
+    yield d
+    d.close()
 
 
 @pytest.fixture

@@ -19,13 +19,13 @@ def l1(endpoint: str):
         return next(t for t in c.describe().tiers if t.name == "l1")
 
 
-@pytest.mark.parametrize("rank_processes", [False, True], ids=["one-process", "rank-processes"])
-def test_mla_at_tp2_is_stored_once_and_both_ranks_load_every_byte(daemon, cfg, engines, rank_processes):
+def test_mla_at_tp2_is_stored_once_and_both_ranks_load_every_byte(daemon, cfg, engines):
     """TP=2 MLA: both ranks are the ``replicated`` shard, the scheduler looks up one key chain,
     rank 0 stores 3 chunks and rank 1 none; the daemon holds 3 chunk objects (one copy's bytes);
     another TP=2 engine (other layout, other block ids) loads the 3 chunks into both ranks,
-    each rank's forward checking every byte it attends to."""
-    a = engines(cfg(daemon.endpoint), H.mla_specs(), tp=2, rank_processes=rank_processes)
+    each rank's forward checking every byte it attends to. (Ranks in processes of their own:
+    `tests/gpu/test_vllm_gpu.py`, and the dense TP tests here.)"""
+    a = engines(cfg(daemon.endpoint), H.mla_specs(), tp=2)
     assert a.sched_conn.scheduler.shards == [REPLICATED]
     prompt = H.tokens(41, 200)
     ra = a.add(prompt, max_tokens=3)
@@ -41,7 +41,7 @@ def test_mla_at_tp2_is_stored_once_and_both_ranks_load_every_byte(daemon, cfg, e
     assert tier.num_objects == 3 and tier.used_bytes >= 3 * engine.object_bytes
     assert tier.used_bytes < 4 * engine.object_bytes  # one copy, not one per rank
 
-    b = engines(cfg(daemon.endpoint, layout="LBHNC"), H.mla_specs(), tp=2, rank_processes=rank_processes)
+    b = engines(cfg(daemon.endpoint, layout="LBHNC"), H.mla_specs(), tp=2)
     b.add(H.tokens(98, 40), max_tokens=1)  # other block ids than A's
     b.run()
     rb = b.add(prompt, max_tokens=3)

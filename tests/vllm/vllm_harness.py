@@ -45,7 +45,8 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"`torch\.jit\.script(_method)?` is deprecated",
                             category=DeprecationWarning)
     from vllm import ModelRegistry, SamplingParams
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import (CacheConfig, DeviceConfig, KVEventsConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
+                             VllmConfig)
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -114,10 +115,12 @@ def make_vllm_config(model: str, endpoint: str, *, block_size: int = 16, chunk_s
                      extra: dict | None = None, max_num_batched_tokens: int = 2048, layout: str = "LBNHC",
                      policy: str = "recompute", connector: str = "KVDepotConnector",
                      module: str = "kvdepot.client.vllm", device: str = "cpu", max_model_len: int = 2048,
-                     max_num_seqs: int = 16, model_kw: dict | None = None) -> VllmConfig:
+                     max_num_seqs: int = 16, model_kw: dict | None = None,
+                     kv_events_endpoint: str = "") -> VllmConfig:
     """A VllmConfig for the toy model with the kvdepot connector (vLLM imports ``module`` and
     takes its ``connector`` class, as ``--kv-transfer-config`` makes it do); ``model_kw``: more
-    `ModelConfig` arguments (e.g. ``hf_overrides``)."""
+    `ModelConfig` arguments (e.g. ``hf_overrides``); ``kv_events_endpoint``: vLLM's KV events
+    on, published by its ``ZmqEventPublisher`` there (``--kv-events-config``)."""
     kv = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module,
                           kv_role="kv_both", kv_load_failure_policy=policy,
                           kv_connector_extra_config={"endpoint": endpoint, "chunk_size": chunk_size,
@@ -136,7 +139,9 @@ def make_vllm_config(model: str, endpoint: str, *, block_size: int = 16, chunk_s
             scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                              max_model_len=max_model_len, enable_chunked_prefill=True,
                                              is_encoder_decoder=False),
-            kv_transfer_config=kv, device_config=DeviceConfig(device))
+            kv_transfer_config=kv, device_config=DeviceConfig(device),
+            **({"kv_events_config": KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                    endpoint=kv_events_endpoint)} if kv_events_endpoint else {}))
     # vLLM keeps its hybrid KV-cache manager on for connectors that support it (SupportsHMA), but
     # turns it off on platforms without hybrid support (a CPU machine has no vLLM platform): turn
     # it back on, as on a CUDA machine, so hybrid models get one KV-cache group per layer type

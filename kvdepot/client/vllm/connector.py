@@ -258,6 +258,11 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                                     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request)
 
+    def take_events(self):
+        """vLLM's KV events of what the depot holds of this engine's prompts
+        (`kvdepot.client.vllm.events`; with ``--kv-events-config``)."""
+        return self.scheduler.take_events() if self.scheduler is not None else ()
+
     def reset_cache(self) -> bool | None:
         if self.scheduler is None:
             return None

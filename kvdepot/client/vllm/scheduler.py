@@ -38,6 +38,7 @@ from vllm.v1.request import RequestStatus
 
 from kvdepot.client.client import KVDepotClient
 from kvdepot.client.vllm.config import ConnectorConfig, block_hash_chains
+from kvdepot.client.vllm.events import DepotEvents
 from kvdepot.client.vllm.layout import TransferGroup, attention_tag
 from kvdepot.client.vllm.pins import StorePins
 from kvdepot.client.vllm.requests import RequestKeys, RequestState
@@ -113,6 +114,12 @@ class SchedulerSide:
                                  self._chain_source, self._attention)
         if not self._blocks_per_chunk and cfg.key_source == "auto" and self.enabled:
             log.info("kvdepot: chunk keys hashed from tokens, not vLLM's block hashes: %s", self._chain_source)
+        # vLLM's KV events (--kv-events-config): what the depot holds of this engine's prompts
+        kec = getattr(vllm_config, "kv_events_config", None)
+        hbs = int(getattr(kv_cache_config, "hash_block_size", 0) or 0)
+        self._events: DepotEvents | None = None
+        if self.enabled and kec is not None and kec.enable_kv_cache_events and hbs and cfg.chunk_size % hbs == 0:
+            self._events = DepotEvents(cfg.endpoint, model_id, hbs, cfg.chunk_size)
 
     # ------------------------------------------------------------------ helpers
 
@@ -395,6 +402,10 @@ class SchedulerSide:
                 return None
         st.next_store_chunk = end_chunk
         st.stored = True
+        if self._events is not None:
+            keys = st.keys[0]
+            for i in range(first, end_chunk):
+                self._events.planned(keys[i], i, req)
         chain = st.chain
         return StoreJob(req_id, chain[first:end_chunk], chain[first - 1] if first else b"", st.seed, first, ids,
                         st.cache_salt, lazy)
@@ -513,7 +524,14 @@ class SchedulerSide:
         self.client.forget(rid)
         return True
 
+    def take_events(self) -> list:
+        """vLLM ``KVCacheEvent``s since the last call (`DepotEvents.take`); empty without
+        ``--kv-events-config``."""
+        return self._events.take() if self._events is not None else []
+
     def shutdown(self) -> None:
+        if self._events is not None:
+            self._events.close()
         self.client.close()
 
 
