@@ -129,17 +129,18 @@ class Tiers:
 
     # ------------------------------------------------------------------ L1 memory
 
-    def alloc(self, size_bytes: int, cache_salt: str) -> int | None:
+    def alloc(self, size_bytes: int, cache_salt: str | None) -> int | None:
         """An L1 extent for an object of tenant ``cache_salt``, evicting least recently used
         leaves (to L2 where there is one) until it fits: first the tenant's own while
         ``size_bytes`` more would take it over its quota (`kvdepot.server.quotas`), then
-        anyone's. None when nothing more is evictable."""
+        anyone's (``cache_salt`` None: not known yet, no quota applies). None when nothing more
+        is evictable."""
         pool = self.pool
         allocator = pool.allocator
         if size_bytes > allocator.segment_bytes:
             return None  # can never fit: evicting would only empty the cache for nothing
         tenants = self.index.tenants
-        if tenants.over(cache_salt, size_bytes):
+        if cache_salt is not None and tenants.over(cache_salt, size_bytes):
             if size_bytes > tenants.limit(cache_salt):
                 return None
             while tenants.over(cache_salt, size_bytes):
@@ -353,7 +354,7 @@ class Tiers:
         if self.index.get(key) is not None:
             fut.set_result(self.index.ready(key) is not None)
             return fut
-        off = self.alloc(size_bytes, "")  # (its tenant is known from the header: `ChunkIndex.retag`)
+        off = self.alloc(size_bytes, None)  # (its tenant is known from the header: `ChunkIndex.retag`)
         if off is None:
             fut.set_result(False)
             return fut
