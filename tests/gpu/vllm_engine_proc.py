@@ -5,7 +5,7 @@ KV caches on CUDA.
     python vllm_engine_proc.py '<json scenario>'
 
 Scenario keys: ``device`` (default cuda), ``endpoint``, ``model_id``, ``workdir``, ``layout`` (LBNHC / LBHNC), ``specs``
-(dense / dense-wide / hybrid), ``tp``, ``rank_processes``, ``warmup`` ([seed, tokens]: a request run first so
+(dense / dense-wide / hybrid / mla), ``tp``, ``rank_processes``, ``warmup`` ([seed, tokens]: a request run first so
 that the prompt gets other block ids), ``prompt`` ([seed, tokens]), ``max_tokens``,
 ``more_prompts`` (more [seed, tokens] added with it), ``extra`` (connector settings),
 ``kill_daemon_pid`` (SIGKILL that pid once the scheduler's lookup was answered, then run on),
