@@ -295,41 +295,33 @@ class DiskTier:
     def _make_room(self, nbytes: int) -> bool:
         if nbytes > self.capacity_bytes:
             return False
-        victims, free = [], self.capacity_bytes - self.used_bytes
-        if free >= nbytes:
-            return True
-        for e in self._entries.values():
-            if e.state is DiskState.READY and e.readers == 0:
-                victims.append(e)
-                free += e.file_bytes
-                if free >= nbytes:
-                    break
-        if free < nbytes:
-            return False
-        for e in victims:
-            self._remove(e)
-            self.counters.evictions += 1
-        return True
+        return self._evict(self._entries.values(), nbytes - (self.capacity_bytes - self.used_bytes)) is not None
 
     def _make_own_room(self, salt: str, nbytes: int) -> bool:
         """Evict tenant ``salt``'s least recently used objects until ``nbytes`` more fit its
         quota; False (nothing evicted) if its objects not in use cannot make that room."""
         tenants = self.tenants
-        need = tenants.used_bytes.get(salt, 0) + nbytes - tenants.limit(salt)
+        victims = self._evict(tenants.oldest(salt), tenants.used_bytes.get(salt, 0) + nbytes - tenants.limit(salt))
+        for _ in victims or ():
+            tenants.evicted(salt)
+        return victims is not None
+
+    def _evict(self, candidates, need_bytes: int) -> list[DiskEntry] | None:
+        """Evict the first objects nobody reads among ``candidates`` (LRU order) until their file
+        bytes reach ``need_bytes``; the victims, or None (nothing evicted) if they cannot."""
         victims = []
-        for e in tenants.oldest(salt):
-            if need <= 0:
+        for e in candidates:
+            if need_bytes <= 0:
                 break
             if e.state is DiskState.READY and e.readers == 0:
                 victims.append(e)
-                need -= e.file_bytes
-        if need > 0:
-            return False
-        for e in victims:
+                need_bytes -= e.file_bytes
+        if need_bytes > 0:
+            return None
+        for e in victims:  # (after the loop: removing changes what it iterated)
             self._remove(e)
             self.counters.evictions += 1
-            tenants.evicted(salt)
-        return True
+        return victims
 
     def drop_where(self, pred: Callable[[DiskEntry], bool]) -> tuple[int, int]:
         """Remove every object matching ``pred`` (flush); files in use go when released.

@@ -187,28 +187,27 @@ class ChunkIndex:
 
     def evict_one(self) -> Entry | None:
         """Evict the least recently used evictable leaf; None if nothing is evictable."""
-        ready = EntryState.READY
-        for e in self._entries.values():
-            if e.state is ready and e.readers == 0 and e.children == 0:
-                self._remove(e, evicted=True)
-                self.evictions += 1
-                return e
-        return None
+        return self._evict_first(self._entries.values())
 
     def evict_own(self, salt: str) -> Entry | None:
         """Evict tenant ``salt``'s least recently used evictable leaf (its quota is full);
         None if none of its entries is evictable."""
-        ready = EntryState.READY
-        victim = None
-        for e in self.tenants.oldest(salt):
-            if e.state is ready and e.readers == 0 and e.children == 0:
-                victim = e
-                break
+        victim = self._evict_first(self.tenants.oldest(salt))
         if victim is not None:
-            self._remove(victim, evicted=True)
-            self.evictions += 1
             self.tenants.evicted(salt)
         return victim
+
+    def _evict_first(self, candidates) -> Entry | None:
+        """Evict the first READY leaf nobody reads among ``candidates`` (LRU order)."""
+        ready = EntryState.READY
+        for e in candidates:
+            if e.state is ready and e.readers == 0 and e.children == 0:
+                break
+        else:
+            return None
+        self._remove(e, evicted=True)  # (after the loop: removing changes what it iterated)
+        self.evictions += 1
+        return e
 
     def drop_where(self, pred: Callable[[Entry], bool]) -> tuple[int, int]:
         """Remove every entry matching ``pred`` (flush), and every cached descendant of one: a

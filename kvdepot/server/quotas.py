@@ -73,6 +73,15 @@ class TenantLedger:
         self.used_bytes: dict[str, int] = {}  # salt -> bytes of its entries in the tier
         self.evictions: dict[str, int] = {}  # salt -> entries evicted to keep it within its quota
         self._lru: dict[str, OrderedDict] = {}  # salt under a quota -> key -> entry, least recent first
+        # per metric label, kept as entries come and go: a scrape reads them without walking
+        # every salt in use (it holds the GIL the event loop needs)
+        self._labels = {label(s): q for s, q in self.quotas.items() if s != DEFAULT}
+        self._labels[OTHER] = self._default
+        self._label_used = dict.fromkeys(self._labels, 0)
+        self._label_evictions = dict.fromkeys(self._labels, 0)
+
+    def _label_of(self, salt: str) -> str:
+        return label(salt) if salt in self.quotas and salt != DEFAULT else OTHER
 
     def limit(self, salt: str) -> int:
         """The most bytes ``salt`` may hold here; 0: no quota."""
@@ -86,6 +95,7 @@ class TenantLedger:
     def add(self, salt: str, key: bytes, entry, nbytes: int) -> None:
         """An entry of ``nbytes`` joined the tier (most recently used)."""
         self.used_bytes[salt] = self.used_bytes.get(salt, 0) + nbytes
+        self._label_used[self._label_of(salt)] += nbytes
         if self.quotas.get(salt, self._default):
             lru = self._lru.get(salt)
             if lru is None:
@@ -99,6 +109,7 @@ class TenantLedger:
             self.used_bytes[salt] = left
         else:
             self.used_bytes.pop(salt, None)
+        self._label_used[self._label_of(salt)] -= nbytes
         lru = self._lru.get(salt)
         if lru is not None:
             lru.pop(key, None)
@@ -119,21 +130,25 @@ class TenantLedger:
 
     def evicted(self, salt: str) -> None:
         self.evictions[salt] = self.evictions.get(salt, 0) + 1
+        self._label_evictions[self._label_of(salt)] += 1
+
+    def labels(self) -> list[str]:
+        """The metric labels: each named salt, `NONE` for the empty one, `OTHER`."""
+        return list(self._labels)
+
+    def label_used(self, k: str) -> int:
+        return self._label_used[k]
+
+    def label_quota(self, k: str) -> int:
+        """The quota of label ``k`` (0: none; `OTHER`: each unnamed salt's)."""
+        return self._labels[k]
+
+    def label_evictions(self, k: str) -> int:
+        return self._label_evictions[k]
 
     def by_label(self) -> dict[str, tuple[int, int, int]]:
-        """Per metric label (each named salt, `NONE` for the empty one, `OTHER`):
-        (bytes held, quota bytes (0: none; `OTHER`: the default's), quota evictions)."""
-        out = {label(s): (0, q, 0) for s, q in self.quotas.items() if s != DEFAULT}
-        out[OTHER] = (0, self._default, 0)
-        for salt, n in self.used_bytes.items():
-            k = label(salt) if salt in self.quotas and salt != DEFAULT else OTHER
-            used, q, ev = out[k]
-            out[k] = (used + n, q, ev)
-        for salt, n in self.evictions.items():
-            k = label(salt) if salt in self.quotas and salt != DEFAULT else OTHER
-            used, q, ev = out[k]
-            out[k] = (used, q, ev + n)
-        return out
+        """Per metric label: (bytes held, quota bytes, quota evictions)."""
+        return {k: (self._label_used[k], self._labels[k], self._label_evictions[k]) for k in self._labels}
 
 
 def label(salt: str) -> str:

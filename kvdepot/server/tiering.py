@@ -95,10 +95,10 @@ class Tiers:
             mt.tier_used_bytes.labels("l2").set_function(lambda: l2.used_bytes)
             mt.tier_objects.labels("l2").set_function(lambda: len(l2))
         for tier, ledger in (("l1", self.index.tenants),) + ((("l2", l2.tenants),) if l2 is not None else ()):
-            for label in ledger.by_label():  # the configured tenants, (none) and other: a fixed set
-                mt.tenant_used_bytes.labels(tier, label).set_function(lambda g=ledger, k=label: g.by_label()[k][0])
-                mt.tenant_quota_bytes.labels(tier, label).set_function(lambda g=ledger, k=label: g.by_label()[k][1])
-                mt.tenant_quota_evictions.set_function((tier, label), lambda g=ledger, k=label: g.by_label()[k][2])
+            for label in ledger.labels():  # the configured tenants, (none) and other: a fixed set
+                mt.tenant_used_bytes.labels(tier, label).set_function(lambda g=ledger, k=label: g.label_used(k))
+                mt.tenant_quota_bytes.labels(tier, label).set(ledger.label_quota(label))
+                mt.tenant_quota_evictions.set_function((tier, label), lambda g=ledger, k=label: g.label_evictions(k))
         for tier in (t for t in (l2, self.l3) if t is not None):
             mt.tier_queue_depth.labels(tier.name).set_function(lambda tier=tier: tier.queued_writes)
             c = tier.counters
@@ -139,14 +139,8 @@ class Tiers:
         allocator = pool.allocator
         if size_bytes > allocator.segment_bytes:
             return None  # can never fit: evicting would only empty the cache for nothing
-        tenants = self.index.tenants
-        if cache_salt is not None and tenants.over(cache_salt, size_bytes):
-            if size_bytes > tenants.limit(cache_salt):
-                return None
-            while tenants.over(cache_salt, size_bytes):
-                if self.index.evict_own(cache_salt) is None:
-                    return None
-                self._l1_evictions.value += 1
+        if cache_salt is not None and not self._within_quota(cache_salt, size_bytes):
+            return None
         while True:
             off = allocator.alloc(size_bytes, pool.usable_bytes)  # (`HostPool.alloc`)
             if off is not None:
@@ -154,6 +148,20 @@ class Tiers:
             if self.index.evict_one() is None:
                 return None
             self._l1_evictions.value += 1
+
+    def _within_quota(self, cache_salt: str, size_bytes: int) -> bool:
+        """Evict tenant ``cache_salt``'s own least recently used leaves while ``size_bytes`` more
+        would take it over its L1 quota; False if they cannot make that room."""
+        tenants = self.index.tenants
+        if not tenants.over(cache_salt, size_bytes):
+            return True
+        if size_bytes > tenants.limit(cache_salt):
+            return False
+        while tenants.over(cache_salt, size_bytes):
+            if self.index.evict_own(cache_salt) is None:
+                return False
+            self._l1_evictions.value += 1
+        return True
 
     def free_entry(self, e: Entry, evicted: bool) -> None:
         """The index no longer needs ``e``'s extent: an evicted entry is written to L2 first
@@ -365,9 +373,7 @@ class Tiers:
             del self._promoting[key]
             if err is None:
                 self.index.retag(e, meta.model, meta.cache_salt, meta.fingerprint)
-                # over its tenant's quota now: its tenant's older chunks go (not it: still WRITING)
-                while self.index.tenants.over(e.cache_salt, 0) and self.index.evict_own(e.cache_salt) is not None:
-                    self._l1_evictions.value += 1
+                self._within_quota(e.cache_salt, 0)  # its tenant's older chunks go (not it: still WRITING)
                 self.index.commit(e)
                 self.events.stored(e.model, e.key)
                 self.spill_ahead()
