@@ -87,6 +87,7 @@ def test_gather_scatter_match_reference(groups, layout, use_kernels, seed):
         stream = torch.cuda.Stream()
         eng = CudaTransferEngine(lay, [src_dev.data_ptr()], [src.size_bytes], dev, use_kernels=use_kernels)
         staging = torch.full((num_chunks * lay.object_bytes,), 0xA5, dtype=torch.uint8, device=dev)
+        stream.wait_stream(torch.cuda.current_stream())  # the fill and the caches' uploads ran there
         eng.copy(staging, ids_src, num_chunks, True, stream)
         stream.synchronize()
         assert torch.equal(staging.cpu(), ref)

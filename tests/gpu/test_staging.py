@@ -283,7 +283,7 @@ def test_a_gather_given_up_after_its_store_was_sent_copies_nothing(daemon):
         assert reg.staging.fence_active
         rng = random.Random(11)
         keys = reg.keys([rng.randrange(50000) for _ in range(CHUNK)])
-        sent, submit, forget, gather = [], c.submit, c.forget, reg.staging.gather
+        sent, submit, forget, gather = [], c.conn.submit, c.conn.forget, reg.staging.gather
 
         def record(req):
             sent.append(submit(req))
@@ -292,12 +292,12 @@ def test_a_gather_given_up_after_its_store_was_sent_copies_nothing(daemon):
         def broken(*args, **kwargs):
             raise KernelError("kvd_engine_gather: injected")
 
-        c.submit, c.forget, reg.staging.gather = record, lambda rid: None, broken
+        c.conn.submit, c.conn.forget, reg.staging.gather = record, lambda rid: None, broken
         try:
             with pytest.raises(KernelError, match="injected"):
                 c.submit_store(reg, keys, _ids(rng, groups, 1), after=torch.cuda.current_stream())
         finally:
-            c.submit, c.forget, reg.staging.gather = submit, forget, gather
+            c.conn.submit, c.conn.forget, reg.staging.gather = submit, forget, gather
         with pytest.raises(KVDepotError) as e:
             c.wait(sent[-1], timeout_s=5)  # the daemon's answer, kept here for the test
         assert e.value.code == ErrorCode.ENGINE_MEMORY
