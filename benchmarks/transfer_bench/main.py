@@ -62,7 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run N engine processes against the one daemon (store, retrieve, half and half)")
     g.add_argument("--only-engines", action="store_true", help="skip the per-shape points")
     g.add_argument("--engine-shape", default="Llama-3.1-8B TP1", help="the engines' model shape")
-    g.add_argument("--engine-chunk", type=int, default=256, help="the engines' tokens per chunk")
+    g.add_argument("--engine-chunk", default="256",
+                   help="the engines' tokens per chunk; comma-separated: one run per size (e.g. 64,256)")
+    g.add_argument("--gpus", type=int, default=1,
+                   help="spread the CUDA engines over GPUs 0..N-1 (engine i on GPU i %% N) against the one daemon; "
+                        "the roofline is then every GPU's link at once, next to one GPU's alone "
+                        "(e.g. --gpus 4 --engines 8 --engine-shape 'Llama-3.1-70B TP4')")
     g.add_argument("--engine-outstanding", type=int, default=8, help="requests in flight per engine")
     g.add_argument("--engine-bytes", type=float, default=4e9, help="bytes all engines move per phase (about)")
     g.add_argument("--engine-device", choices=("cuda", "cpu"), default="cuda",
@@ -85,6 +90,11 @@ def main(argv=None) -> int:
             return 2
     if args.engines and not any(s.name == args.engine_shape for s in SHAPES):
         say(f"--engine-shape: one of {', '.join(s.name for s in SHAPES)}")
+        return 2
+    engine_chunks = [int(x) for x in args.engine_chunk.split(",") if x.strip()]
+    if args.gpus > 1 and (not cuda or args.gpus > torch.cuda.device_count() or args.engines < args.gpus):
+        say(f"--gpus {args.gpus} needs CUDA engines, that many GPUs (this machine has "
+            f"{torch.cuda.device_count() if cuda else 0}) and at least one engine per GPU (--engines)")
         return 2
     dev = None
     if cuda:
@@ -126,13 +136,15 @@ def main(argv=None) -> int:
             run_points(args, endpoint, dev, zmq_rtt["median_us"], doc, daemon.proc.pid if daemon is not None else None)
         targets = evaluate_targets(doc["results"])
         if args.engines:
-            say(f"\n{args.engines} engine processes against one daemon:")
-            many = run_many_engines(endpoint, daemon.proc.pid if daemon is not None else None, args.engines,
-                                    args.engine_shape, args.engine_chunk, args.engine_outstanding, args.engine_bytes,
-                                    args.engine_device, args.iters)
-            doc["many_engines"] = many
-            say(format_many(many))
-            targets += evaluate_many(many)
+            doc["many_engines"] = []
+            for chunk in engine_chunks:
+                say(f"\n{args.engines} engine processes against one daemon:")
+                many = run_many_engines(endpoint, daemon.proc.pid if daemon is not None else None, args.engines,
+                                        args.engine_shape, chunk, args.engine_outstanding, args.engine_bytes,
+                                        args.engine_device, args.iters, args.gpus)
+                doc["many_engines"].append(many)
+                say(format_many(many))
+                targets += evaluate_many(many)
         doc["targets"] = targets
         doc["total_s"] = time.perf_counter() - t_run
         if trace_file:

@@ -47,6 +47,7 @@ def main() -> int:
     p.add_argument("--ref", required=True, help="file of the stored tokens' bytes (written by store)")
     p.add_argument("--out", required=True)
     p.add_argument("--chunks", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0, help="other tokens and bytes (0: the default ones)")
     p.add_argument("--skip-tokens", type=int, default=0)
     p.add_argument("--early", action="store_true", help="store with an early reply, then overwrite the blocks")
     p.add_argument("--cpu-wait", action="store_true", help="wait for the daemon's events on the CPU, not the stream")
@@ -60,7 +61,7 @@ def main() -> int:
     reg = client.register(f"gpu-test-{a.shape}", "replicated" if "mla" in a.shape else "tp0of1", CHUNK,
                           cache.storage_specs(), cache.layer_specs(), cache.group_specs(), device=cache.register_device,
                           local_storages=[cache.storage] if a.staging == "engine" else None)
-    keys = reg.keys(tokens(7, a.chunks * CHUNK + 5))
+    keys = reg.keys(tokens(7 + a.seed, a.chunks * CHUNK + 5))
     stream = torch.cuda.Stream()
     result: dict = {"registration": reg.id, "staged": reg.staging is not None}
     if a.role == "store":
@@ -69,7 +70,7 @@ def main() -> int:
             # keep the GPU busy first, so a daemon that did not wait on our event would copy zeros
             torch.cuda._sleep(200_000_000)
             cache.storage.copy_(torch.randint(0, 256, (cache.size_bytes,), dtype=torch.uint8, device=dev,
-                                              generator=torch.Generator(device=dev).manual_seed(3)))
+                                              generator=torch.Generator(device=dev).manual_seed(3 + a.seed)))
         if not a.early:
             r = client.store(reg, keys, ids, after=stream)  # no synchronize: ordering is the event's job
         else:
