@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from transfer_bench.gpus import all_gpus_roofline
+from transfer_bench.gpus import KINDS, all_gpus_roofline, pinned_copies
 from transfer_bench.procs import busy_text, busy_threads, process_cpu_s, thread_cpu_s
 from transfer_bench.shapes import SHAPES
 
@@ -114,22 +114,9 @@ def roofline_gbps(total_bytes: int, device: str, iters: int) -> dict:
         t = timed(lambda: b.copy_(a), iters)
         return {"d2h": total_bytes / t / 1e9, "h2d": total_bytes / t / 1e9, "bidir": total_bytes / t / 1e9,
                 "kind": "host memcpy"}
-    dev = torch.device("cuda", torch.cuda.current_device())
-    host = [torch.empty(total_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-    devb = [torch.empty(total_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
-    s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
-
-    def copy(pairs) -> None:
-        for s, (d, src) in zip((s1, s2), pairs):
-            with torch.cuda.stream(s):
-                d.copy_(src, non_blocking=True)
-        s1.synchronize()
-        s2.synchronize()
-
-    out = {"d2h": total_bytes / timed(lambda: copy([(host[0], devb[0])]), iters) / 1e9,
-           "h2d": total_bytes / timed(lambda: copy([(devb[0], host[0])]), iters) / 1e9,
-           "bidir": 2 * total_bytes / timed(lambda: copy([(host[0], devb[0]), (devb[1], host[1])]), iters) / 1e9,
-           "kind": "pinned cudaMemcpy"}
+    copies = pinned_copies(torch.device("cuda", torch.cuda.current_device()), total_bytes)
+    out = {kind: (2 if kind == "bidir" else 1) * total_bytes / timed(copies[kind], iters) / 1e9 for kind in KINDS}
+    out["kind"] = "pinned cudaMemcpy"
     return out
 
 

@@ -16,8 +16,30 @@ import multiprocessing
 import statistics
 import time
 
-_KINDS = ("d2h", "h2d", "bidir")
+KINDS = ("d2h", "h2d", "bidir")
 _BARRIER_TIMEOUT_S = 300.0
+
+
+def pinned_copies(dev, nbytes: int) -> dict:
+    """Per kind in `KINDS`, a callable that copies ``nbytes`` between pinned host memory and
+    ``dev`` (a ``torch.device``) and returns once the copy ended: D2H, H2D, or one of each at
+    once on two streams (2 x ``nbytes``). The buffers live as long as the callables."""
+    import torch
+
+    host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    devb = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(2)]
+    s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+
+    def copy(pairs) -> None:
+        for s, (dst, src) in zip((s1, s2), pairs):
+            with torch.cuda.stream(s):
+                dst.copy_(src, non_blocking=True)
+        s1.synchronize()
+        s2.synchronize()
+
+    pairs = {"d2h": [(host[0], devb[0])], "h2d": [(devb[0], host[0])],
+             "bidir": [(host[0], devb[0]), (devb[1], host[1])]}
+    return {kind: (lambda kind=kind: copy(pairs[kind])) for kind in KINDS}
 
 
 def _copier_main(gpu: int, nbytes: int, iters: int, barrier, results) -> None:
@@ -28,25 +50,13 @@ def _copier_main(gpu: int, nbytes: int, iters: int, barrier, results) -> None:
     try:
         dev = torch.device("cuda", gpu)
         torch.cuda.set_device(dev)
-        host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        devb = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(2)]
-        s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
-
-        def copy(pairs) -> None:
-            for s, (dst, src) in zip((s1, s2), pairs):
-                with torch.cuda.stream(s):
-                    dst.copy_(src, non_blocking=True)
-            s1.synchronize()
-            s2.synchronize()
-
-        pairs = {"d2h": [(host[0], devb[0])], "h2d": [(devb[0], host[0])],
-                 "bidir": [(host[0], devb[0]), (devb[1], host[1])]}
-        for kind in _KINDS:
-            copy(pairs[kind])
+        copies = pinned_copies(dev, nbytes)
+        for kind in KINDS:
+            copies[kind]()
             for i in range(iters):
                 barrier.wait(_BARRIER_TIMEOUT_S)
                 t0 = time.monotonic()
-                copy(pairs[kind])
+                copies[kind]()
                 results.put((gpu, kind, i, t0, time.monotonic()))
     except BaseException as exc:
         results.put((gpu, "error", f"{type(exc).__name__}: {exc}", 0.0, 0.0))
@@ -70,7 +80,7 @@ def all_gpus_roofline(bytes_per_gpu: int, gpus: int, iters: int) -> dict:
         p.start()
     rows = []
     try:
-        for _ in range(gpus * iters * len(_KINDS)):
+        for _ in range(gpus * iters * len(KINDS)):
             r = results.get(timeout=_BARRIER_TIMEOUT_S)
             if r[1] == "error":
                 raise RuntimeError(f"roofline on GPU {r[0]}: {r[2]}")
@@ -82,7 +92,7 @@ def all_gpus_roofline(bytes_per_gpu: int, gpus: int, iters: int) -> dict:
             if p.is_alive():
                 p.kill()
     out: dict = {"kind": f"pinned cudaMemcpy on {gpus} GPUs at once, one process each", "gpus": gpus}
-    for kind in _KINDS:
+    for kind in KINDS:
         total = gpus * bytes_per_gpu * (2 if kind == "bidir" else 1)
         spans = []
         for i in range(iters):
