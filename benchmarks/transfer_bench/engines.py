@@ -24,7 +24,7 @@ import time
 import torch
 
 from transfer_bench.gpus import KINDS, all_gpus_roofline, pinned_copies
-from transfer_bench.procs import busy_text, busy_threads, process_cpu_s, thread_cpu_s
+from transfer_bench.procs import busy_text, busy_threads, process_cpu_s, reaped, thread_cpu_s
 from transfer_bench.shapes import SHAPES
 
 PHASES = ("store", "retrieve", "mixed")
@@ -150,7 +150,7 @@ def run_many_engines(endpoint: str, daemon_pid: int | None, engines: int, shape_
         p.start()
     out: dict = {"engines": engines, "gpus": gpus, "shape": shape_name, "chunk_tokens": chunk_size, "object_bytes": ob,
                  "chunks_per_engine": chunks, "outstanding": outstanding, "device": device, "phases": {}}
-    try:
+    with reaped(procs):
         for phase in PHASES:
             try:
                 barrier.wait(_BARRIER_TIMEOUT_S)  # every engine registered (first phase) and ready
@@ -182,12 +182,6 @@ def run_many_engines(endpoint: str, daemon_pid: int | None, engines: int, shape_
                 "chunks_done": done, "chunks_expected": expected,
                 "daemon_cores": (cpu1 - cpu0) / (w1 - w0) if daemon_pid else None,
                 "daemon_threads": busy_threads(th0, th1, w1 - w0) if daemon_pid else {}}
-        for p in procs:
-            p.join(60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
     total = engines * chunks * ob
     if gpus > 1:
         roof = all_gpus_roofline(total // gpus, gpus, iters)

@@ -16,6 +16,8 @@ import multiprocessing
 import statistics
 import time
 
+from transfer_bench.procs import reaped
+
 KINDS = ("d2h", "h2d", "bidir")
 _BARRIER_TIMEOUT_S = 300.0
 
@@ -79,18 +81,12 @@ def all_gpus_roofline(bytes_per_gpu: int, gpus: int, iters: int) -> dict:
     for p in procs:
         p.start()
     rows = []
-    try:
+    with reaped(procs):
         for _ in range(gpus * iters * len(KINDS)):
             r = results.get(timeout=_BARRIER_TIMEOUT_S)
             if r[1] == "error":
                 raise RuntimeError(f"roofline on GPU {r[0]}: {r[2]}")
             rows.append(r)
-        for p in procs:
-            p.join(60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
     out: dict = {"kind": f"pinned cudaMemcpy on {gpus} GPUs at once, one process each", "gpus": gpus}
     for kind in KINDS:
         total = gpus * bytes_per_gpu * (2 if kind == "bidir" else 1)

@@ -33,6 +33,21 @@ def kernels_missing() -> str | None:
     return kernels.load_error() or "the kernel library did not load (see the log above)"
 
 
+@contextlib.contextmanager
+def reaped(procs, timeout_s: float = 60.0):
+    """Around the work with ``procs`` (``multiprocessing.Process``): when it ends normally, wait
+    up to ``timeout_s`` for each to end; in any case kill those still running (a failed or hung
+    measurement must not leave them behind)."""
+    try:
+        yield
+        for p in procs:
+            p.join(timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+
+
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat``)."""
     with open(f"/proc/{pid}/stat") as f:
