@@ -46,7 +46,11 @@ def test_hybrid_load_failure_is_recomputed(daemon, cfg, engines):
 
 
 def test_daemon_down_then_restarted(daemon, cfg, engines):
-    e = engines(cfg(daemon.endpoint, extra=FAST))
+    # replies from the restarted daemon may take longer than FAST's 0.5 s on a loaded machine (the
+    # suite's workers share two cores), and a store unanswered that long counts the daemon as down
+    # again; with nothing listening every call fails at once, whatever the timeout
+    restart = dict(FAST, rpc_timeout_s=5.0)
+    e = engines(cfg(daemon.endpoint, extra=restart))
     w = e.worker_conn.worker
     first_reg = w.registration_id
     assert first_reg
@@ -57,7 +61,7 @@ def test_daemon_down_then_restarted(daemon, cfg, engines):
 
     daemon.stop()
     # a fresh instance (empty prefix cache) keeps serving by recomputing, without hanging
-    f = engines(cfg(daemon.endpoint, extra=FAST))
+    f = engines(cfg(daemon.endpoint, extra=restart))
     t0 = time.monotonic()
     r1 = f.add(prompt, max_tokens=2)
     f.run()
