@@ -121,3 +121,87 @@ def test_connector_benchmark_times_hits_alone_and_while_stores_stream(tmp_path):
         assert all(v is not None and v >= 0 for v in parts), parts
         assert r[f"{mode}_post_to_first_sent_ms_median"] <= r[f"{mode}_post_to_last_sent_ms_median"]
         assert r[f"{mode}_step_ms_median"] > 0
+
+
+_VARIANT = '''
+import json, os
+
+def on(engine):
+    conn = engine.sched_conn
+    build = conn.build_connector_meta
+
+    def counted(so):
+        with open(os.environ["AB_LOG"], "a") as f:
+            f.write("built\\n")
+        return build(so)
+
+    conn.build_connector_meta = counted
+    with open(os.environ["AB_LOG"], "a") as f:
+        f.write("on\\n")
+
+def off(engine):
+    engine.sched_conn.__dict__.pop("build_connector_meta", None)
+    with open(os.environ["AB_LOG"], "a") as f:
+        f.write("off\\n")
+'''
+
+
+def test_connector_ab_toggles_the_variant_in_abba_order_and_pairs_the_runs(tmp_path, monkeypatch):
+    """benchmarks/connector_ab.py: arm B runs with the variant switched on, arm A with it off,
+    in ABBA order on one engine; every run stores every chunk; each pair gives B - A."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import connector_ab as ab
+
+    variant, log, out = tmp_path / "v.py", tmp_path / "log", tmp_path / "ab.json"
+    variant.write_text(_VARIANT)
+    monkeypatch.setenv("AB_LOG", str(log))
+    assert ab.main([str(variant), "--device", "cpu", "--shape", "dense-2L (smoke)", "--runs", "4",
+                    "--requests", "2", "--l1-bytes", "1g", "--evict-bytes", "1m", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [row["arm"] for row in r["rows"]] == list("ABBA")
+    assert r["evict_bytes"] == 1 << 20
+    assert set(r["per_call_us"]["build_connector_meta"]) == {"A", "B"}  # each arm's median per call
+    assert all(row["stored_chunks"] == 2 * ab.CHUNKS_PER_STEP for row in r["rows"])
+    events = log.read_text().split()
+    # off before each A run, on before each B run, off once more at the end; the variant's
+    # wrapper built metadata only while on
+    switches = [e for e in events if e != "built"]
+    assert switches == ["off", "on", "on", "off", "off"]
+    on_spans = "".join("b" if e == "built" else " " if e == "off" else "" for e in events).split()
+    assert len(on_spans) == 1 and len(on_spans[0]) > 0  # the B runs (runs 1 and 2 follow each other)
+    for key in ("store_step_us", "decode_step_us"):
+        assert len(r[key]["pairs_b_minus_a"]) == 2 and 0 <= r[key]["pairs_b_cheaper"] <= 2
+    with pytest.raises(ValueError):
+        ab.arms(6)
+
+def test_bound_step_calls_variant_binds_the_sides_methods_and_off_restores_the_class_methods():
+    """benchmarks/variants/bound_step_calls.py (the variant docs/benchmarks.md cites): ``on``
+    puts the sides' bound methods on the connector instances, ``off`` leaves the class's own."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("bound", ROOT / "benchmarks" / "variants" / "bound_step_calls.py")
+    v = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(v)
+
+    class Side:
+        groups = [types.SimpleNamespace(has_null_blocks=False)]
+
+        def __getattr__(self, name):
+            return (name,)
+
+    class Conn:
+        def __init__(self):
+            self.scheduler, self.worker = Side(), Side()
+            self._stats = types.SimpleNamespace(take="take")
+
+        def wait_for_save(self):
+            return "class"
+
+    sc, wc = Conn(), Conn()
+    engine = types.SimpleNamespace(sched_conn=sc, worker_conn=wc)
+    v.on(engine)
+    assert sc.build_connector_meta == ("build_connector_meta",) and wc.bind_connector_metadata == ("bind",)
+    assert wc.build_connector_worker_meta() is None and sc.get_kv_connector_stats == "take"
+    v.off(engine)
+    assert wc.wait_for_save() == "class" and not set(v.NAMES) & set(vars(wc)) and not set(v.NAMES) & set(vars(sc))
