@@ -21,6 +21,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 if sys.version_info >= (3, 11):
@@ -34,6 +35,14 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 class ConfigError(ValueError):
     """A setting's value cannot be used (names the setting and where the value came from)."""
+
+
+def user_cache_dir() -> Path:
+    """kvdepot's per-user cache: ``$XDG_CACHE_HOME/kvdepot``, else ``~/.cache/kvdepot`` (built
+    kernel libraries, the demo's converted model). Not created here."""
+    from pathlib import Path
+
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvdepot"
 
 
 def parse_bytes(text: str | int) -> int:

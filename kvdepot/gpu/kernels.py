@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from kvdepot.config import user_cache_dir
 from kvdepot.gpu import build as _build
 from kvdepot.gpu.build import source_hash
 from kvdepot.gpu.layout import LayerGroup
@@ -370,8 +371,7 @@ class Kernels:
 
 
 def _cache_dir(arch: str) -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvdepot" / "kernels"
-    return base / f"{source_hash()}-sm{arch}"
+    return user_cache_dir() / "kernels" / f"{source_hash()}-sm{arch}"
 
 
 def build_kernels(out_path: Path, arch: str) -> None:
