@@ -40,8 +40,6 @@ class ConfigError(ValueError):
 def user_cache_dir() -> Path:
     """kvdepot's per-user cache: ``$XDG_CACHE_HOME/kvdepot``, else ``~/.cache/kvdepot`` (built
     kernel libraries, the demo's converted model). Not created here."""
-    from pathlib import Path
-
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvdepot"
 
 

@@ -82,7 +82,7 @@ def _load_gguf(path: pathlib.Path, dtype: torch.dtype, tokenizer_cls, model_cls)
     """(tokenizer, model) of the GGUF file ``path`` in ``dtype``.
 
     The first load converts the GGUF file (transformers de-quantizes the weights to ``dtype``)
-    and saves the tokenizer and model in Hugging Face format (safetensors, ~270 MB in
+    and saves the tokenizer and model in Hugging Face format (safetensors, ~260 MB in
     bfloat16) under ``kvdepot.config.user_cache_dir() / "demo"``, in a directory named by the
     file's name, size, modification time and ``dtype``. Later loads read that directory: the
     same weights, bit for bit, so every process computes the same KV. The directory is written
@@ -143,7 +143,7 @@ class SmolLM:
         """Load tokenizer and model from the GGUF file, or build the architecture with seeded
         random weights. The first load of a GGUF file in a dtype converts it (20-30 s on a
         2-core machine, transformers parses the file three times) and keeps the result in
-        the per-user cache (`_load_gguf`); later loads read that (a few seconds).
+        the per-user cache (`_load_gguf`); later loads read that (under a second).
 
         Args:
             dtype: weight / activation / KV dtype, e.g. ``torch.float32`` or
