@@ -9,8 +9,10 @@ arms can. This is how a change to the connector's per-step calls is judged.
 A variant is a Python file that defines ``on(engine)`` and ``off(engine)``: ``on`` switches the
 change in (replacing methods on classes or on the engine's connectors, ``sched_conn`` and
 ``worker_conn`` of tests/vllm/vllm_harness.py's ``Engine``), ``off`` restores exactly what was
-there (`variants/` holds the ones docs/benchmarks.md cites). Without one (``--aa``)
-both arms run the same code: the instrument's own spread, to read the A/B against.
+there. Variants are written for one decision and not kept (git history holds the one
+docs/benchmarks.md cites, ``benchmarks/variants/bound_step_calls.py``, at 8817b11). Without
+one (``--aa``) both arms run the same code: the instrument's own spread, to read the A/B
+against.
 
 Each run: ``--requests`` fresh prompts of 16 chunks prefilled and stored, one prompt per step
 (`vllm_connector.drive`; the connector's time per store step, median over the run's steps),
@@ -19,7 +21,7 @@ a drift over the runs weighs on both arms alike); each pair (A B or B A) gives B
 each arm's median, each pair's difference, their median, and in how many pairs B was the
 cheaper; ``b_over_a``: B's median / A's (the reference measured in the same run).
 
-    python benchmarks/connector_ab.py benchmarks/variants/bound_step_calls.py --shape 'Llama-3.1-8B TP1' --runs 16 --out ab.json
+    python benchmarks/connector_ab.py my_variant.py --shape 'Llama-3.1-8B TP1' --runs 16 --out ab.json
     python benchmarks/connector_ab.py --aa --runs 8
 
 Needs a CUDA GPU, the kernel library and vLLM's Python files (``--device cpu``: a smoke run).

@@ -89,7 +89,7 @@ def measure_store(n: int, root: pathlib.Path, calls: int, prompt_tokens: int = 4
             time.sleep(0.001)
         jobs = so.kv_connector_metadata.stores
         assert len(jobs) == n and all(len(j.chain) == per_step for j in jobs), "not the step wanted"
-        side = e.sched_conn.scheduler
+        side = e.sched_conn
         firsts = {j.req_id: j.first_chunk for j in jobs}
         computed = {}
         for rid in firsts:  # back to what the step was scheduled on (its output advanced them)

@@ -132,6 +132,7 @@ from connector_bench.trace import summary as trace_summary
 from kvdepot import trace
 from kvdepot.client import KVDepotClient
 from kvdepot.client.vllm.config import load_ring_bytes
+from kvdepot.client.vllm.worker import WorkerConnector
 from kvdepot.config import parse_bytes
 from transfer_bench import stages as trace_stages
 from transfer_bench.procs import FALLBACK_FLAG, DaemonProc, kernels_missing
@@ -159,8 +160,8 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
     work_t = CallTimer(engine.worker_conn, WORKER_CALLS)
     # vLLM's own scheduler calls, around the connector's scheduler-side calls made inside them
     vllm_t = CallTimer(engine.scheduler, VLLM_SCHED_CALLS)
-    ours = hasattr(engine.worker_conn, "worker")  # (not `connector_bench.floor.FloorConnector`)
-    before = dict(engine.worker_conn.worker.stats) if ours else {}
+    ours = isinstance(engine.worker_conn, WorkerConnector)  # (not `connector_bench.floor.FloorConnector`)
+    before = dict(engine.worker_conn.stats) if ours else {}
     stages = StageTimers(engine)
     for p in prompts:
         engine.add(p, max_tokens=1)
@@ -202,7 +203,7 @@ def drive(engine: H.Engine, prompts: list[list[int]], kind: str, chunk_bytes: in
     names = sorted({n for a, b in steps for n in (*a, *b)})
     per_call = {n: statistics.median([1e6 * (a.get(n, 0.0) + b.get(n, 0.0)) for a, b in steps]) for n in names}
     med = statistics.median
-    stats = {k: v - before.get(k, 0) for k, v in engine.worker_conn.worker.stats.items()} if ours else {}
+    stats = {k: v - before.get(k, 0) for k, v in engine.worker_conn.stats.items()} if ours else {}
     return {"thread_cpu_us_per_step": 1e6 * stats.get("thread_cpu_s", 0.0) / max(1, forward_steps),
             "forward_steps": forward_steps,
             "wall_s": end_s - t0, "timeline": timeline.take(end_s, chunk_bytes), "engine_s": engine_s,
@@ -327,9 +328,9 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
         a.run(timeout_s=60)
         freeze_gc_heap()  # as vLLM's EngineCore after start-up
         store = drive(a, prompts, "stores", res["chunk_bytes"])
-        staging_bytes = a.worker_conn.worker.registrar.staging_bytes()  # the ring used (0 above: the connector's auto size)
+        staging_bytes = a.worker_conn.registrar.staging_bytes()  # the ring used (0 above: the connector's auto size)
         res["staging_bytes"] = staging_bytes
-        res["load_staging_bytes"] = load_ring_bytes(a.worker_conn.worker.cfg)  # 0: loads share the ring
+        res["load_staging_bytes"] = load_ring_bytes(a.worker_conn.cfg)  # 0: loads share the ring
         res.update(decode_steps(a))
     finally:
         a.close()
@@ -351,13 +352,13 @@ def bench_shape(name: str, specs: dict, endpoint: str, workdir: Path, chunk: int
             finally:
                 c.close()
         if device == "cpu":  # B's shared-memory segments go with close()
-            res.update(direct(b.worker_conn.worker.registrar.reg, num_blocks, endpoint, chunk, requests, res["chunk_bytes"],
+            res.update(direct(b.worker_conn.registrar.reg, num_blocks, endpoint, chunk, requests, res["chunk_bytes"],
                               device, staging_bytes))
     finally:
         b.close()
         gc.unfreeze()
     if device == "cuda":  # B's caches stay allocated; registered again once B's registration is gone
-        res.update(direct(b.worker_conn.worker.registrar.reg, num_blocks, endpoint, chunk, requests, res["chunk_bytes"],
+        res.update(direct(b.worker_conn.registrar.reg, num_blocks, endpoint, chunk, requests, res["chunk_bytes"],
                           device, staging_bytes))
     res["stored_chunks"] = store["stats"]["stored_chunks"]
     res["loaded_chunks"] = load["stats"]["loaded_chunks"]

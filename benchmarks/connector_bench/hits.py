@@ -4,7 +4,7 @@ time the link needs for its bytes.
 
 A hit request's life in vLLM with an asynchronous load: the scheduler allocates its blocks and
 parks it (``WAITING_FOR_REMOTE_KVS``); the worker posts the load to the transfer thread in the
-next step's ``bind_connector_metadata`` (before the forward's launch; `WorkerSide.bind`); a
+next step's ``bind_connector_metadata`` (before the forward's launch; `WorkerConnector.bind_connector_metadata`); a
 later ``get_transfer_results`` reports it in ``finished_recving``; the next schedule computes
 its last token. Per hit this measures, on the engine thread's clock:
 
@@ -47,8 +47,8 @@ class HitClock:
         self.ended: dict[str, float] = {}
         self.steps: list[float] = []  # perf_counter at the end of each engine step (`hit_latency`)
         conn = engine.worker_conn
-        start, results = conn.worker._start_loads, conn.get_transfer_results
-        mover = conn.worker.mover
+        start, results = conn._start_loads, conn.get_transfer_results
+        mover = conn.mover
         submit, finish = mover.sender._submit, mover.book.loads.finish
 
         def timed_submit(kvreg, batch, stream):
@@ -80,7 +80,7 @@ class HitClock:
                 self.loaded.setdefault(rid, now)
             return res
 
-        conn.worker._start_loads, conn.get_transfer_results = start_loads, get_transfer_results
+        conn._start_loads, conn.get_transfer_results = start_loads, get_transfer_results
 
         # the scheduler side: when vLLM's scheduler first asked about the request (it had token
         # budget for it) and when the connector first answered (its lookup's reply was in)
@@ -141,8 +141,8 @@ def hit_latency(engine: H.Engine, cached: list[list[int]], fresh: list[list[int]
         _step_until(engine, lambda: not engine.scheduler.has_requests(), on_step=note_first_tokens)
     step_ends = {"lone": clock.steps}
     clock.steps = step_ends["streaming"] = []
-    stored_before = engine.worker_conn.worker.stats["stored_chunks"]
-    loaded_before = engine.worker_conn.worker.stats["loaded_chunks"]
+    stored_before = engine.worker_conn.stats["stored_chunks"]
+    loaded_before = engine.worker_conn.stats["loaded_chunks"]
     # one fresh prompt arrives per step (a step's token budget prefills one), a hit every other
     # step: no backlog of prompts ahead of a hit in vLLM's waiting queue
     streaming, pending, new, steps = [], list(cached[half:]), list(fresh), 0
@@ -160,7 +160,7 @@ def hit_latency(engine: H.Engine, cached: list[list[int]], fresh: list[list[int]
 
     _step_until(engine, lambda: not pending and not new and not engine.scheduler.has_requests(), on_step=on_step)
     wall_s = time.perf_counter() - t0
-    stats = engine.worker_conn.worker.stats
+    stats = engine.worker_conn.stats
     out = {"hit_chunks": len(cached[0]) // chunk_tokens, "hits_lone": len(lone), "hits_streaming": len(streaming),
            "streaming_stored_chunks": stats["stored_chunks"] - stored_before,
            "streaming_loaded_chunks": stats["loaded_chunks"] - loaded_before,

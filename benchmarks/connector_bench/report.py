@@ -8,7 +8,7 @@ from connector_bench.model import CHUNKS_PER_STEP
 
 def _forwards_waiting(r: dict) -> str:
     """Sliding-window models: forwards that waited for an earlier store's gathers, and saves
-    gathered by the engine thread before a forward (`WorkerSide.bind`)."""
+    gathered by the engine thread before a forward (`WorkerConnector.bind_connector_metadata`)."""
     st = r.get("store_stats", {})
     n, here = st.get("forwards_waiting_for_gathers", 0), st.get("saves_gathered_by_bind", 0)
     return (f"; {n} forwards waited for a store's gathers" if n else "") + (

@@ -125,7 +125,7 @@ class Timeline:
         self.t0, self.sent, self.answered, self.steps = t0, {}, {}, []
         if not self.enabled:
             return
-        worker = engine.worker_conn.worker
+        worker = engine.worker_conn
         client, mover = worker.client, worker.mover
         submit, on_reply, post, quiet = client.conn.submit, client.conn._on_reply, mover.post, worker._post_quiet
         self._undo = (client, submit, on_reply, mover, post)
@@ -379,8 +379,8 @@ class StageTimers:
         self.timers = []
         if not self.enabled:
             return
-        w = engine.worker_conn.worker
-        sched = engine.sched_conn.scheduler
+        w = engine.worker_conn
+        sched = engine.sched_conn
         objs = {"mover": w.mover, "client": w.client, "worker": w, "scheduler": sched,
                 "scheduler_client": sched.client}
         if w.registrar.kvreg is not None and w.registrar.kvreg.staging is not None:

@@ -76,7 +76,7 @@ def test_sliding_window_blocks_reused_while_stores_run_load_back_bit_exact(tmp_p
     them to other requests at once. ``pinned``: the scheduler pins the blocks a store reads
     until the workers report its save ended, and the transfer thread gathers when it likes;
     ``ordered`` (as with vLLM < 0.33, no worker-metadata channel): a forward that may write such a block waits for
-    the gathers of the stores that read it (`WorkerSide.bind`). B then loads every chunk and
+    the gathers of the stores that read it (`WorkerConnector.bind_connector_metadata`). B then loads every chunk and
     its forward finds every KV byte as A computed it."""
     ep, _ = daemon
     prompts = [[60 + i, 320] for i in range(6)]

@@ -57,10 +57,10 @@ def main(sc: dict) -> dict:
         rid = eng.add(H.tokens(*sc["prompt"]), max_tokens=sc.get("max_tokens", 3))
         more = [eng.add(H.tokens(*p), max_tokens=sc.get("max_tokens", 3)) for p in sc.get("more_prompts", [])]
         if sc.get("kill_daemon_pid"):
-            st = eng.sched_conn.scheduler._reqs[rid]
+            st = eng.sched_conn._reqs[rid]
             deadline = time.monotonic() + 10
             while not st.answered:
-                eng.sched_conn.scheduler.client.poll(0.01)
+                eng.sched_conn.client.poll(0.01)
                 assert time.monotonic() < deadline, "no lookup answer"
             os.kill(sc["kill_daemon_pid"], signal.SIGKILL)
         t0 = time.monotonic()
@@ -70,8 +70,8 @@ def main(sc: dict) -> dict:
                 "more_outputs": [eng.runs[r].outputs for r in more], "more_computed": [eng.runs[r].computed for r in more],
                 "stats": [eng.worker_stats(r) for r in range(eng.tp)], "stubbed": vllm_stubs.STUBBED,
                 "registrations": [eng.registration_id(r) for r in range(eng.tp)],
-                "stores_pinned": eng.sched_conn.scheduler._pins is not None,
-                "pinned_blocks_left": eng.sched_conn.scheduler.pinned_blocks}
+                "stores_pinned": eng.sched_conn._pins is not None,
+                "pinned_blocks_left": eng.sched_conn.pinned_blocks}
     finally:
         eng.close()
 

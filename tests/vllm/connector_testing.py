@@ -34,8 +34,8 @@ def first_output(engine: H.Engine, req_id: str, max_steps: int = 200) -> None:
 
 def wait_for_lookup_answer(engine: H.Engine, req_id: str) -> None:
     """Poll until the scheduler's lookup of ``req_id`` was answered (at most 5 s)."""
-    st = engine.sched_conn.scheduler._reqs[req_id]
-    client = engine.sched_conn.scheduler.client
+    st = engine.sched_conn._reqs[req_id]
+    client = engine.sched_conn.client
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         client.poll(0.01)

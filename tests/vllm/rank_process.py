@@ -17,7 +17,7 @@ def _rank_process_main(pipe, vllm_config, kv_cache_config, groups, rank: int) ->
 
         runs: dict = {}
         worker = RankWorker(vllm_config, kv_cache_config, groups, rank, runs)
-        pipe.send(("ok", worker.conn.worker.registration_id))
+        pipe.send(("ok", worker.conn.registration_id))
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         return
@@ -36,9 +36,9 @@ def _rank_process_main(pipe, vllm_config, kv_cache_config, groups, rank: int) ->
                     runs.pop(r, None)
                 pipe.send(("ok", out))
             elif msg[0] == "stats":
-                pipe.send(("ok", dict(worker.conn.worker.stats)))
+                pipe.send(("ok", dict(worker.conn.stats)))
             elif msg[0] == "disable":
-                worker.conn.worker.registrar.disable(msg[1])
+                worker.conn.registrar.disable(msg[1])
                 pipe.send(("ok", None))
             elif msg[0] == "close":
                 worker.conn.shutdown()

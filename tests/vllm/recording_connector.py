@@ -35,7 +35,7 @@ def _summary(name: str, args: tuple, result):
 
 
 def _wrap(conn, name: str):
-    fn = getattr(conn, name)  # bound: this class's method, or the side's that the connector bound
+    fn = getattr(conn, name)  # bound: the role class's method
 
     @functools.wraps(fn)
     def method(*args, **kwargs):
@@ -47,10 +47,12 @@ def _wrap(conn, name: str):
 
 
 class RecordingKVDepotConnector(KVDepotConnector):
-    """Every call in `_METHODS` recorded; wrapped on the instance, as `KVDepotConnector` binds its
-    per-step calls on the instance (`KVDepotConnector._bind_step_calls`)."""
+    """Every call in `_METHODS` recorded: ``RecordingKVDepotConnector(...)`` is the role's
+    `KVDepotConnector` (`WorkerConnector` or `SchedulerConnector`) with its calls wrapped on
+    the instance."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __new__(cls, vllm_config, role, kv_cache_config):
+        conn = KVDepotConnector(vllm_config, role, kv_cache_config)  # (not of this class: no second __init__)
         for name in _METHODS:
-            setattr(self, name, _wrap(self, name))
+            setattr(conn, name, _wrap(conn, name))
+        return conn

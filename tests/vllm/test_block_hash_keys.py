@@ -69,7 +69,7 @@ def test_keys_come_from_vllms_block_hashes_and_match_another_process(shared_daem
     e = engines(cfg(shared_daemon.endpoint))
     prompt = H.tokens(41, 3 * CHUNK + 5)
     rid = e.add(prompt, max_tokens=1)
-    side = e.sched_conn.scheduler
+    side = e.sched_conn
     st = side._reqs[rid]
     req = e.scheduler.requests[rid]
     per = CHUNK // e.hash_block_size
@@ -93,17 +93,17 @@ def test_keys_come_from_vllms_block_hashes_and_match_another_process(shared_daem
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [bytes(h).hex() for h in req.block_hashes]
     e.run()
-    assert e.worker_conn.worker.stats["stored_chunks"] == 3
+    assert e.worker_conn.stats["stored_chunks"] == 3
 
 
 def test_engines_of_the_two_key_sources_never_share_a_key(shared_daemon, cfg, engines):
     prompt = H.tokens(42, 2 * CHUNK + 3)
     a = engines(cfg(shared_daemon.endpoint, extra={"key_source": "tokens"}))
     ra = a.add(prompt, max_tokens=1)
-    st = a.sched_conn.scheduler._reqs[ra]
+    st = a.sched_conn._reqs[ra]
     assert not st.from_block_hashes
     # the tokens' keys are those of every other kvdepot client of this namespace
-    seed = namespace_seed(a.sched_conn.scheduler.model_id, a.sched_conn.scheduler.fingerprint, "")
+    seed = namespace_seed(a.sched_conn.model_id, a.sched_conn.fingerprint, "")
     assert st.keys[0] == chunk_keys(seed, prompt, CHUNK, "tp0of1")
     a.run()
     assert stored_chunks(shared_daemon.endpoint, a) == 2
@@ -126,7 +126,7 @@ def test_a_request_without_block_hashes_hashes_its_tokens(shared_daemon, cfg, en
     prompt = H.tokens(43, 2 * CHUNK)
     req = Request("no-hasher", prompt, SamplingParams(max_tokens=1), None)  # vLLM built it without a block hasher
     assert not req.block_hashes
-    side = e.sched_conn.scheduler
+    side = e.sched_conn
     st = side._state(req)
     assert not st.from_block_hashes
     assert st.keys[0] == chunk_keys(namespace_seed(side.model_id, side.fingerprint, ""), prompt, CHUNK, "tp0of1")

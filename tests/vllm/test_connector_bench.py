@@ -173,35 +173,3 @@ def test_connector_ab_toggles_the_variant_in_abba_order_and_pairs_the_runs(tmp_p
         assert len(r[key]["pairs_b_minus_a"]) == 2 and 0 <= r[key]["pairs_b_cheaper"] <= 2
     with pytest.raises(ValueError):
         ab.arms(6)
-
-def test_bound_step_calls_variant_binds_the_sides_methods_and_off_restores_the_class_methods():
-    """benchmarks/variants/bound_step_calls.py (the variant docs/benchmarks.md cites): ``on``
-    puts the sides' bound methods on the connector instances, ``off`` leaves the class's own."""
-    import importlib.util
-    import types
-
-    spec = importlib.util.spec_from_file_location("bound", ROOT / "benchmarks" / "variants" / "bound_step_calls.py")
-    v = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(v)
-
-    class Side:
-        groups = [types.SimpleNamespace(has_null_blocks=False)]
-
-        def __getattr__(self, name):
-            return (name,)
-
-    class Conn:
-        def __init__(self):
-            self.scheduler, self.worker = Side(), Side()
-            self._stats = types.SimpleNamespace(take="take")
-
-        def wait_for_save(self):
-            return "class"
-
-    sc, wc = Conn(), Conn()
-    engine = types.SimpleNamespace(sched_conn=sc, worker_conn=wc)
-    v.on(engine)
-    assert sc.build_connector_meta == ("build_connector_meta",) and wc.bind_connector_metadata == ("bind",)
-    assert wc.build_connector_worker_meta() is None and sc.get_kv_connector_stats == "take"
-    v.off(engine)
-    assert wc.wait_for_save() == "class" and not set(v.NAMES) & set(vars(wc)) and not set(v.NAMES) & set(vars(sc))

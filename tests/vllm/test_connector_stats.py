@@ -41,7 +41,7 @@ def test_worker_counters_reach_vllms_log_line_and_prometheus(daemon, tmp_path, m
             last = e.worker_conn.get_kv_connector_stats()  # what the last steps left unreported
             if last is not None:
                 got.append(last.data)
-        ws, wl = stores.worker_conn.worker.stats, loads.worker_conn.worker.stats
+        ws, wl = stores.worker_conn.stats, loads.worker_conn.stats
         assert ws["stored_chunks"] == 3 and wl["loaded_chunks"] == 3
 
         # vLLM's front end rebuilds and sums the dicts: every counter's increases add up to it
@@ -50,7 +50,7 @@ def test_worker_counters_reach_vllms_log_line_and_prometheus(daemon, tmp_path, m
             left = e.sched_conn.get_kv_connector_stats()
             if left is not None:
                 got.append(left.data)
-            w = {**e.sched_conn.scheduler.stats, **e.worker_conn.worker.stats}
+            w = {**e.sched_conn.stats, **e.worker_conn.stats}
             total = KVDepotConnector.build_kv_connector_stats()
             for d in got:
                 total = total.aggregate(KVDepotConnector.build_kv_connector_stats(d))

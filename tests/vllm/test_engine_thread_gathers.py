@@ -19,7 +19,7 @@ from kvdepot.client.vllm import commands as cmds  # noqa: E402
 from kvdepot.client.vllm.mover import TransferThread  # noqa: E402
 from kvdepot.client.vllm.pieces import PostedSave  # noqa: E402
 from kvdepot.client.vllm.plan import KVDepotMetadata, StoreJob  # noqa: E402
-from kvdepot.client.vllm.worker import WorkerSide  # noqa: E402
+from kvdepot.client.vllm.worker import WorkerConnector  # noqa: E402
 from kvdepot.protocol.errors import ErrorCode, KVDepotError  # noqa: E402
 
 CHUNK, TPB, OBJECT_BYTES = 64, 16, 256  # 4 blocks per chunk; the ring (16 objects) takes 4 per piece
@@ -167,7 +167,7 @@ def test_without_fence_words_the_thread_gathers_and_the_forward_may_wait():
 def _sliding_worker(mover):
     from kvdepot.client.vllm import worker as worker_mod
 
-    w = object.__new__(WorkerSide)
+    w = object.__new__(WorkerConnector)
     w.stores_chunks = True  # (every rank of a dense model stores)
     stream = object()
     w.mover, w.stats = mover, {"forwards_waiting_for_gathers": 0, "saves_gathered_by_bind": 0}
@@ -198,7 +198,7 @@ def test_wait_for_save_of_a_sliding_window_model_posts_its_stream_and_gathers_no
 
 
 def test_wait_for_save_gathers_on_the_engine_thread_after_bind_had_to():
-    """After `bind` gathered a save the thread had not taken (``_gather_in_wait`` saves to go),
+    """After `bind_connector_metadata` gathered a save the thread had not taken (``_gather_in_wait`` saves to go),
     the engine thread gathers in wait_for_save; without fence words the thread gathers after
     its event."""
     posted = []
@@ -354,7 +354,7 @@ def test_wait_for_save_of_a_dense_model_leaves_the_event_to_the_transfer_thread(
     """Blocks of a model without sliding-window groups stay with the request until its stores
     ended: wait_for_save posts the engine's stream, and the thread records the event on it when
     it takes the save (no CUDA call on the engine thread)."""
-    w = object.__new__(WorkerSide)
+    w = object.__new__(WorkerConnector)
     w.stores_chunks = True  # (every rank of a dense model stores)
     posted = []
     stream = object()
@@ -379,7 +379,7 @@ def test_a_steps_releases_go_with_its_save_once_and_alone_when_it_saves_nothing(
     """One wake-up of the transfer thread per store step: the finished requests of the step
     ride on its "save" command, and get_transfer_results posts them only for a step without
     stores; never twice."""
-    w = object.__new__(WorkerSide)
+    w = object.__new__(WorkerConnector)
     w.stores_chunks = True  # (every rank of a dense model stores)
     posted = []
     w.mover = types.SimpleNamespace(started=True, post=posted.append, merge_rest=lambda out: out)
@@ -402,7 +402,7 @@ def test_a_steps_releases_go_with_its_save_once_and_alone_when_it_saves_nothing(
 
 
 def test_a_wait_for_save_that_raises_before_posting_leaves_the_releases_to_get_transfer_results():
-    w = object.__new__(WorkerSide)
+    w = object.__new__(WorkerConnector)
     w.stores_chunks = True  # (every rank of a dense model stores)
     posted = []
     w.mover = types.SimpleNamespace(started=True, post=posted.append, merge_rest=lambda out: out,
@@ -491,7 +491,7 @@ def test_get_transfer_results_returns_what_the_thread_published_merged_and_nothi
 
     side = types.SimpleNamespace(cfg=None, client=None, stats={}, registrar=types.SimpleNamespace())
     t = TransferThread(side)
-    w = object.__new__(WorkerSide)
+    w = object.__new__(WorkerConnector)
     w.stores_chunks = True  # (every rank of a dense model stores)
     w.mover, w._outbox, w._post_quiet = t, t.outbox, t.post_quiet
     w._active, w._meta, w._released, w._invalid_blocks, w._saves_ended = True, None, None, set(), set()

@@ -33,7 +33,7 @@ def _run(endpoint, tmp_path, model_id: str, *, block_size: int = 16, kv_dtype=to
     try:
         e.add(H.tokens(61, PROMPT_CHUNKS * CHUNK + 10), max_tokens=1)
         e.run(timeout_s=60)
-        return e.worker_conn.worker.stats["loaded_chunks"]
+        return e.worker_conn.stats["loaded_chunks"]
     finally:
         e.close()
 
@@ -74,7 +74,7 @@ def test_requests_of_other_lora_adapters_never_share_a_chunk(shared_daemon, tmp_
         try:
             e.add(H.tokens(62, PROMPT_CHUNKS * CHUNK + 10), max_tokens=1, lora_request=lora)
             e.run(timeout_s=60)
-            got.append(e.worker_conn.worker.stats["loaded_chunks"])
+            got.append(e.worker_conn.stats["loaded_chunks"])
         finally:
             e.close()
     assert got == [0, 0, 0, PROMPT_CHUNKS]
@@ -97,7 +97,7 @@ def test_a_speculative_steps_draft_tokens_are_never_stored(shared_daemon, tmp_pa
         req = e.scheduler.requests[rid]
         while req.num_tokens < 2 * CHUNK - 2:
             e.step()
-        side = e.sched_conn.scheduler
+        side = e.sched_conn
         st = side._reqs[rid]
         assert st.next_store_chunk == 1 and req.num_computed_tokens == req.num_tokens - 1
         req.spec_token_ids = [5, 6, 7, 8]  # positions 2*CHUNK-2 .. 2*CHUNK+1: two past the chunk's end
@@ -106,7 +106,7 @@ def test_a_speculative_steps_draft_tokens_are_never_stored(shared_daemon, tmp_pa
         req.spec_token_ids = []
         e.run(timeout_s=60)
         tokens = list(run.tokens)
-        assert e.worker_conn.worker.stats["stored_chunks"] == (CHUNK + 10 + 2 * CHUNK) // CHUNK
+        assert e.worker_conn.stats["stored_chunks"] == (CHUNK + 10 + 2 * CHUNK) // CHUNK
     finally:
         e.close()
     # another engine loads every stored chunk of the whole conversation, each byte checked
@@ -114,6 +114,6 @@ def test_a_speculative_steps_draft_tokens_are_never_stored(shared_daemon, tmp_pa
     try:
         f.add(tokens, max_tokens=1)
         f.run(timeout_s=60)
-        assert f.worker_conn.worker.stats["loaded_chunks"] == 3
+        assert f.worker_conn.stats["loaded_chunks"] == 3
     finally:
         f.close()

@@ -115,5 +115,5 @@ def test_without_kv_events_config_the_connector_yields_nothing(shared_daemon, cf
     a = engines(cfg(shared_daemon.endpoint))
     a.add(H.tokens(8, 200), max_tokens=1)
     a.run()
-    assert a.sched_conn.scheduler._events is None
+    assert a.sched_conn._events is None
     assert list(a.sched_conn.take_events()) == []

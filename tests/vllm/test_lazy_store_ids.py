@@ -68,7 +68,7 @@ def test_a_dense_models_new_request_gets_a_lazy_store_job_with_the_ids_of_its_ta
     """Through vLLM's scheduler: the store job of a request new in the step is lazy, and its
     ids, sliced, are the request's blocks of those chunks (what the eager path would give)."""
     a = engines(cfg(shared_daemon.endpoint))
-    side = a.sched_conn.scheduler
+    side = a.sched_conn
     assert side._lazy_stores
     made = []
     orig = side._store_job

@@ -26,7 +26,7 @@ def test_mla_at_tp2_is_stored_once_and_both_ranks_load_every_byte(daemon, cfg, e
     each rank's forward checking every byte it attends to. (Ranks in processes of their own:
     `tests/gpu/test_vllm_gpu.py`, and the dense TP tests here.)"""
     a = engines(cfg(daemon.endpoint), H.mla_specs(), tp=2)
-    assert a.sched_conn.scheduler.shards == [REPLICATED]
+    assert a.sched_conn.shards == [REPLICATED]
     prompt = H.tokens(41, 200)
     ra = a.add(prompt, max_tokens=3)
     a.run()
@@ -80,9 +80,9 @@ def test_mla_chunks_stored_at_tp1_load_into_a_tp2_engine_and_back(shared_daemon,
 def test_dense_tp2_keys_stay_per_rank(shared_daemon, cfg, engines):
     """A dense model's ranks hold other heads: two shards, each rank storing its own."""
     a = engines(cfg(shared_daemon.endpoint), tp=2)
-    assert a.sched_conn.scheduler.shards == ["tp0of2", "tp1of2"]
-    assert [w.worker.shard for w in a.workers] == ["tp0of2", "tp1of2"]
-    assert [w.worker.stores_chunks for w in a.workers] == [True, True]
+    assert a.sched_conn.shards == ["tp0of2", "tp1of2"]
+    assert [w.shard for w in a.workers] == ["tp0of2", "tp1of2"]
+    assert [w.stores_chunks for w in a.workers] == [True, True]
 
 
 def _mla(n: int = 1, max_tp_shards: int | None = 1) -> list:

@@ -73,7 +73,7 @@ def test_an_engine_with_a_rope_override_never_loads_the_chunks_of_one_without(da
         try:
             e.add(prompt, max_tokens=2)
             e.run(timeout_s=60)
-            assert e.worker_conn.worker.stats["loaded_chunks"] == hits, kw
+            assert e.worker_conn.stats["loaded_chunks"] == hits, kw
         finally:
             e.close()
 
@@ -84,7 +84,7 @@ def test_two_adapters_of_one_name_at_other_paths_get_other_keys(daemon, tmp_path
     cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, extra={"model_id": "identity-lora"})
     e = H.Engine(cfg, H.dense_specs(), num_blocks=160)
     try:
-        keys = e.sched_conn.scheduler._keys
+        keys = e.sched_conn._keys
 
         def salt(lora):
             return keys.seed_salt(SimpleNamespace(cache_salt="tenant", lora_request=lora))[0]

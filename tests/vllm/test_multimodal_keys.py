@@ -48,14 +48,14 @@ def test_an_image_prompt_hits_only_where_its_images_are_the_same(daemon, tmp_pat
     a = _engine(daemon, tmp_path)
     try:
         ref = _run(a, prompt, "image-A")
-        assert a.worker_conn.worker.stats["stored_chunks"] == 4
+        assert a.worker_conn.stats["stored_chunks"] == 4
     finally:
         a.close()
     for image, hits in (("image-B", 2), ("image-A", 4)):
         b = _engine(daemon, tmp_path)
         try:
             run = _run(b, prompt, image)
-            assert b.worker_conn.worker.stats["loaded_chunks"] == hits, image
+            assert b.worker_conn.stats["loaded_chunks"] == hits, image
             assert run.computed == len(prompt) - hits * CHUNK + 1
             assert run.outputs == ref.outputs
         finally:
@@ -68,10 +68,10 @@ def test_with_keys_from_tokens_an_image_prompt_is_not_cached(daemon, tmp_path, n
     try:
         rid = e.add(prompt, max_tokens=2, mm_features=_image("image-A"))
         e.run(timeout_s=60)
-        assert rid not in e.sched_conn.scheduler._reqs
-        assert e.worker_conn.worker.stats["stores"] == 0
+        assert rid not in e.sched_conn._reqs
+        assert e.worker_conn.stats["stores"] == 0
         e.add(prompt, max_tokens=2)  # the same tokens without the image: cached as text
         e.run(timeout_s=60)
-        assert e.worker_conn.worker.stats["stored_chunks"] == 4
+        assert e.worker_conn.stats["stored_chunks"] == 4
     finally:
         e.close()

@@ -41,14 +41,14 @@ def test_an_embeddings_prompt_hits_only_the_chunks_before_its_embeddings_differ(
     a = _engine(daemon, tmp_path)
     try:
         ref = _run(a, prompt)
-        assert a.worker_conn.worker.stats["stored_chunks"] == 4
+        assert a.worker_conn.stats["stored_chunks"] == 4
     finally:
         a.close()
     for p, hits in ((other, 2), (prompt, 4)):
         b = _engine(daemon, tmp_path)
         try:
             run = _run(b, p)
-            assert b.worker_conn.worker.stats["loaded_chunks"] == hits
+            assert b.worker_conn.stats["loaded_chunks"] == hits
             assert run.computed == len(p) - hits * CHUNK + 1
             if p is prompt:
                 assert run.outputs == ref.outputs  # the loaded KV is the stored one, byte for byte
@@ -62,7 +62,7 @@ def test_with_keys_from_tokens_an_embeddings_prompt_is_not_cached(daemon, tmp_pa
     try:
         rid = e.add(prompt, max_tokens=2, prompt_embeds=_embeds(prompt))
         e.run(timeout_s=60)
-        assert rid not in e.sched_conn.scheduler._reqs
-        assert e.worker_conn.worker.stats["stores"] == 0
+        assert rid not in e.sched_conn._reqs
+        assert e.worker_conn.stats["stores"] == 0
     finally:
         e.close()

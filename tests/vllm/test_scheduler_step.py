@@ -19,7 +19,7 @@ def test_decode_steps_look_at_no_request_once_prompts_are_stored(daemon, tmp_pat
     cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, chunk_size=64, extra={"model_id": "step"})
     a = H.Engine(cfg, H.dense_specs())
     try:
-        sched = a.sched_conn.scheduler
+        sched = a.sched_conn
         looked: list[str] = []
         store_job = sched._store_job
 
@@ -35,7 +35,7 @@ def test_decode_steps_look_at_no_request_once_prompts_are_stored(daemon, tmp_pat
         assert prefill_looks >= 4 and not sched._unstored
         a.run()
         assert len(looked) == prefill_looks, "decode steps looked at requests with nothing to store"
-        assert a.worker_conn.worker.stats["stored_chunks"] == 8
+        assert a.worker_conn.stats["stored_chunks"] == 8
     finally:
         a.close()
 
@@ -69,7 +69,7 @@ def test_steps_with_nothing_to_move_share_one_metadata_and_one_result(daemon, tm
         assert (empty[0].finished_sending, empty[0].finished_recving, empty[0].failed_recving) == NOTHING_ENDED
         assert isinstance(empty[0].failed_recving, frozenset)  # shared: whoever tried to add to it would fail
         assert a.worker_conn.get_block_ids_with_load_errors() == set()
-        assert a.worker_conn.worker.stats["stored_chunks"] == 4
+        assert a.worker_conn.stats["stored_chunks"] == 4
         assert not a.scheduler.requests
     finally:
         a.close()
@@ -82,15 +82,15 @@ def test_requests_running_through_a_cache_reset_store_their_prompt_again(daemon,
     a = H.Engine(cfg, H.dense_specs())
     try:
         r = a.add(H.tokens(7, 140), max_tokens=60)
-        w = a.worker_conn.worker
+        w = a.worker_conn
         deadline = time.monotonic() + 20
         while w.stats["stored_chunks"] < 2 and time.monotonic() < deadline:  # its stores are answered
             a.step()
             time.sleep(0.005)
-        assert w.stats["stored_chunks"] == 2 and not a.sched_conn.scheduler._unstored
+        assert w.stats["stored_chunks"] == 2 and not a.sched_conn._unstored
         assert a.runs[r].outputs and r in a.scheduler.requests  # still decoding
         assert a.sched_conn.reset_cache()
-        assert r in a.sched_conn.scheduler._unstored
+        assert r in a.sched_conn._unstored
         a.run()
         assert w.stats["stored_chunks"] == 4  # the same 2 chunks under the fresh namespace
     finally:
@@ -107,7 +107,7 @@ def test_store_jobs_take_the_same_block_ids_from_vllms_block_lists_as_from_its_i
                              max_model_len=512, extra={"model_id": "ids"})
     a = H.Engine(cfg, H.hybrid_specs(sliding_window=16), num_blocks=80)
     try:
-        side = a.sched_conn.scheduler
+        side = a.sched_conn
         jobs_seen, new_seen = [], 0
         build = side.build_connector_meta
 
@@ -159,7 +159,7 @@ def test_lookup_answers_are_booked_on_their_requests_as_they_are_read(daemon, tm
     cfg = H.make_vllm_config(H.model_dir(tmp_path), daemon.endpoint, chunk_size=64, extra={"model_id": "booked"})
     a = H.Engine(cfg, H.dense_specs())
     try:
-        side, conn = a.sched_conn.scheduler, a.sched_conn
+        side, conn = a.sched_conn, a.sched_conn
         warm = a.add(H.tokens(70, 140), max_tokens=1)
         a.run(warm)  # its two chunks stored: the requests below hit them
         ids = [a.add(H.tokens(70, 140) if i < 2 else H.tokens(80 + i, 140), max_tokens=1) for i in range(4)]

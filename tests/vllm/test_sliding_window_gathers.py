@@ -18,7 +18,7 @@ from kvdepot.client.vllm import commands as cmds  # noqa: E402
 from kvdepot.client.vllm.plan import KVDepotMetadata, StoreJob  # noqa: E402
 from kvdepot.client.vllm.scheduler import written_blocks  # noqa: E402
 from kvdepot.client.vllm.worker import written_set  # noqa: E402
-from kvdepot.client.vllm.worker import WorkerSide, _SlidingSave  # noqa: E402
+from kvdepot.client.vllm.worker import WorkerConnector, _SlidingSave  # noqa: E402
 
 CHUNK = 64
 
@@ -69,7 +69,7 @@ def test_written_block_ids_cover_every_block_a_step_gives_a_request(daemon, tmp_
         e.run(timeout_s=60)
         assert checked["steps"] >= 10 and checked["new_blocks"] >= 20, checked
         assert checked["freed_blocks"] > 0, "no block left a window while its request ran: nothing tested"
-        assert e.worker_conn.worker.stats["stored_chunks"] >= 6
+        assert e.worker_conn.stats["stored_chunks"] >= 6
     finally:
         e.close()
 
@@ -115,7 +115,7 @@ class _Mover:
 
 
 def _worker():
-    w = object.__new__(WorkerSide)
+    w = object.__new__(WorkerConnector)
     w.stores_chunks = True  # (every rank of a dense model stores)
     w.mover, w.stats = _Mover(), {"forwards_waiting_for_gathers": 0}
     w.cfg = types.SimpleNamespace(rpc_timeout_s=1.0)
@@ -198,7 +198,7 @@ def test_cpu_sliding_window_save_counts_as_gathered_only_once_the_daemon_copied_
                              max_num_batched_tokens=48, max_model_len=256, extra={"model_id": "sliding-cpu"})
     e = H.Engine(cfg, H.hybrid_specs(sliding_window=16), num_blocks=40)
     try:
-        mv = e.worker_conn.worker.mover
+        mv = e.worker_conn.mover
         handle, checked = mv._handle, []
 
         def spy(cmd):
@@ -213,7 +213,7 @@ def test_cpu_sliding_window_save_counts_as_gathered_only_once_the_daemon_copied_
             e.add(H.tokens(70 + i, 200), max_tokens=4)
         e.run(timeout_s=60)
         assert len(checked) >= 3 and all(checked), checked
-        assert e.worker_conn.worker.stats["stored_chunks"] >= 6
+        assert e.worker_conn.stats["stored_chunks"] >= 6
     finally:
         e.close()
 
@@ -232,7 +232,7 @@ def test_worker_sizes_its_staging_ring_from_its_chunk_bytes_and_step_budget(daem
                              max_model_len=256, extra={"model_id": f"ring-{hybrid}"})
     e = H.Engine(cfg, specs, num_blocks=40)
     try:
-        w = e.worker_conn.worker
+        w = e.worker_conn
         step_chunks = 16  # ceil(1000 / 64)
         assert w.registrar.staging_bytes() == (2 * step_chunks * w.registrar.kvreg.object_bytes if hybrid else 4096)
         w.registrar.cfg = dataclasses.replace(w.registrar.cfg, staging_bytes=3 << 20)

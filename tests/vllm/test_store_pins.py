@@ -19,7 +19,7 @@ from kvdepot.client.vllm import stats as kvstats  # noqa: E402
 from kvdepot.client.vllm.pieces import PinnedSaves  # noqa: E402
 from kvdepot.client.vllm.plan import KVDepotMetadata, KVDepotWorkerMeta, StoreJob  # noqa: E402
 from kvdepot.client.vllm.pins import StorePins  # noqa: E402
-from kvdepot.client.vllm.worker import WorkerSide  # noqa: E402
+from kvdepot.client.vllm.worker import WorkerConnector  # noqa: E402
 
 CHUNK = 64
 
@@ -37,7 +37,7 @@ def test_vllm_never_hands_out_a_pinned_block_and_every_pin_is_dropped(daemon, tm
                              max_num_batched_tokens=48, max_model_len=256, extra={"model_id": "store-pins"})
     e = H.Engine(cfg, H.hybrid_specs(sliding_window=16), num_blocks=40)
     try:
-        side = e.sched_conn.scheduler
+        side = e.sched_conn
         pool = e.scheduler.kv_cache_manager.block_pool
         free_at_start = pool.get_num_free_blocks()
         assert side._pins.pool is pool
@@ -83,7 +83,7 @@ def test_vllm_never_hands_out_a_pinned_block_and_every_pin_is_dropped(daemon, tm
         for k in ("blocks_pinned", "blocks_unpinned"):
             sent = sum(d.get(k, 0) for d in emitted) + (left.data.get(k, 0) if left is not None else 0)
             assert sent == side.stats[k], k
-        w = e.worker_conn.worker
+        w = e.worker_conn
         assert w.stores_may_wait and w.stats["stored_chunks"] >= 6 and w.stats["forwards_waiting_for_gathers"] == 0
     finally:
         e.close()
@@ -109,7 +109,7 @@ def test_a_pinned_hybrid_models_prefix_loads_back_bit_exact(daemon, tmp_path):
             a.add(H.tokens(71 + i, 150), max_tokens=2)  # others that take the freed blocks
         a.run(timeout_s=60)
         ref = a.runs[ra]
-        assert a.worker_conn.worker.stats["stored_chunks"] >= 2
+        assert a.worker_conn.stats["stored_chunks"] >= 2
     finally:
         a.close()
     b = make("LBHNC")
@@ -117,7 +117,7 @@ def test_a_pinned_hybrid_models_prefix_loads_back_bit_exact(daemon, tmp_path):
         rb = b.add(prompt, max_tokens=3)
         b.run(timeout_s=60)
         run = b.runs[rb]
-        assert b.worker_conn.worker.stats["loaded_chunks"] == 2
+        assert b.worker_conn.stats["loaded_chunks"] == 2
         # the harness's forward checks every KV byte each token attends to against the KV of a
         # full computation (`vllm_harness.expected_kv`), the loaded ones included
         assert run.computed == 9 + 2 and run.outputs == ref.outputs
@@ -149,15 +149,15 @@ def test_pins_drop_once_every_worker_reported_the_save():
 
 
 def test_a_pinned_save_a_worker_does_not_send_is_reported_at_once():
-    w = object.__new__(WorkerSide)
+    w = object.__new__(WorkerConnector)
     w.stores_chunks = True  # (every rank of a dense model stores)
     w.mover = types.SimpleNamespace(started=False)  # the transfer thread never started (disabled)
     w._active, w._saves_ended = False, set()
     job = StoreJob("r", [b"k" * 16], b"", b"s" * 16, 0, [[1], [2]], "")
     w._meta = KVDepotMetadata(stores=[job], stores_pinned=True, pin_seq=7)
     w.wait_for_save()
-    assert w.worker_meta().saves_ended == {7: 1}
-    assert w.worker_meta() is None  # reported once
+    assert w.build_connector_worker_meta().saves_ended == {7: 1}
+    assert w.build_connector_worker_meta() is None  # reported once
 
 
 def test_a_pinned_save_ends_when_its_last_piece_did():
@@ -187,7 +187,7 @@ def test_tensor_parallel_pins_drop_once_both_ranks_reported(daemon, tmp_path, ra
                              max_num_batched_tokens=48, max_model_len=256, extra={"model_id": "store-pins-tp2"})
     e = H.Engine(cfg, H.hybrid_specs(sliding_window=16), num_blocks=40, tp=2, rank_processes=rank_processes)
     try:
-        side = e.sched_conn.scheduler
+        side = e.sched_conn
         pool = e.scheduler.kv_cache_manager.block_pool
         free_at_start = pool.get_num_free_blocks()
         assert side._workers == 2

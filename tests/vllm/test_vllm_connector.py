@@ -32,7 +32,7 @@ def test_cold_request_stores_and_a_request_sharing_the_prefix_loads_the_same_byt
     reference = {name: a.kv_of(ra, name, range(3 * CHUNK)) for name in a.kv_caches}
     a.run()
     assert a.runs[ra].computed == 200 + 2  # cold: vLLM computed everything
-    w = a.worker_conn.worker
+    w = a.worker_conn
     assert w.stats["stored_chunks"] == 3 and w.stats["store_failures"] == 0  # whole prompt chunks only
     assert stored_chunks(shared_daemon.endpoint, a) == 3
 
@@ -45,7 +45,7 @@ def test_cold_request_stores_and_a_request_sharing_the_prefix_loads_the_same_byt
     run = b.runs[rb]
     assert run.computed == 200 - 3 * CHUNK + 2, "B must load the 3 cached chunks and compute the rest"
     assert run.outputs == a.runs[ra].outputs, "loaded KV must give exactly the tokens of a full computation"
-    assert b.worker_conn.worker.stats["loaded_chunks"] == 3
+    assert b.worker_conn.stats["loaded_chunks"] == 3
     for (name, lo, hi), got in run.loaded_bytes.items():
         assert (lo, hi) == (0, 200 - 8)
         assert got.equal(reference[name]), f"layer {name}: loaded bytes differ from A's KV"
@@ -110,7 +110,7 @@ def test_load_call_sequence(shared_daemon, cfg, engines):
     e.run()
     # a second instance: its own prefix cache is empty, so everything cached comes from the daemon
     f = engines(cfg(shared_daemon.endpoint, connector="RecordingKVDepotConnector", module="recording_connector"))
-    mover = f.worker_conn.worker.mover
+    mover = f.worker_conn.mover
     post = mover.post
     mover.post = lambda cmd: (rc.CALLS.append(("WORKER", "post", type(cmd).__name__)), post(cmd))
     rc.CALLS.clear()
@@ -171,15 +171,15 @@ def test_hybrid_model_two_groups_of_different_block_sizes(shared_daemon, cfg, en
     prompt = H.tokens(5, 300)
     ra = a.add(prompt, max_tokens=3)
     a.run()
-    assert a.worker_conn.worker.stats["stored_chunks"] == 4
+    assert a.worker_conn.stats["stored_chunks"] == 4
 
     b = engines(cfg(shared_daemon.endpoint, max_num_batched_tokens=budget), specs)
     null_before = b.null_block_bytes()
     rb = b.add(prompt, max_tokens=3)
     b.run()
-    assert b.worker_conn.worker.stats["loaded_chunks"] == 4
+    assert b.worker_conn.stats["loaded_chunks"] == 4
     # the sliding-window table held vLLM's null block: left out of the load (block id -1)
-    assert b.worker_conn.worker.stats["null_blocks_left_alone"] >= 1
+    assert b.worker_conn.stats["null_blocks_left_alone"] >= 1
     assert b.runs[rb].computed == 300 - 4 * CHUNK + 2
     assert b.runs[rb].outputs == a.runs[ra].outputs
     null_after = b.null_block_bytes()
@@ -207,7 +207,7 @@ def test_prefix_partly_in_vllms_prefix_cache_is_not_overwritten(shared_daemon, c
         t.view(H.torch.int8)[poisoned] = 77
 
     rb = b.add(prompt, max_tokens=2)
-    st = b.sched_conn.scheduler
+    st = b.sched_conn
     seen = []
     orig = st._load_job
 
@@ -258,12 +258,12 @@ def test_generated_tokens_stored_only_when_configured(shared_daemon, cfg, engine
     e = engines(cfg(shared_daemon.endpoint, extra={"model_id": "gen-off"}))
     e.add(prompt, max_tokens=60)
     e.run()
-    assert e.worker_conn.worker.stats["stored_chunks"] == 1
+    assert e.worker_conn.stats["stored_chunks"] == 1
     f = engines(cfg(shared_daemon.endpoint,
                                    extra={"model_id": "gen-on", "store_generated": True}))
     r = f.add(prompt, max_tokens=60)
     f.run()
-    assert f.worker_conn.worker.stats["stored_chunks"] == 2
+    assert f.worker_conn.stats["stored_chunks"] == 2
     # a follow-up turn (prompt = previous prompt + answer) loads both chunks
     g = engines(cfg(shared_daemon.endpoint,
                                    extra={"model_id": "gen-on", "store_generated": True}))
@@ -304,7 +304,7 @@ def test_messages_on_the_wire_are_protocol_messages(shared_daemon, cfg, engines)
     skip_tokens (a spy on the worker's channel)."""
     a = engines(cfg(shared_daemon.endpoint))
     sent = []
-    client = a.worker_conn.worker.client
+    client = a.worker_conn.client
     orig = client.conn.submit
 
     def spy(req):
@@ -330,7 +330,7 @@ def test_tensor_parallel_ranks_store_and_load_their_own_shards(shared_daemon, cf
     fed the pickled SchedulerOutput (connector metadata included), as vLLM's multiprocess
     executor runs workers."""
     a = engines(cfg(shared_daemon.endpoint), tp=2, rank_processes=rank_processes)
-    assert a.worker_conn.worker.shard == "tp0of2"
+    assert a.worker_conn.shard == "tp0of2"
     prompt = H.tokens(5, 200)
     ra = a.add(prompt, max_tokens=3)
     a.run()
@@ -355,18 +355,18 @@ def test_tensor_parallel_prefix_hits_only_where_every_shard_is_cached(shared_dae
     """A chunk cached for rank 0 only is no hit for a TP=2 instance: the scheduler asks for the
     chunks of every shard, and the request is computed in full."""
     a = engines(cfg(shared_daemon.endpoint), tp=2)
-    a.workers[1].worker.registrar.disable("test: rank 1 stores nothing")
+    a.workers[1].registrar.disable("test: rank 1 stores nothing")
     prompt = H.tokens(6, 200)
     a.add(prompt, max_tokens=2)
     a.run()
-    assert a.workers[0].worker.stats["stored_chunks"] == 3
-    assert a.workers[1].worker.stats["stored_chunks"] == 0
+    assert a.workers[0].stats["stored_chunks"] == 3
+    assert a.workers[1].stats["stored_chunks"] == 0
 
     b = engines(cfg(shared_daemon.endpoint), tp=2)
     rb = b.add(prompt, max_tokens=2)
     b.run()
     assert b.runs[rb].computed == 200 + 1
-    assert [w.worker.stats["loaded_chunks"] for w in b.workers] == [0, 0]
+    assert [w.stats["loaded_chunks"] for w in b.workers] == [0, 0]
 
 
 def test_transfers_run_off_the_engine_thread_and_no_per_layer_calls(shared_daemon, cfg, engines):
@@ -380,7 +380,7 @@ def test_transfers_run_off_the_engine_thread_and_no_per_layer_calls(shared_daemo
     senders, per_layer = [], []
 
     def spy_on(engine):
-        client, conn = engine.worker_conn.worker.client.conn, engine.worker_conn
+        client, conn = engine.worker_conn.client.conn, engine.worker_conn
         submit, has = client.submit, conn.has_connector_metadata
 
         def spy(req):
@@ -434,7 +434,7 @@ def test_a_steps_stores_and_loads_of_several_requests_go_in_one_request(shared_d
     for r in ids:  # all four lookups answered before the first step: all four prefill in it
         wait_for_lookup_answer(a, r)
     a.run()
-    assert a.worker_conn.worker.stats["stored_chunks"] == 8 and a.worker_conn.worker.stats["store_failures"] == 0
+    assert a.worker_conn.stats["stored_chunks"] == 8 and a.worker_conn.stats["store_failures"] == 0
     assert stored_chunks(shared_daemon.endpoint, a) == 8
     assert runs["store"] and max(runs["store"]) >= 2, runs
 
@@ -449,4 +449,4 @@ def test_a_steps_stores_and_loads_of_several_requests_go_in_one_request(shared_d
     for ra, rb in zip(ids, got):
         assert b.runs[rb].computed == 3 + 1, "each request loads its 2 chunks and computes the rest"
         assert b.runs[rb].outputs == a.runs[ra].outputs
-    assert b.worker_conn.worker.stats["loaded_chunks"] == 8
+    assert b.worker_conn.stats["loaded_chunks"] == 8

@@ -39,7 +39,7 @@ def test_hybrid_load_failure_is_recomputed(daemon, cfg, engines):
     assert time.monotonic() - t0 < 10
     assert b.runs[rb].outputs == a.runs[ra].outputs
     assert b.runs[rb].computed == 200 + 1  # everything recomputed
-    assert b.worker_conn.worker.stats["load_failures"] == 1
+    assert b.worker_conn.stats["load_failures"] == 1
 
 
 # ---------------------------------------------------------------------- (e) daemon down, slow, restarted
@@ -51,7 +51,7 @@ def test_daemon_down_then_restarted(daemon, cfg, engines):
     # again; with nothing listening every call fails at once, whatever the timeout
     restart = dict(FAST, rpc_timeout_s=5.0)
     e = engines(cfg(daemon.endpoint, extra=restart))
-    w = e.worker_conn.worker
+    w = e.worker_conn
     first_reg = w.registration_id
     assert first_reg
     prompt = H.tokens(9, 200)
@@ -67,18 +67,18 @@ def test_daemon_down_then_restarted(daemon, cfg, engines):
     f.run()
     assert time.monotonic() - t0 < 5
     assert f.runs[r1].outputs == expected and f.runs[r1].computed == 200 + 1
-    assert f.worker_conn.worker.registration_id is None  # registration failed: nothing stored or loaded
+    assert f.worker_conn.registration_id is None  # registration failed: nothing stored or loaded
 
     daemon.start()  # same endpoint, new boot id, empty cache
     for _ in range(400):  # idle engine steps: the worker probes the daemon and registers
         f.step()
-        if f.worker_conn.worker.registration_id:
+        if f.worker_conn.registration_id:
             break
         time.sleep(0.005)
     r2 = f.add(H.tokens(10, 3) + prompt, max_tokens=2)  # new prefix: not in vLLM's prefix cache
     f.run()
-    assert f.worker_conn.worker.registration_id, "the worker must register with the restarted daemon"
-    assert f.worker_conn.worker.stats["stored_chunks"] >= 3
+    assert f.worker_conn.registration_id, "the worker must register with the restarted daemon"
+    assert f.worker_conn.stats["stored_chunks"] >= 3
     # the first instance notices the restart (its connection closed, a new boot id) and
     # registers again, idle (its transfer thread looks every 50 ms)
     for _ in range(400):
@@ -117,7 +117,7 @@ def test_failed_load_is_reported_as_failed_blocks_and_recomputed(daemon, cfg, en
 def test_slow_daemon_load_times_out_and_blocks_wait_for_its_late_answer(daemon, cfg, engines):
     a, ra, b, rb = _stored_then_looked_up(daemon, cfg, engines, H.tokens(12, 140))
     daemon.pause()  # hung: bound, answers nothing
-    w = b.worker_conn.worker
+    w = b.worker_conn
     try:
         worst, t_end = 0.0, time.monotonic() + 0.8  # past rpc_timeout_s (0.5 s), short of hold_max_s (1 s)
         while time.monotonic() < t_end:
@@ -176,7 +176,7 @@ def test_blocks_of_requests_lost_with_a_connection_return_at_once(tmp_path, monk
     d = Daemon(tmp_path).start()
     try:
         e = engines(cfg(d.endpoint, extra={"rpc_timeout_s": 5.0, "hold_max_s": 30.0}))
-        w = e.worker_conn.worker
+        w = e.worker_conn
         r = e.add(H.tokens(31, 200), max_tokens=1)
         for _ in range(500):
             e.step()

@@ -102,6 +102,36 @@ def test_connector_refuses_to_start_with_a_bad_chunk_size_or_fail_policy(model):
         KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, sched_cfg)
 
 
+def test_vllm_gets_the_roles_class_and_the_other_roles_calls_raise(model):
+    """``KVDepotConnector(...)``, as vLLM's factory builds it, is `SchedulerConnector` for the
+    SCHEDULER role and `WorkerConnector` for WORKER: vLLM calls their methods directly (none on
+    the instance replaces a class's); a call of the other role raises."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+    from kvdepot.client.vllm import KVDepotConnector, SchedulerConnector, WorkerConnector
+
+    cfg = H.make_vllm_config(model, NO_DAEMON)
+    kcc, sched_cfg, _, _ = H.plan_kv_cache(cfg, H.dense_specs(), 256)
+    sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, sched_cfg)
+    worker = KVDepotConnector(cfg, KVConnectorRole.WORKER, kcc)
+    try:
+        assert type(sched) is SchedulerConnector and type(worker) is WorkerConnector
+        assert isinstance(worker, KVDepotConnector) and sched.role == KVConnectorRole.SCHEDULER
+        calls = {n for n in dir(KVConnectorBase_V1) if not n.startswith("_")}
+        for conn in (sched, worker):
+            assert not calls & set(vars(conn))  # no call of vLLM's replaced on the instance
+        assert sched.cfg.chunk_size == worker.cfg.chunk_size and sched.fingerprint == worker.fingerprint
+        with pytest.raises(RuntimeError, match="wait_for_save on its SCHEDULER-role connector"):
+            sched.wait_for_save()
+        with pytest.raises(RuntimeError, match="build_connector_meta on its WORKER-role connector"):
+            worker.build_connector_meta(None)
+        assert sched.get_kv_connector_stats() is None and worker.get_kv_connector_stats() is None  # nothing yet
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
 # ---------------------------------------------------------------------- chunk / block arithmetic
 
 

@@ -76,15 +76,15 @@ def test_a_stopped_daemon_never_stalls_vllm(daemon, cfg, engines, capsys):
     assert e.worker_stats(0)["stored_chunks"] == 2 * PROMPT_TOKENS // 64
 
     # a load in flight: a repeat of the first prompt, stepped until its lookup hit sent the load
-    w = e.worker_conn.worker
+    w = e.worker_conn
     loads_before = w.stats["loads"] + w.stats["load_failures"]
     rl = e.add(warm[0], max_tokens=2)
     for _ in range(200):
         e.step()
-        if e.sched_conn.scheduler._loading:
+        if e.sched_conn._loading:
             break
         time.sleep(0.002)
-    assert e.sched_conn.scheduler._loading, "the repeat's load was planned"
+    assert e.sched_conn._loading, "the repeat's load was planned"
     daemon.pause()
     times.on = True
     # a burst of arrivals: their lookups (~18 KB each) fill the socket buffer long before the
@@ -122,7 +122,7 @@ def test_a_stopped_daemon_never_stalls_vllm(daemon, cfg, engines, capsys):
 
     # the daemon answers again: a repeat of the second prompt hits
     deadline = time.monotonic() + 10
-    while not e.sched_conn.scheduler.client.available():
+    while not e.sched_conn.client.available():
         assert time.monotonic() < deadline, "the scheduler never saw the daemon back"
         time.sleep(0.05)
     loaded = w.stats["loaded_chunks"]

@@ -21,7 +21,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 
 from kvdepot.client.vllm.layout import attention_tag, transfer_groups  # noqa: E402
-from kvdepot.client.vllm.scheduler import SchedulerSide  # noqa: E402
+from kvdepot.client.vllm.scheduler import SchedulerConnector  # noqa: E402
 
 CHUNK = 64
 
@@ -68,26 +68,26 @@ def _engine(daemon, tmp_path, name: str, step_tokens: int = 2048):
 
 def test_a_store_pins_and_reads_only_the_window_a_load_can_use(daemon, tmp_path, monkeypatch):
     jobs = []
-    store_job = SchedulerSide._store_job
+    store_job = SchedulerConnector._store_job
 
     def spy(self, *a, **kw):
         job = store_job(self, *a, **kw)
         if job is not None:
             jobs.append(job)
         return job
-    monkeypatch.setattr(SchedulerSide, "_store_job", spy)
+    monkeypatch.setattr(SchedulerConnector, "_store_job", spy)
     prompt = H.tokens(91, 300)  # 4 whole chunks, all in one step: no block let go before the store
     a = _engine(daemon, tmp_path, "window-blocks")
     try:
         ra = a.add(prompt, max_tokens=3)
         a.run(timeout_s=60)
-        assert a.worker_conn.worker.stats["stored_chunks"] == 4
-        null = a.sched_conn.scheduler._null_block_id
+        assert a.worker_conn.stats["stored_chunks"] == 4
+        null = a.sched_conn._null_block_id
         ids = [b for job in jobs for b in job.block_ids[0]]
         assert len(ids) == 16
         assert [b == null for b in ids] == [True, True, False, False] * 4
-        assert a.sched_conn.scheduler.stats["blocks_pinned"] == 8  # 2 per chunk, not 4
-        assert a.sched_conn.scheduler.pinned_blocks == 0
+        assert a.sched_conn.stats["blocks_pinned"] == 8  # 2 per chunk, not 4
+        assert a.sched_conn.pinned_blocks == 0
         ref = a.runs[ra].outputs
     finally:
         a.close()
@@ -97,8 +97,8 @@ def test_a_store_pins_and_reads_only_the_window_a_load_can_use(daemon, tmp_path,
             rb = b.add(prompt, max_tokens=3)
             b.run(timeout_s=60)
             # the harness's forward checks every KV byte each token attends to
-            assert b.worker_conn.worker.stats["loaded_chunks"] == 4
-            assert b.worker_conn.worker.stats["null_blocks_left_alone"] >= 1
+            assert b.worker_conn.stats["loaded_chunks"] == 4
+            assert b.worker_conn.stats["null_blocks_left_alone"] >= 1
             assert b.runs[rb].outputs == ref
         finally:
             b.close()
@@ -123,7 +123,7 @@ def test_a_vllm_that_keeps_more_of_the_window_recomputes_instead_of_loading(daem
     try:
         rb = b.add(prompt, max_tokens=3)
         b.run(timeout_s=60)
-        stats = b.worker_conn.worker.stats
+        stats = b.worker_conn.stats
         assert stats["loaded_chunks"] == 0 and stats["load_failures"] == 1
         assert b.runs[rb].outputs == ref  # recomputed
         assert "more than 2 blocks before a chunk's end" in caplog.text

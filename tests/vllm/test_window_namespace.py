@@ -44,7 +44,7 @@ def test_only_engines_with_the_same_window_share_a_sliding_window_engines_chunks
         ra = a.add(prompt, max_tokens=3)
         a.run(timeout_s=60)
         ref = a.runs[ra]
-        assert a.worker_conn.worker.stats["stored_chunks"] == 4
+        assert a.worker_conn.stats["stored_chunks"] == 4
     finally:
         a.close()
     # full attention, another window, the same window in larger blocks (whole blocks are let go:
@@ -52,12 +52,12 @@ def test_only_engines_with_the_same_window_share_a_sliding_window_engines_chunks
     for window, block_size, hits in ((None, 16, 0), (64, 16, 0), (32, 32, 0), (32, 16, 4)):
         b = engine(window, block_size)
         try:
-            assert (b.sched_conn.scheduler._attention == "") == (window is None)  # dense: keys as before
+            assert (b.sched_conn._attention == "") == (window is None)  # dense: keys as before
             rb = b.add(prompt, max_tokens=3)
             b.run(timeout_s=60)
             # the harness's forward checks every KV byte each token attends to against the KV
             # of a full computation, the loaded ones included
-            assert b.worker_conn.worker.stats["loaded_chunks"] == hits, window
+            assert b.worker_conn.stats["loaded_chunks"] == hits, window
             if hits:  # (other attention gives other tokens)
                 assert b.runs[rb].outputs == ref.outputs
         finally:

@@ -537,11 +537,11 @@ class Engine:
     def worker_stats(self, rank: int) -> dict:
         """The connector's counters of TP rank ``rank`` (asked over the pipe for a rank process)."""
         r = self.ranks[rank]
-        return dict(r.conn.worker.stats) if isinstance(r, RankWorker) else r.call("stats")
+        return dict(r.conn.stats) if isinstance(r, RankWorker) else r.call("stats")
 
     def registration_id(self, rank: int) -> str | None:
         r = self.ranks[rank]
-        return r.conn.worker.registration_id if isinstance(r, RankWorker) else r.registration_id
+        return r.conn.registration_id if isinstance(r, RankWorker) else r.registration_id
 
     def kv_of(self, req_id: str, name: str, positions: range) -> torch.Tensor:
         """Bytes ``[P, H, C]`` of rank 0's layer ``name`` at ``positions`` of a running request."""

@@ -13,7 +13,7 @@ engine's blocks are written by the time ``wait_for_save`` runs, and every kind c
   when it takes the command and gathers after it whenever it gets to the stores.
 * `SaveAfterEvent`: gathered by the thread after ``event`` (the engine thread recorded it).
 * `SavePosted`: a sliding-window model whose blocks vLLM may give away in the next step: whoever
-  claims ``posted`` first (the thread when it takes the command, or the engine thread's ``bind``
+  claims ``posted`` first (the thread when it takes the command, or the engine thread's ``bind_connector_metadata``
   before a forward that may write one of its blocks) gathers on the engine's stream.
 * `SaveStaged`: already gathered into the staging ring by the engine thread (``staged``).
 

@@ -7,8 +7,9 @@ Load it with::
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"endpoint": "ipc:///run/kvdepot.sock"}}'
 
-vLLM builds one SCHEDULER-role instance in its engine core (`SchedulerSide`) and one
-WORKER-role instance per worker (`WorkerSide`); the scheduler's plan reaches the workers as
+vLLM builds one SCHEDULER-role instance in its engine core
+(`kvdepot.client.vllm.scheduler.SchedulerConnector`) and one WORKER-role instance per worker
+(`kvdepot.client.vllm.worker.WorkerConnector`); the scheduler's plan reaches the workers as
 `KVDepotMetadata`. The connector is a best-effort cache: whatever the daemon does (down, slow,
 restarted), vLLM recomputes what could not be loaded and skips what could not be stored.
 """
@@ -26,15 +27,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     SupportsHMA,
 )
 
 from kvdepot.client.vllm.config import EXTRA_CONFIG, ConnectorConfig, check_chunk_size
-from kvdepot.client.vllm.layout import ShmSegments, layout_name, predict_fingerprint, transfer_groups
-from kvdepot.client.vllm.scheduler import SchedulerSide
+from kvdepot.client.vllm.layout import layout_name, predict_fingerprint, transfer_groups
 from kvdepot.client.vllm.stats import KVDepotPromMetrics, KVDepotStats, StatsTaker
-from kvdepot.client.vllm.worker import WorkerSide
 from kvdepot.protocol.errors import RequestError
 
 if TYPE_CHECKING:
@@ -82,11 +80,39 @@ def _unsupported_parallelism(vllm_config) -> str:
 class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector backed by the kvdepot daemon (see the module docstring).
 
+    vLLM constructs this class once per role; what it gets is the role's class, whose methods
+    are the calls vLLM makes on that role (nothing forwards them):
+    `kvdepot.client.vllm.worker.WorkerConnector` for WORKER, and
+    `kvdepot.client.vllm.scheduler.SchedulerConnector` for SCHEDULER. Each names its role in its
+    class statement (``class WorkerConnector(KVDepotConnector, role=KVConnectorRole.WORKER)``).
+    This class holds what both roles share: the checked configuration, the transfer groups, the
+    layout fingerprint, the model identity and the metrics calls.
+
+    Attributes set here (read-only after construction): ``cfg`` (`ConnectorConfig`),
+    ``groups`` (`TransferGroup` per daemon gid), ``fingerprint``, ``model_id``
+    (`model_identity`), ``disabled_reason`` ("" when kvdepot is used) and ``device_type``
+    ("cuda", "cpu", ...). A role class sets ``stats`` (its counters) and ``_stats`` (their
+    `StatsTaker`).
+
     Raises (at construction, so vLLM refuses to start and says why):
         ValueError: an invalid ``kv_connector_extra_config`` (e.g. ``chunk_size`` not a multiple
             of every KV-cache group's tokens per block) or ``kv_load_failure_policy`` not
             ``"recompute"``.
     """
+
+    _role_classes: dict[KVConnectorRole, type[KVDepotConnector]] = {}
+    stats: dict[str, float]
+    _stats: StatsTaker
+
+    def __init_subclass__(cls, role: KVConnectorRole | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if role is not None:
+            KVDepotConnector._role_classes[role] = cls
+
+    def __new__(cls, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        if cls is KVDepotConnector:
+            cls = KVDepotConnector._role_classes[role]  # (both are imported with this package)
+        return super().__new__(cls)
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -110,21 +136,12 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 reason = f"the daemon could not describe this KV-cache layout: {exc.message}"
         if reason:
             log.warning("kvdepot: vLLM runs without kvdepot: %s", reason)
-        self.config = cfg
+        self.cfg = cfg
+        self.groups = groups
+        self.fingerprint = fingerprint
         self.model_id = model_identity(vllm_config, cfg)
         self.disabled_reason = reason
-        self._device_type = _device_type(vllm_config)
-        self._shm: ShmSegments | None = None
-        self.scheduler: SchedulerSide | None = None
-        self.worker: WorkerSide | None = None
-        args = (cfg, vllm_config, kv_cache_config, groups, fingerprint, self.model_id, reason)
-        self._stats: StatsTaker | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(*args)
-            self._stats = StatsTaker(self.scheduler.stats, balanced=("blocks_pinned", "blocks_unpinned"))
-        else:
-            self.worker = WorkerSide(*args)
-            self._stats = StatsTaker(self.worker.stats)
+        self.device_type = _device_type(vllm_config)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -134,34 +151,30 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
         return None  # every vLLM 0.33 layout is understood; objects are layout-independent
 
-    # ------------------------------------------------------------------ worker side
+    # ------------------------------------------------------------------ the other role's calls
 
-    def get_mem_pool_context(self):
-        """CPU workers: allocate the KV cache in shared memory, where the daemon can map it."""
-        if self.worker is None or self._device_type != "cpu" or self.disabled_reason:
-            return None
-        if self._shm is None:
-            self._shm = ShmSegments()
-        return self._shm.allocation_context()
+    def _not_this_role(self, call: str):
+        return RuntimeError(f"kvdepot: vLLM called {call} on its {self._role.name}-role connector")
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self.worker is not None
-        self.worker.register_kv_caches(kv_caches)
+    # the abstract calls of each role (vLLM's and `SupportsHMA`'s): the role classes define
+    # their own, and vLLM never makes the other role's
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        raise self._not_this_role("get_num_new_matched_tokens")
 
-    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Before the forward: the step's plan (`WorkerSide.bind`). The base class's
-        ``_connector_metadata`` is not kept: nothing reads it, as ``has_connector_metadata`` is
-        always False."""
-        if self.worker is not None:
-            self.worker.bind(connector_metadata)
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        raise self._not_this_role("update_state_after_alloc")
 
-    def handle_preemptions(self, kv_connector_metadata) -> None:
-        if self.worker is not None:
-            self.worker.handle_preemptions(kv_connector_metadata)
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        raise self._not_this_role("build_connector_meta")
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        raise self._not_this_role("request_finished_all_groups")
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        """Nothing left to start, most steps: the loads went out in `bind_connector_metadata`."""
-        self.worker.start_load_kv()
+        raise self._not_this_role("start_load_kv")
+
+    def wait_for_save(self) -> None:
+        raise self._not_this_role("wait_for_save")
 
     def has_connector_metadata(self) -> bool:
         # vLLM's attention layers call wait_for_layer_load and save_kv_layer around each layer
@@ -176,31 +189,13 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # whole chunks are gathered after the forward (wait_for_save)
 
-    def wait_for_save(self) -> None:
-        self.worker.wait_for_save()
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        res = self.get_transfer_results(finished_req_ids)
-        return res.finished_sending or None, res.finished_recving or None
-
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """This step's ended transfers (`WorkerSide.get_transfer_results`)."""
-        return self.worker.get_transfer_results(finished_req_ids)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
-
-    def build_connector_worker_meta(self):
-        """Worker: the pinned saves that ended since the last step (`KVDepotWorkerMeta`), or None."""
-        return self.worker.worker_meta() if self.worker is not None else None
-
     # ------------------------------------------------------------------ metrics (kvdepot.client.vllm.stats)
 
     def get_kv_connector_stats(self) -> KVDepotStats | None:
-        """The increases of this side's counters since the last report, at most once a second
+        """The increases of this role's counters since the last report, at most once a second
         (`StatsTaker`; the worker's transfers, the scheduler's pins), else None. vLLM adds the
         scheduler's to the workers' (``Scheduler.update_from_output``)."""
-        return self._stats.take() if self._stats is not None else None
+        return self._stats.take()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVDepotStats:
@@ -211,62 +206,6 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                            per_engine_labelvalues: dict[int, list[object]]) -> KVDepotPromMetrics:
         """``vllm:kvdepot_*`` counters on vLLM's ``/metrics`` (`kvdepot.client.vllm.stats.COUNTERS`)."""
         return KVDepotPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-    def shutdown(self) -> None:
-        if self.worker is not None:
-            self.worker.shutdown()
-        if self.scheduler is not None:
-            self.scheduler.shutdown()
-        if self._shm is not None:
-            self._shm.close()
-
-    # ------------------------------------------------------------------ scheduler side
-
-    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
-        if self.scheduler is not None:
-            self.scheduler.bind_block_pool(gpu_block_pool)
-            if not self.scheduler.pins_stores:  # nothing is ever pinned: no pair to keep balanced
-                self._stats.balanced = None
-
-    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
-        super().bind_kv_cache_manager(kv_cache_manager)
-        if self.scheduler is not None:
-            self.scheduler.bind_kv_cache_manager(kv_cache_manager)
-
-    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
-        return tuple(g.vllm_gid for g in self.scheduler.groups) if self.scheduler is not None else ()
-
-    def on_new_request(self, request) -> None:
-        self.scheduler.on_new_request(request)
-
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
-
-    def update_connector_output(self, connector_output) -> None:
-        self.scheduler.update_connector_output(connector_output)
-
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request)
-
-    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request)
-
-    def take_events(self):
-        """vLLM's KV events of what the depot holds of this engine's prompts
-        (`kvdepot.client.vllm.events`; with ``--kv-events-config``)."""
-        return self.scheduler.take_events() if self.scheduler is not None else ()
-
-    def reset_cache(self) -> bool | None:
-        if self.scheduler is None:
-            return None
-        return self.scheduler.reset_cache()
 
 
 def _device_type(vllm_config) -> str:

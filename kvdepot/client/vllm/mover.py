@@ -1,5 +1,5 @@
 """The worker's transfer thread: every store and load of a vLLM worker runs here, off the
-engine's step. `kvdepot.client.vllm.worker.WorkerSide` (the engine thread's side) only posts
+engine's step. `kvdepot.client.vllm.worker.WorkerConnector` (the engine thread's side) only posts
 commands and takes results; this thread owns the `KVDepotClient`, the staging ring and every
 piece in flight.
 
@@ -14,18 +14,18 @@ the *side stream*; loads' scatters on a stream of their own were measured no fas
   request runs) too, where the scheduler pins the sliding-window blocks of each step's stores
   until every worker reported the save ended (`PinnedSaves`, ``KVDepotWorkerMeta``); without
   pins they are the exception: a later forward that may write one of their blocks (the
-  scheduler's ``written_block_ids``) must follow their gathers (`WorkerSide.bind`). CUDA: the
+  scheduler's ``written_block_ids``) must follow their gathers (`WorkerConnector.bind_connector_metadata`). CUDA: the
   save comes with the engine's stream (`PostedSave`), and this thread gathers it on that
   stream when it takes it (`Sender.stage_saves`; every forward enqueued later follows),
-  unless ``bind`` claimed it first and gathered it there; without fence words the gathers go
+  unless ``bind_connector_metadata`` claimed it first and gathered it there; without fence words the gathers go
   on the side stream after an event recorded on the engine's stream at that point, and
-  ``bind`` makes the engine's stream wait for them.
+  ``bind_connector_metadata`` makes the engine's stream wait for them.
 * a load's scatter waits on an event recorded in ``bind_connector_metadata`` (after vLLM gave
   the request its blocks and queued its own work on them: work an earlier owner of those
-  blocks queued runs first; `WorkerSide.bind`); the engine's
+  blocks queued runs first; `WorkerConnector.bind_connector_metadata`); the engine's
   stream waits on an event recorded after the scatter before the request is reported in
   ``finished_recving``.
-* preemption: `WorkerSide.handle_preemptions` waits until this thread dropped the preempted
+* preemption: `WorkerConnector.handle_preemptions` waits until this thread dropped the preempted
   requests' queued stores, and makes the engine's stream wait for the gathers already queued.
 
 Ring full: a store or load waits in a queue (in order, so a request's chunks reach the daemon
@@ -75,7 +75,7 @@ class TransferThread:
     ``sender``, and reads the replies (`_collect`).
 
     Args:
-        side: the `WorkerSide` (configuration, layout, stats, registration helpers).
+        side: the `WorkerConnector` (configuration, layout, stats, registration helpers).
     """
 
     def __init__(self, side) -> None:
@@ -301,7 +301,7 @@ class TransferThread:
     def _handle_save(self, cmd: cmds.Save) -> None:
         """One step's save (the four kinds: `kvdepot.client.vllm.commands`)."""
         jobs, staged, event, pin = cmd.jobs, None, None, 0
-        if type(cmd) is cmds.SaveOnStream:  # blocks kept until stored: `WorkerSide.wait_for_save`
+        if type(cmd) is cmds.SaveOnStream:  # blocks kept until stored: `WorkerConnector.wait_for_save`
             pin = cmd.pin_seq
             if cmd.stream is not None:
                 event = torch.cuda.Event()
@@ -328,7 +328,7 @@ class TransferThread:
             if pin:
                 self._pinned.add(pin, [op.piece for op in self.book.ops if id(op.piece) not in had]
                                  + [p for p in self.book.queue if id(p) not in had])
-            if not self.side.stores_may_wait and staged is None:  # only `bind` of those waits on it
+            if not self.side.stores_may_wait and staged is None:  # only `bind_connector_metadata` of those waits on it
                 ev = None
                 if self._side is not None:
                     ev = torch.cuda.Event()
@@ -344,7 +344,7 @@ class TransferThread:
 
     def _claim_save(self, posted: PostedSave, jobs) -> tuple[cmds.StagedSaves | None, object]:
         """A sliding-window model's save posted with the engine's stream (`PostedSave`): gathered
-        here on that stream, unless ``bind`` claimed it first (then what it staged is taken).
+        here on that stream, unless ``bind_connector_metadata`` claimed it first (then what it staged is taken).
         Returns (what was staged or None, the event the thread's own gathers follow or None)."""
         if posted.claim("thread", blocking=True):
             try:

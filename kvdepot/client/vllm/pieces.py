@@ -41,14 +41,14 @@ class Piece:
 class PostedSave:
     """A sliding-window model's "save" (CUDA), posted by ``wait_for_save`` with the engine's
     stream: whichever of the transfer thread (when it takes the command) and the engine thread
-    (``bind``, before a forward that may write one of its blocks) claims it first gathers its
+    (``bind_connector_metadata``, before a forward that may write one of its blocks) claims it first gathers its
     stores on that stream (`kvdepot.client.vllm.sender.Sender.stage_saves`), so that every forward enqueued after the
     claim follows the gathers. The claimant holds ``lock`` while it gathers: the other side
-    blocks on it (the thread) or sees it held and waits for the thread (``bind``).
+    blocks on it (the thread) or sees it held and waits for the thread (``bind_connector_metadata``).
 
     ``staged``: what the claimant's `stage_saves` returned (None: not staged, no fence words or
     another daemon generation); ``event``: then, an event on the engine's stream for the
-    thread's own gathers to follow (``bind`` claimed it), or None (the thread records one)."""
+    thread's own gathers to follow (``bind_connector_metadata`` claimed it), or None (the thread records one)."""
 
     __slots__ = ("stream", "lock", "owner", "staged", "event")
 
@@ -112,7 +112,7 @@ class Preemption:
 
 @dataclasses.dataclass(slots=True)
 class Results:
-    """What the transfer thread reports to the engine thread (taken by `WorkerSide.get_transfer_results`)."""
+    """What the transfer thread reports to the engine thread (taken by `WorkerConnector.get_transfer_results`)."""
 
     sending: set[str] = dataclasses.field(default_factory=set)  # finished requests whose transfers ended
     recving: set[str] = dataclasses.field(default_factory=set)  # loads that ended (ok or not)
@@ -133,7 +133,7 @@ class LoadOutcomes:
     single-group models' blocks not loaded (vLLM's invalid blocks, recomputed).
 
     Args:
-        side: the `WorkerSide` (its stats, groups and configuration).
+        side: the `WorkerConnector` (its stats, groups and configuration).
     """
 
     def __init__(self, side) -> None:

@@ -12,12 +12,12 @@ from kvdepot.client.vllm.plan import StoreJob
 
 
 class StorePins:
-    """The scheduler side's pins (`SchedulerSide.bind_block_pool`).
+    """The scheduler side's pins (`SchedulerConnector.bind_gpu_block_pool`).
 
     pool: vLLM's ``BlockPool`` (``touch``, ``free_blocks``, ``blocks``).
     sliding_gids: daemon gids of the groups whose blocks vLLM lets go while a request runs.
     workers: how many workers report each save (every rank of the engine).
-    stats: `SchedulerSide.stats`, whose ``blocks_pinned`` / ``blocks_unpinned`` this counts.
+    stats: `SchedulerConnector.stats`, whose ``blocks_pinned`` / ``blocks_unpinned`` this counts.
     """
 
     def __init__(self, pool, sliding_gids: Sequence[int], workers: int, stats: dict[str, int]) -> None:

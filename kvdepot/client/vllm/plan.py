@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 try:  # vLLM >= 0.33: the workers' per-step answer to the scheduler-side connector
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
-except ImportError:  # pragma: no cover - older vLLM: no store pins (`SchedulerSide.bind_block_pool`)
+except ImportError:  # pragma: no cover - older vLLM: no store pins (`SchedulerConnector.bind_gpu_block_pool`)
     KVConnectorWorkerMetadata = None
 
 
@@ -189,7 +189,7 @@ class KVDepotMetadata(KVConnectorMetadata):
         blocks leaving the window while their request runs; a store gathered later than a
         forward that writes one of its blocks would read the new owner's KV, so a worker makes
         the forward wait for the gathers of the stores that read one of these
-        (`WorkerSide.bind`), and for no others.
+        (`WorkerConnector.bind_connector_metadata`), and for no others.
     """
 
     loads: list[LoadJob] = dataclasses.field(default_factory=list)

@@ -17,7 +17,7 @@ class Planner:
     """Keys, block ids and pieces of one worker's jobs.
 
     Args:
-        side: the `kvdepot.client.vllm.worker.WorkerSide` (read: ``shard``, ``cfg.chunk_size``,
+        side: the `kvdepot.client.vllm.worker.WorkerConnector` (read: ``shard``, ``cfg.chunk_size``,
             ``groups``, ``reg`` and ``kvreg``, the registration and its staging rings; its
             ``stats`` count vLLM null blocks left alone).
     """

@@ -16,7 +16,7 @@ NAMESPACES_KEPT = 4096  # (salt, chain source) -> seed and masks kept at most (`
 
 @dataclasses.dataclass(slots=True)
 class RequestState:
-    """Scheduler-side state of one request (`kvdepot.client.vllm.scheduler.SchedulerSide`)."""
+    """Scheduler-side state of one request (`kvdepot.client.vllm.scheduler.SchedulerConnector`)."""
 
     request: Any  # vllm.v1.request.Request
     seed_salt: str  # cache_salt plus LoRA / reset epoch: part of the key namespace
@@ -42,7 +42,7 @@ class RequestState:
         """Its Lookup's reply, booked as the client reads it (`Connection.submit`'s
         ``on_reply``: every reply that came is booked in one pass, so that a later
         ``get_num_new_matched_tokens`` of the request finds its answer here). An error
-        (`m.ErrorReply`) is kept for `SchedulerSide._lookup_answer` to handle; a reply to
+        (`m.ErrorReply`) is kept for `SchedulerConnector._lookup_answer` to handle; a reply to
         another rid than ``lookup_rid`` is ignored."""
         if reply.rid != self.lookup_rid:
             return  # (a lookup given up since is `forget`-ed and never answered here)
@@ -87,7 +87,7 @@ class RequestKeys:
     @staticmethod
     def seed_salt(request, epoch: int = 0) -> tuple[str, str]:
         """(the salt of ``request``'s namespace, its ``cache_salt`` as is): the ``cache_salt``,
-        plus its LoRA adapter and the engine's reset epoch (`SchedulerSide.reset_cache`) where
+        plus its LoRA adapter and the engine's reset epoch (`SchedulerConnector.reset_cache`) where
         there are any."""
         cache_salt = request.cache_salt or ""
         salt = cache_salt

@@ -1,4 +1,4 @@
-"""Scheduler side of the vLLM connector (runs in vLLM's engine-core process).
+"""The SCHEDULER-role connector (`SchedulerConnector`, in vLLM's engine-core process).
 
 Per request:
 
@@ -34,15 +34,18 @@ import time
 from typing import Any
 
 import zmq
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
 from kvdepot.client.client import KVDepotClient
-from kvdepot.client.vllm.config import ConnectorConfig, block_hash_chains
+from kvdepot.client.vllm.config import block_hash_chains
+from kvdepot.client.vllm.connector import KVDepotConnector
 from kvdepot.client.vllm.events import DepotEvents
-from kvdepot.client.vllm.layout import TransferGroup, attention_tag
+from kvdepot.client.vllm.layout import attention_tag
 from kvdepot.client.vllm.pins import StorePins
 from kvdepot.client.vllm.requests import RequestKeys, RequestState
 from kvdepot.client.vllm.shards import stored_layer_specs, tp_shards
+from kvdepot.client.vllm.stats import StatsTaker
 from kvdepot.client.vllm.plan import (KVConnectorWorkerMetadata, KVDepotMetadata, KVDepotWorkerMeta, LoadJob, StoreJob,
                                      blocks_covering, chunk_block_ids, holds_block, plan_load)
 from kvdepot.protocol import messages as m
@@ -55,16 +58,14 @@ _KEEP_BLOCKS: tuple[bool, None] = (True, None)
 _FREE_BLOCKS: tuple[bool, None] = (False, None)
 
 
-class SchedulerSide:
-    """State and logic of the SCHEDULER-role connector."""
+class SchedulerConnector(KVDepotConnector, role=KVConnectorRole.SCHEDULER):
+    """The SCHEDULER-role connector: vLLM's scheduler calls (see the module docstring; built by
+    ``KVDepotConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)``)."""
 
-    def __init__(self, cfg: ConnectorConfig, vllm_config, kv_cache_config, groups: list[TransferGroup],
-                 fingerprint: str, model_id: str, disabled_reason: str) -> None:
-        self.cfg = cfg
-        self.groups = groups
-        self.fingerprint = fingerprint
-        self.model_id = model_id
-        self.enabled = not disabled_reason
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        cfg, groups, model_id = self.cfg, self.groups, self.model_id
+        self.enabled = not self.disabled_reason
         self.single_group = len(kv_cache_config.kv_cache_groups) == 1
         self.lcm = math.lcm(*(g.block_size for g in groups)) if groups else 1
         self.sliding = any(g.has_null_blocks for g in groups)  # vLLM frees blocks of running requests
@@ -90,9 +91,11 @@ class SchedulerSide:
         self._kv_cache_manager = None
         self._get_blocks = None
         # sliding-window models: the pins on the blocks a store reads, in vLLM's block pool,
-        # until every worker reported its save ended (`bind_block_pool`); None: not pinned
+        # until every worker reported its save ended (`bind_gpu_block_pool`); None: not pinned
         self._pins: StorePins | None = None
         self.stats = {"blocks_pinned": 0, "blocks_unpinned": 0}  # (`kvdepot.client.vllm.stats.COUNTERS`)
+        # (None: nothing ever pinned, no pair to keep balanced; `bind_gpu_block_pool`)
+        self._stats = StatsTaker(self.stats, balanced=None)
         pc = vllm_config.parallel_config  # every worker of the engine reports each pinned save
         self._workers = (tp * int(getattr(pc, "pipeline_parallel_size", 1) or 1)
                          * int(getattr(pc, "prefill_context_parallel_size", 1) or 1))
@@ -110,7 +113,7 @@ class SchedulerSide:
         # vLLM block hashes per chunk where chain values come from them (0: tokens hashed here)
         self._blocks_per_chunk, self._chain_source = block_hash_chains(cfg, vllm_config, kv_cache_config)
         self._attention = attention_tag(kv_cache_config, groups)  # sliding windows etc. (`namespace_seed`)
-        self._keys = RequestKeys(cfg.chunk_size, model_id, fingerprint, self.shards, self._blocks_per_chunk,
+        self._keys = RequestKeys(cfg.chunk_size, model_id, self.fingerprint, self.shards, self._blocks_per_chunk,
                                  self._chain_source, self._attention)
         if not self._blocks_per_chunk and cfg.key_source == "auto" and self.enabled:
             log.info("kvdepot: chunk keys hashed from tokens, not vLLM's block hashes: %s", self._chain_source)
@@ -123,8 +126,13 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ helpers
 
+    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+        return tuple(g.vllm_gid for g in self.groups)
+
     def bind_kv_cache_manager(self, manager) -> None:
-        self._kv_cache_manager = manager
+        """vLLM's ``KVCacheManager``; the base class's call binds its block pool
+        (`bind_gpu_block_pool`) first."""
+        super().bind_kv_cache_manager(manager)
         # vLLM's KVCacheCoordinator.get_blocks: a request's KVCacheBlock lists per vLLM gid
         # (None where this vLLM has no such call: store jobs then take vLLM's id tables)
         self._get_blocks = getattr(getattr(manager, "coordinator", None), "get_blocks", None)
@@ -133,7 +141,7 @@ class SchedulerSide:
             self._null_block_id = null.block_id
         self._idle_meta = None
 
-    def bind_block_pool(self, pool) -> None:
+    def bind_gpu_block_pool(self, pool) -> None:
         """vLLM's ``BlockPool`` (``bind_gpu_block_pool``): for a model with a sliding-window
         group, every store's sliding-window blocks are pinned (``touch``) until every worker
         reported its save ended (`KVDepotWorkerMeta`), so vLLM cannot give them to another
@@ -144,12 +152,13 @@ class SchedulerSide:
         if (self.sliding and self.enabled and KVConnectorWorkerMetadata is not None
                 and hasattr(pool, "touch") and hasattr(pool, "blocks")):
             self._pins = StorePins(pool, self._sliding_gids, self._workers, self.stats)
+            self._stats.balanced = ("blocks_pinned", "blocks_unpinned")
             self._written_each_step = False
             self._idle_meta = None
 
     @property
     def pins_stores(self) -> bool:
-        """Whether the sliding-window blocks of stores are pinned (`bind_block_pool`)."""
+        """Whether the sliding-window blocks of stores are pinned (`bind_gpu_block_pool`)."""
         return self._pins is not None
 
     @property
@@ -453,9 +462,10 @@ class SchedulerSide:
         has no such call (the caller then takes the ids)."""
         return self._get_blocks(req_id) if self._get_blocks is not None else None
 
-    def request_finished(self, request, block_ids=None) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM's ``request_finished`` and ``request_finished_all_groups`` (``block_ids``, per
-        group or not, is not read: the workers hold what a transfer still touches)."""
+    def request_finished_all_groups(self, request, block_ids=None) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished`` (one group) and ``request_finished_all_groups``
+        (``block_ids``, per group or not, is not read: the workers hold what a transfer still
+        touches). Returns (delay_free_blocks, kv_transfer_params)."""
         rid = request.request_id
         st = self._reqs.pop(rid, None)
         if st is None:  # (a request with state is never ineligible)
@@ -479,6 +489,8 @@ class SchedulerSide:
             self._release.append(rid)
             return _KEEP_BLOCKS
         return _FREE_BLOCKS
+
+    request_finished = request_finished_all_groups
 
     def update_connector_output(self, connector_output) -> None:
         # (most steps bring nothing: no set is built for them)

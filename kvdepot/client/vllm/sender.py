@@ -34,7 +34,7 @@ class Sender:
     transfer thread, except `stage_saves`, which the engine thread may call too.
 
     Args:
-        side: the `kvdepot.client.vllm.worker.WorkerSide` (read: its registration, ``ready()``,
+        side: the `kvdepot.client.vllm.worker.WorkerConnector` (read: its registration, ``ready()``,
             ``stores_skip_when_full``; counted: its ``stats``).
         client: the worker's client (the transfer thread's).
         planner: keys, block ids and pieces of the jobs.
@@ -129,7 +129,7 @@ class Sender:
         """CUDA models with a sliding-window group, fence words in use: gather a step's
         stores into the staging ring now, on ``stream`` (the engine's), so that no forward
         enqueued later can overwrite their blocks first. Called by the transfer thread when it
-        takes the save, or by the engine thread in ``bind`` if it claimed the save first
+        takes the save, or by the engine thread in ``bind_connector_metadata`` if it claimed the save first
         (`kvdepot.client.vllm.pieces.PostedSave`); the thread sends them (`send_staged`). A piece that finds no room now is
         skipped, and the rest of its request with it (vLLM may hand its blocks to another
         request in the next step).

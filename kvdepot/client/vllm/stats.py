@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 EMIT_INTERVAL_S = 1.0  # a worker's stats go out at most this often
 
-# worker counter (`WorkerSide.stats`) or scheduler counter (`SchedulerSide.stats`) -> (Prometheus
+# worker counter (`WorkerConnector.stats`) or scheduler counter (`SchedulerConnector.stats`) -> (Prometheus
 # counter, its help text)
 COUNTERS: dict[str, tuple[str, str]] = {
     "loads": ("vllm:kvdepot_loads_total", "Load jobs (one per request and step) the kvdepot connector's workers began."),
@@ -50,7 +50,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
                                      "whose stores the transfer thread gathers)."),
     "thread_cpu_s": ("vllm:kvdepot_transfer_thread_cpu_seconds_total",
                      "CPU time of the workers' transfer threads (they share the engine process's GIL)."),
-    # the scheduler side's (`SchedulerSide.stats`)
+    # the scheduler side's (`SchedulerConnector.stats`)
     "blocks_pinned": ("vllm:kvdepot_blocks_pinned_total",
                       "Sliding-window KV blocks the scheduler pinned in vLLM's block pool for a store "
                       "(until every worker reported the save ended)."),

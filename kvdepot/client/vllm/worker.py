@@ -1,5 +1,5 @@
-"""Worker side of the vLLM connector (one per GPU / CPU worker process): a thin adapter over
-`kvdepot.client.KVDepotClient`, run by a transfer thread of its own
+"""The WORKER-role connector (`WorkerConnector`, one per GPU / CPU worker process): a thin
+adapter over `kvdepot.client.KVDepotClient`, run by a transfer thread of its own
 (`kvdepot.client.vllm.mover.TransferThread`). Nothing on the engine's step waits for the daemon,
 and the step itself only posts work and takes results.
 
@@ -7,7 +7,7 @@ Per step (order of vLLM's ``KVConnectorModelRunnerMixin``): ``handle_preemptions
 ``bind_connector_metadata`` -> forward -> ``start_load_kv`` -> ``wait_for_save`` ->
 ``get_finished`` -> ``get_block_ids_with_load_errors``.
 
-* Loads (in ``bind_connector_metadata``, before the forward's launch: `WorkerSide.bind`): an
+* Loads (in ``bind_connector_metadata``, before the forward's launch): an
   event is recorded on the engine's stream and the step's load
   jobs go to the transfer thread, which submits every retrieve. CUDA engines: the daemon copies
   the chunks into a device staging ring (engine-side staging, `kvdepot.client.staging`); the
@@ -41,10 +41,10 @@ only channels between them (the last rows); nothing else crosses:
 
 | state | written by | read by |
 |---|---|---|
-| `WorkerSide`'s step state (``_meta``, ``_saves_posted``, ``_gather_in_wait``, ``_sliding_saves``, ``_released``, ``_loads_started``, ``_invalid_blocks``, ``_saves_ended``, ``_stream``) | engine | engine |
+| `WorkerConnector`'s step state (``_meta``, ``_saves_posted``, ``_gather_in_wait``, ``_sliding_saves``, ``_released``, ``_loads_started``, ``_invalid_blocks``, ``_saves_ended``, ``_stream``) | engine | engine |
 | ``reg``, ``cfg``, ``groups``, ``shard``, ``stores_chunks``, the client object | engine, before the transfer thread starts | both, read-only after |
 | the `WorkerRegistrar`'s ``kvreg``, ``generation``, ``disabled_reason`` | transfer thread (`ready`, `disable`), engine before it starts | engine, one reference each (`registration_id`, `stage_saves`); a stale one is refused where used (`StagedSaves.generation`) |
-| ``stores_may_wait`` | engine (`bind`: turns True once the scheduler pins stores, never back) | transfer thread |
+| ``stores_may_wait`` | engine (`bind_connector_metadata`: turns True once the scheduler pins stores, never back) | transfer thread |
 | ``stats`` | per key one thread: ``forwards_waiting_for_gathers``, ``saves_gathered_by_bind`` the engine, the rest the transfer thread | engine (``get_kv_connector_stats``) |
 | the `KVDepotClient`'s socket, requests and replies | transfer thread | transfer thread |
 | the staging ring (`kvdepot.client.staging.StagingRing`) | both, under its lock (the engine thread's gathers: `stage_saves`) | both |
@@ -65,39 +65,39 @@ import os
 from collections.abc import Mapping
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorTransferResults
 
 from kvdepot.client.client import KVDepotClient
 from kvdepot.client.vllm import commands as cmds
-from kvdepot.client.vllm.config import ConnectorConfig
-from kvdepot.client.vllm.layout import TransferGroup
+from kvdepot.client.vllm.connector import KVDepotConnector
+from kvdepot.client.vllm.layout import ShmSegments
 from kvdepot.client.vllm.mover import TransferThread
 from kvdepot.client.vllm.pieces import PostedSave
 from kvdepot.client.vllm.plan import KVDepotMetadata, KVDepotWorkerMeta
 from kvdepot.client.vllm.registrar import WorkerRegistrar
 from kvdepot.client.vllm.shards import stored_layer_specs, tp_shards
+from kvdepot.client.vllm.stats import StatsTaker
 
 log = logging.getLogger("kvdepot.vllm")
 
-# after `bind` gathered a save the thread had not taken: this many saves are gathered in
+# after `bind_connector_metadata` gathered a save the thread had not taken: this many saves are gathered in
 # wait_for_save before the thread is tried again, twice as many after each further miss (up to
 # GATHER_IN_WAIT_RETRY_MAX), GATHER_IN_WAIT_RETRY again once the thread made it in time
 GATHER_IN_WAIT_RETRY = 16
 GATHER_IN_WAIT_RETRY_MAX = 1024
-# what `WorkerSide.get_transfer_results` returns when nothing ended: frozen, so that one shared
+# what `WorkerConnector.get_transfer_results` returns when nothing ended: frozen, so that one shared
 # value can go to vLLM step after step (code that tried to add to it would raise, not corrupt)
 NOTHING_ENDED: tuple[frozenset, frozenset, frozenset] = (frozenset(), frozenset(), frozenset())
-NO_RESULTS = KVConnectorTransferResults(*NOTHING_ENDED)  # (`WorkerSide.get_transfer_results`)
+NO_RESULTS = KVConnectorTransferResults(*NOTHING_ENDED)  # (`WorkerConnector.get_transfer_results`)
 
 
-class WorkerSide:
-    """State and logic of a WORKER-role connector (the engine thread's side)."""
+class WorkerConnector(KVDepotConnector, role=KVConnectorRole.WORKER):
+    """The WORKER-role connector: vLLM's worker calls, on the engine thread (see the module
+    docstring; built by ``KVDepotConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)``)."""
 
-    def __init__(self, cfg: ConnectorConfig, vllm_config, kv_cache_config, groups: list[TransferGroup],
-                 fingerprint: str, model_id: str, disabled_reason: str) -> None:
-        self.cfg = cfg
-        self.kv_cache_config = kv_cache_config
-        self.groups = groups
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        cfg, groups = self.cfg, self.groups
         self.single_group = len(kv_cache_config.kv_cache_groups) == 1
         # a store may wait for ring room only where vLLM never frees a running request's blocks
         self.stores_may_wait = not any(g.has_null_blocks for g in groups)
@@ -114,12 +114,14 @@ class WorkerSide:
         self.client = KVDepotClient(cfg.endpoint, timeout_s=cfg.rpc_timeout_s,
                                     name=f"vllm-worker-{os.getpid()}-tp{self.tp_rank}", connect=False,
                                     retry_interval_s=cfg.retry_interval_s)
-        self.registrar = WorkerRegistrar(self.client, cfg, model_id, self.shard, fingerprint, self.max_step_tokens,
-                                         self.stores_skip_when_full, disabled_reason)
+        self.registrar = WorkerRegistrar(self.client, cfg, self.model_id, self.shard, self.fingerprint,
+                                         self.max_step_tokens, self.stores_skip_when_full, self.disabled_reason)
         self.stats = {"loads": 0, "load_failures": 0, "loaded_chunks": 0, "stores": 0, "stored_chunks": 0,
                       "store_failures": 0, "stores_skipped_ring_full": 0, "pieces_queued": 0, "late_ops": 0,
                       "null_blocks_left_alone": 0, "forwards_waiting_for_gathers": 0, "saves_gathered_by_bind": 0,
                       "thread_cpu_s": 0.0}
+        self._stats = StatsTaker(self.stats)
+        self._shm: ShmSegments | None = None  # CPU workers' KV cache (`get_mem_pool_context`)
         self.mover = TransferThread(self)
         self._outbox = self.mover.outbox  # its published results (`get_transfer_results` takes them)
         self._post_quiet = self.mover.post_quiet  # (`TransferThread.post` of a save or release)
@@ -135,7 +137,7 @@ class WorkerSide:
         self._released: KVDepotMetadata | None = None  # the metadata whose releases were posted
         self._loads_started: KVDepotMetadata | None = None  # the metadata whose loads went out last
         self._invalid_blocks: set[int] = set()  # taken by get_transfer_results, given by the next call
-        self._saves_ended: set[int] = set()  # pinned saves ended, for the next `worker_meta`
+        self._saves_ended: set[int] = set()  # pinned saves ended, for the next `build_connector_worker_meta`
         self._stream: tuple[int, torch.cuda.Stream | None] = (0, None)  # (raw pointer, the current stream)
         self._stream_src: tuple | None = None  # (torch's raw current-stream call, device index)
 
@@ -144,10 +146,18 @@ class WorkerSide:
         """The daemon's id of this worker's registration, while it is current."""
         return self.registrar.registration_id
 
+    def get_mem_pool_context(self):
+        """CPU workers: allocate the KV cache in shared memory, where the daemon can map it."""
+        if self.device_type != "cpu" or self.disabled_reason:
+            return None
+        if self._shm is None:
+            self._shm = ShmSegments()
+        return self._shm.allocation_context()
+
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """vLLM's caches, once, before the first step (engine thread): registered with the
         daemon (`WorkerRegistrar.register_caches`), then the transfer thread starts."""
-        self.registrar.register_caches(kv_caches, self.kv_cache_config, self.groups)
+        self.registrar.register_caches(kv_caches, self._kv_cache_config, self.groups)
         reg = self.registrar.reg
         self._cuda = reg is not None and reg.device == "cuda"
         self.mover.start()  # disabled too: it ends the loads the scheduler still plans (recomputed)
@@ -155,9 +165,11 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ per step (engine thread)
 
-    def bind(self, meta: KVDepotMetadata) -> None:
-        """vLLM's ``bind_connector_metadata``, before the forward (metadata of another kind, which
-        vLLM's scheduler-side connector never sends, is taken as a step with nothing to do).
+    def bind_connector_metadata(self, meta: KVDepotMetadata) -> None:
+        """Before the forward: the step's plan (metadata of another kind, which vLLM's
+        scheduler-role connector never sends, is taken as a step with nothing to do). The base
+        class's ``_connector_metadata`` is not kept: nothing reads it, as
+        ``has_connector_metadata`` is always False.
         For a model with a sliding-window group (vLLM frees blocks that
         leave the window while their request runs), the forward must not write a block before
         an earlier step's store gathered it: the scheduler pins those blocks until the save
@@ -271,8 +283,9 @@ class WorkerSide:
         return self._current_stream() if self._cuda else None
 
     def start_load_kv(self, forward_context=None, **kwargs) -> None:
-        """vLLM's call after the forward's launch: the step's loads went out in `bind` already;
-        only loads `bind` did not see (a caller that skipped it) go out here."""
+        """vLLM's call after the forward's launch: the step's loads went out in
+        `bind_connector_metadata` already; only loads it did not see (a caller that skipped it)
+        go out here."""
         meta = self._meta
         if meta is not None and meta.loads and meta is not self._loads_started:
             self._start_loads(meta)
@@ -315,7 +328,7 @@ class WorkerSide:
         if self._cuda:
             if self._gather_in_wait > 0:
                 # gathered now on the engine's stream where the ring's fence words are in use:
-                # nothing for `bind` to wait for (after `bind` had to gather one itself)
+                # nothing for `bind_connector_metadata` to wait for (after `bind_connector_metadata` had to gather one itself)
                 self._gather_in_wait -= 1
                 staged = self.mover.sender.stage_saves(meta.stores, self._current_stream())
                 if staged is not None:
@@ -323,7 +336,7 @@ class WorkerSide:
                     return
             else:
                 # sliding-window models: gathered on the engine's stream by the transfer thread
-                # when it takes the save (while the engine waits for the GPU), or by `bind` if a
+                # when it takes the save (while the engine waits for the GPU), or by `bind_connector_metadata` if a
                 # forward may write one of their blocks before then (`PostedSave`); the engine
                 # thread's gather call cost it 100-250 us per store step on the GPU hosts measured
                 posted = PostedSave(self._current_stream())
@@ -341,6 +354,11 @@ class WorkerSide:
             return None
         self._released = meta
         return meta.release
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM's older call (`get_transfer_results` without failed_recving)."""
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str] | None = None) -> KVConnectorTransferResults:
         """This step's finished_sending, finished_recving and failed_recving (vLLM's
@@ -371,7 +389,7 @@ class WorkerSide:
             self._saves_ended |= out.saves_ended
         return out.transfer  # (built by the transfer thread over out's sets)
 
-    def worker_meta(self) -> KVDepotWorkerMeta | None:
+    def build_connector_worker_meta(self) -> KVDepotWorkerMeta | None:
         """The pinned saves that ended since the last call (vLLM's
         ``build_connector_worker_meta``, after ``get_finished`` in each step), or None."""
         if not self._saves_ended:
@@ -406,6 +424,8 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self.mover.stop(self.cfg.rpc_timeout_s * 2 + 1.0)
+        if self._shm is not None:
+            self._shm.close()
 
 
 class _SlidingSave:
