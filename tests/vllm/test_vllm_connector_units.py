@@ -127,6 +127,8 @@ def test_vllm_gets_the_roles_class_and_the_other_roles_calls_raise(model):
         with pytest.raises(RuntimeError, match="build_connector_meta on its WORKER-role connector"):
             worker.build_connector_meta(None)
         assert sched.get_kv_connector_stats() is None and worker.get_kv_connector_stats() is None  # nothing yet
+        with pytest.raises(TypeError, match="subclass kvdepot.client.vllm.WorkerConnector or SchedulerConnector"):
+            type("Mine", (KVDepotConnector,), {})(cfg, KVConnectorRole.WORKER, kcc)
     finally:
         sched.shutdown()
         worker.shutdown()

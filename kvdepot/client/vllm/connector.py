@@ -86,7 +86,8 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     `kvdepot.client.vllm.scheduler.SchedulerConnector` for SCHEDULER. Each names its role in its
     class statement (``class WorkerConnector(KVDepotConnector, role=KVConnectorRole.WORKER)``).
     This class holds what both roles share: the checked configuration, the transfer groups, the
-    layout fingerprint, the model identity and the metrics calls.
+    layout fingerprint, the model identity and the metrics calls. A connector built on kvdepot's
+    subclasses a role class; a direct subclass of this one raises TypeError when built.
 
     Attributes set here (read-only after construction): ``cfg`` (`ConnectorConfig`),
     ``groups`` (`TransferGroup` per daemon gid), ``fingerprint``, ``model_id``
@@ -112,6 +113,9 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     def __new__(cls, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         if cls is KVDepotConnector:
             cls = KVDepotConnector._role_classes[role]  # (both are imported with this package)
+        elif not issubclass(cls, tuple(KVDepotConnector._role_classes.values())):
+            raise TypeError(f"{cls.__name__} subclasses KVDepotConnector, which has no role's calls: subclass "
+                            "kvdepot.client.vllm.WorkerConnector or SchedulerConnector instead")
         return super().__new__(cls)
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
