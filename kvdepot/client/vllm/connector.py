@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvdepot.client.vllm.config import EXTRA_CONFIG, ConnectorConfig, check_chunk_size
 from kvdepot.client.vllm.layout import layout_name, predict_fingerprint, transfer_groups
+from kvdepot.client.vllm.shards import stored_layer_specs, tp_shards
 from kvdepot.client.vllm.stats import KVDepotPromMetrics, KVDepotStats, StatsTaker
 from kvdepot.protocol.errors import RequestError
 
@@ -91,8 +92,9 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     Attributes set here (read-only after construction): ``cfg`` (`ConnectorConfig`),
     ``groups`` (`TransferGroup` per daemon gid), ``fingerprint``, ``model_id``
-    (`model_identity`), ``disabled_reason`` ("" when kvdepot is used) and ``device_type``
-    ("cuda", "cpu", ...). A role class sets ``stats`` (its counters) and ``_stats`` (their
+    (`model_identity`), ``disabled_reason`` ("" when kvdepot is used), ``device_type``
+    ("cuda", "cpu", ...), ``single_group`` (vLLM has one KV-cache group) and ``tp_shards``
+    (`kvdepot.client.vllm.shards.TPShards` of the engine's tensor-parallel ranks). A role class sets ``stats`` (its counters) and ``_stats`` (their
     `StatsTaker`).
 
     Raises (at construction, so vLLM refuses to start and says why):
@@ -146,6 +148,9 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         self.model_id = model_identity(vllm_config, cfg)
         self.disabled_reason = reason
         self.device_type = _device_type(vllm_config)
+        self.single_group = len(kv_cache_config.kv_cache_groups) == 1
+        self.tp_shards = tp_shards(stored_layer_specs(kv_cache_config, groups),
+                                   vllm_config.parallel_config.tensor_parallel_size)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -44,7 +44,6 @@ from kvdepot.client.vllm.events import DepotEvents
 from kvdepot.client.vllm.layout import attention_tag
 from kvdepot.client.vllm.pins import StorePins
 from kvdepot.client.vllm.requests import RequestKeys, RequestState
-from kvdepot.client.vllm.shards import stored_layer_specs, tp_shards
 from kvdepot.client.vllm.stats import StatsTaker
 from kvdepot.client.vllm.plan import (KVConnectorWorkerMetadata, KVDepotMetadata, KVDepotWorkerMeta, LoadJob, StoreJob,
                                      blocks_covering, chunk_block_ids, holds_block, plan_load)
@@ -66,12 +65,10 @@ class SchedulerConnector(KVDepotConnector, role=KVConnectorRole.SCHEDULER):
         super().__init__(vllm_config, role, kv_cache_config)
         cfg, groups, model_id = self.cfg, self.groups, self.model_id
         self.enabled = not self.disabled_reason
-        self.single_group = len(kv_cache_config.kv_cache_groups) == 1
         self.lcm = math.lcm(*(g.block_size for g in groups)) if groups else 1
         self.sliding = any(g.has_null_blocks for g in groups)  # vLLM frees blocks of running requests
-        tp = vllm_config.parallel_config.tensor_parallel_size
         # one key chain per distinct shard (MLA: one, "replicated"; `kvdepot.client.vllm.shards`)
-        self.shards = list(tp_shards(stored_layer_specs(kv_cache_config, groups), tp).names)
+        self.shards = list(self.tp_shards.names)
         self.client = KVDepotClient(cfg.endpoint, timeout_s=cfg.lookup_timeout_s, name=f"vllm-scheduler-{os.getpid()}",
                                     connect=False, retry_interval_s=cfg.retry_interval_s)
         self._reqs: dict[str, RequestState] = {}
@@ -97,7 +94,7 @@ class SchedulerConnector(KVDepotConnector, role=KVConnectorRole.SCHEDULER):
         # (None: nothing ever pinned, no pair to keep balanced; `bind_gpu_block_pool`)
         self._stats = StatsTaker(self.stats, balanced=None)
         pc = vllm_config.parallel_config  # every worker of the engine reports each pinned save
-        self._workers = (tp * int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+        self._workers = (pc.tensor_parallel_size * int(getattr(pc, "pipeline_parallel_size", 1) or 1)
                          * int(getattr(pc, "prefill_context_parallel_size", 1) or 1))
         self._sliding_gids = [i for i, g in enumerate(groups) if g.has_null_blocks]
         # per group, the blocks of each chunk a store leaves to vLLM's null block: a load is

@@ -75,7 +75,6 @@ from kvdepot.client.vllm.mover import TransferThread
 from kvdepot.client.vllm.pieces import PostedSave
 from kvdepot.client.vllm.plan import KVDepotMetadata, KVDepotWorkerMeta
 from kvdepot.client.vllm.registrar import WorkerRegistrar
-from kvdepot.client.vllm.shards import stored_layer_specs, tp_shards
 from kvdepot.client.vllm.stats import StatsTaker
 
 log = logging.getLogger("kvdepot.vllm")
@@ -98,19 +97,16 @@ class WorkerConnector(KVDepotConnector, role=KVConnectorRole.WORKER):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         cfg, groups = self.cfg, self.groups
-        self.single_group = len(kv_cache_config.kv_cache_groups) == 1
         # a store may wait for ring room only where vLLM never frees a running request's blocks
         self.stores_may_wait = not any(g.has_null_blocks for g in groups)
         # sliding-window models: a store that finds the staging ring full is skipped (counted),
         # never queued, pinned blocks or not: it would hold blocks vLLM counts on getting back
         self.stores_skip_when_full = not self.stores_may_wait
         self.max_step_tokens = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0)
-        tp = vllm_config.parallel_config.tensor_parallel_size
-        self.tp_rank = _tp_rank(tp)
-        shards = tp_shards(stored_layer_specs(kv_cache_config, groups), tp)
-        self.shard = shards.of(self.tp_rank)
+        self.tp_rank = _tp_rank(vllm_config.parallel_config.tensor_parallel_size)
+        self.shard = self.tp_shards.of(self.tp_rank)
         # ranks holding the same shard (MLA's replicated latent KV): the first stores, all load
-        self.stores_chunks = shards.stores(self.tp_rank)
+        self.stores_chunks = self.tp_shards.stores(self.tp_rank)
         self.client = KVDepotClient(cfg.endpoint, timeout_s=cfg.rpc_timeout_s,
                                     name=f"vllm-worker-{os.getpid()}-tp{self.tp_rank}", connect=False,
                                     retry_interval_s=cfg.retry_interval_s)
