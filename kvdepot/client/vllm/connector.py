@@ -94,8 +94,8 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     ``groups`` (`TransferGroup` per daemon gid), ``fingerprint``, ``model_id``
     (`model_identity`), ``disabled_reason`` ("" when kvdepot is used), ``device_type``
     ("cuda", "cpu", ...), ``single_group`` (vLLM has one KV-cache group) and ``tp_shards``
-    (`kvdepot.client.vllm.shards.TPShards` of the engine's tensor-parallel ranks). A role class sets ``stats`` (its counters) and ``_stats`` (their
-    `StatsTaker`).
+    (`kvdepot.client.vllm.shards.TPShards` of the engine's tensor-parallel ranks). A role class
+    sets ``stats`` (its counters) and ``_stats`` (their `StatsTaker`).
 
     Raises (at construction, so vLLM refuses to start and says why):
         ValueError: an invalid ``kv_connector_extra_config`` (e.g. ``chunk_size`` not a multiple
